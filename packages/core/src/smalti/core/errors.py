@@ -1,0 +1,25 @@
+"""The one exception hierarchy of smalti: every package's errors subclass :class:`SmaltiError`."""
+
+
+class SmaltiError(Exception):
+    """Base class of every error smalti raises on purpose. Messages say what is wrong and how to fix it."""
+
+
+class ConfigError(SmaltiError, ValueError):
+    """A config value or key is wrong: the message names the key, the value and the valid choices."""
+
+
+class PluginError(SmaltiError):
+    """A plugin failed to load or implements a hook that does not exist."""
+
+
+class TimeError(ConfigError):
+    """A time string such as ``"2ep"`` could not be parsed or converted."""
+
+
+class TrainingError(SmaltiError, RuntimeError):
+    """Training cannot go on: a model without ``loss``, an empty dataloader, a NaN loss, ..."""
+
+
+class DistributedError(SmaltiError, RuntimeError):
+    """Ranks disagree (config hash, batch counts) or the process group cannot start."""

@@ -1,0 +1,37 @@
+"""Numeric precision of the training step: ``fp32``, ``amp_bf16`` and ``amp_fp16`` (with a gradient scaler)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from smalti.core.errors import ConfigError
+
+PRECISIONS = ("fp32", "amp_bf16", "amp_fp16")
+
+
+def check_precision(precision: str) -> str:
+    """Return ``precision`` if smalti knows it, else raise naming the valid ones."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    return precision
+
+
+@contextlib.contextmanager
+def autocast(precision: str, device: torch.device) -> Iterator[None]:
+    """The autocast region for the forward and loss at ``precision`` on ``device``."""
+    if precision == "fp32":
+        yield
+        return
+    dtype = torch.bfloat16 if precision == "amp_bf16" else torch.float16
+    with torch.autocast(device_type=device.type, dtype=dtype):
+        yield
+
+
+def make_grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler | None:
+    """A gradient scaler for ``amp_fp16``; ``None`` for the others (bf16 and fp32 need none)."""
+    if precision != "amp_fp16":
+        return None
+    return torch.amp.GradScaler(device.type)

@@ -1,0 +1,533 @@
+"""The training loop. ``Trainer.fit()`` runs it; ``train_step`` and ``forward_backward`` are public and overridable.
+
+Behaviour is added through plugins (algorithms, callbacks, loggers and installed packages) that implement
+the hooks in :mod:`smalti.core.plugins.hookspecs`; the trainer calls them in the documented order.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from smalti.core import distributed
+from smalti.core.batching import batch_size_of, move_to_device, num_tokens_of, split_batch
+from smalti.core.errors import ConfigError, TrainingError
+from smalti.core.evaluator import Evaluator
+from smalti.core.events import Event
+from smalti.core.logger import Logger
+from smalti.core.optim import DecoupledAdamW, Schedule
+from smalti.core.parallelism import DDP, Parallelism, SingleDevice
+from smalti.core.plugins import get_plugin_manager
+from smalti.core.plugins.manager import SmaltiPluginManager
+from smalti.core.precision import autocast, check_precision, make_grad_scaler
+from smalti.core.rng import seed_everything
+from smalti.core.state import State
+from smalti.core.time import Time
+
+log = logging.getLogger(__name__)
+
+PluginSpec = Mapping[str, Any] | Iterable[Any] | None
+OptimizerSpec = torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | list[Any] | None
+
+
+def _named(objects: PluginSpec) -> dict[str, Any]:
+    """Plugins as ``name -> object``; a list gets names from the class names."""
+    if objects is None:
+        return {}
+    if isinstance(objects, Mapping):
+        return {str(k): v for k, v in objects.items() if v is not None}
+    named: dict[str, Any] = {}
+    for obj in objects:
+        base = type(obj).__name__.lower()
+        name, i = base, 1
+        while name in named:
+            i += 1
+            name = f"{base}-{i}"
+        named[name] = obj
+    return named
+
+
+def _check_model(model: nn.Module) -> None:
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(getattr(model, "loss", None)):
+        raise ConfigError(
+            f"model {type(model).__name__} has no loss(outputs, batch) method; smalti models implement "
+            "forward(batch) and loss(outputs, batch) (see smalti.core.model.SmaltiModel)"
+        )
+
+
+class Trainer:
+    """Train ``model`` on ``train_dataloader`` for ``max_duration`` with the given plugins.
+
+    Args:
+        model: an ``nn.Module`` with ``forward(batch)`` and ``loss(outputs, batch)``; optionally
+            ``eval_forward(batch)``, ``metrics(train: bool)``, ``update_metric(batch, outputs, metric)``,
+            ``flops_per_batch(batch)`` and ``num_tokens(batch)``.
+        train_dataloader: yields this rank's batches (one batch per optimizer step).
+        max_duration: when to stop: ``"2ep"``, ``"1000ba"``, ``"1e9tok"``, ...
+        optimizers: an optimizer, or a factory ``f(params)`` (needed with FSDP, which replaces the parameters);
+            default :class:`DecoupledAdamW` at ``lr=1e-3``.
+        schedulers: :class:`Schedule` objects (warmup in Time units) or ready ``LRScheduler`` objects.
+        eval_dataloader: a dataloader, an :class:`Evaluator` or a list of them.
+        eval_interval: how often to evaluate (``"1ep"``, ``"500ba"``, ``"0.25dur"``).
+        algorithms, callbacks, loggers: plugins for this run, as ``name -> object`` or a list.
+        device_train_microbatch_size: samples per microbatch (gradient accumulation), ``"auto"`` to halve on
+            out-of-memory, or ``None`` for the whole batch at once.
+        precision: ``fp32``, ``amp_bf16`` or ``amp_fp16``.
+        parallelism: a :class:`Parallelism`; default ``single`` on one rank, ``ddp`` under a multi-rank launch.
+        compile: wrap the model's forward with ``torch.compile``.
+        config: the run's resolved config, sent to ``log_hyperparameters`` and checked equal across ranks.
+        load_state: a :meth:`State.state_dict` to resume from.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        train_dataloader: Any,
+        max_duration: Time | str,
+        optimizers: OptimizerSpec = None,
+        schedulers: Schedule | Iterable[Any] | None = None,
+        eval_dataloader: Any = None,
+        eval_interval: Time | str | None = "1ep",
+        eval_subset_num_batches: int = -1,
+        algorithms: PluginSpec = None,
+        callbacks: PluginSpec = None,
+        loggers: PluginSpec = None,
+        device_train_microbatch_size: int | str | None = None,
+        precision: str = "fp32",
+        parallelism: Parallelism | None = None,
+        device: str | torch.device | None = None,
+        seed: int = 17,
+        compile: bool = False,
+        run_name: str | None = None,
+        config: dict[str, Any] | None = None,
+        plugin_manager: SmaltiPluginManager | None = None,
+        load_state: dict[str, Any] | None = None,
+    ) -> None:
+        _check_model(model)
+        check_precision(precision)
+        self.parallelism = parallelism or (DDP() if distributed.env_world_size() > 1 else SingleDevice())
+        self.parallelism.init_distributed()
+        if config is not None:
+            distributed.check_same_config(config)
+        seed_everything(seed + 0)  # every rank the same seed: identical initial weights without a broadcast
+        self.seed = seed
+        self.compile = compile
+        self.pm = plugin_manager or get_plugin_manager()
+        device = torch.device(device) if device is not None else distributed.default_device()
+
+        micro, auto = self._parse_microbatch(device_train_microbatch_size)
+        self.state = State(
+            model=model,
+            raw_model=model,
+            max_duration=Time.from_input(max_duration),
+            train_dataloader=train_dataloader,
+            evaluators=self._evaluators(eval_dataloader, eval_subset_num_batches),
+            run_name=run_name or os.environ.get("SMALTI_RUN_NAME") or _default_run_name(),
+            device=device,
+            precision=precision,
+            rank=distributed.get_rank(),
+            world_size=distributed.get_world_size(),
+            device_train_microbatch_size=micro,
+            auto_microbatching=auto,
+            grad_scaler=make_grad_scaler(precision, device),
+            plugin_manager=self.pm,
+            config=config,
+            eval_interval=Time.from_input(eval_interval) if eval_interval else None,
+        )
+        self.state.dataloader_len = _safe_len(train_dataloader)
+        if self.state.dataloader_len == 0:
+            raise TrainingError("the train dataloader has no batches; check the dataset path, its size and the batch size")
+        self.logger = Logger(self.pm.hook, self.state)
+        self.hook = self.pm.hook
+        self._run_plugins = self.pm.register_run_plugins(
+            [("algorithms", _named(algorithms)), ("callbacks", _named(callbacks)), ("loggers", _named(loggers))]
+        )
+        self._closed = False
+        self._replay = 0
+        try:
+            self._event(Event.INIT)
+            model = self.state.raw_model.to(device)
+            self.state.raw_model = model
+            self.state.model = self.parallelism.wrap(model, device, precision)
+            self.state.device_mesh = self.parallelism.device_mesh
+            if compile:
+                self.state.model.compile()
+            self.state.optimizers = self._build_optimizers(optimizers)
+            self.state.schedulers = self._build_schedulers(schedulers)
+            if config is not None:
+                self.logger.log_hyperparameters(config)
+            self._event(Event.BEFORE_LOAD)
+            if load_state is not None:
+                self.state.load_state_dict(load_state)
+            self._event(Event.AFTER_LOAD)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+
+    # ------------------------------------------------------------------ construction helpers
+
+    @staticmethod
+    def _parse_microbatch(value: int | str | None) -> tuple[int | None, bool]:
+        if value is None:
+            return None, False
+        if value == "auto":
+            return None, True
+        try:
+            size = int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"trainer.device_train_microbatch_size={value!r} must be a positive int, 'auto' or null"
+            ) from None
+        if size < 1:
+            raise ConfigError(f"trainer.device_train_microbatch_size={value!r} must be at least 1")
+        return size, False
+
+    @staticmethod
+    def _evaluators(eval_dataloader: Any, subset: int) -> list[Evaluator]:
+        if eval_dataloader is None:
+            return []
+        items = eval_dataloader if isinstance(eval_dataloader, list | tuple) else [eval_dataloader]
+        out = []
+        for i, item in enumerate(items):
+            if isinstance(item, Evaluator):
+                out.append(item)
+            else:
+                out.append(Evaluator(label="eval" if i == 0 else f"eval{i}", dataloader=item, subset_num_batches=subset))
+        return out
+
+    def _build_optimizers(self, optimizers: OptimizerSpec) -> list[torch.optim.Optimizer]:
+        params = [p for p in self.state.model.parameters() if p.requires_grad]
+        if optimizers is None:
+            return [DecoupledAdamW(params, lr=1e-3)]
+        items = optimizers if isinstance(optimizers, list | tuple) else [optimizers]
+        built = []
+        for item in items:
+            if isinstance(item, torch.optim.Optimizer):
+                if self.state.model is not self.state.raw_model or hasattr(self.parallelism, "mp_policy"):
+                    own = {id(p) for group in item.param_groups for p in group["params"]}
+                    if not own <= {id(p) for p in self.state.model.parameters()}:
+                        raise ConfigError(
+                            "the optimizer was built before the model was sharded; pass a factory instead "
+                            "(functools.partial(torch.optim.AdamW, lr=...), or `_partial_: true` in the config)"
+                        )
+                built.append(item)
+            elif callable(item):
+                built.append(item(params))
+            else:
+                raise ConfigError(f"optimizer {item!r} is neither an optimizer nor a factory f(params)")
+        return built
+
+    def _build_schedulers(self, schedulers: Schedule | Iterable[Any] | None) -> list[Any]:
+        if schedulers is None:
+            return []
+        items = [schedulers] if isinstance(schedulers, Schedule) or not isinstance(schedulers, Iterable) else list(schedulers)
+        state = self.state
+        built = []
+        for item in items:
+            if isinstance(item, Schedule):
+                for opt in state.optimizers:
+                    built.append(torch.optim.lr_scheduler.LambdaLR(opt, lambda step, s=item: s(state, step)))
+            elif callable(item) and not hasattr(item, "step"):
+                for opt in state.optimizers:
+                    built.append(item(opt))
+            else:
+                built.append(item)
+        return built
+
+    # ------------------------------------------------------------------ events
+
+    def _event(self, event: Event) -> None:
+        getattr(self.hook, event.hook_name)(state=self.state, logger=self.logger)
+
+    # ------------------------------------------------------------------ the loop
+
+    def fit(self) -> State:
+        """Train until ``max_duration`` or until a plugin's ``should_stop`` says so; returns the final state."""
+        state = self.state
+        try:
+            self._event(Event.FIT_START)
+            while not self._done():
+                self._run_epoch()
+                if state.stop_requested:
+                    break
+            state.checkpoint_requested = bool(self.hook.should_checkpoint(state=state, event=Event.FIT_END))
+            if self.hook.should_eval(state=state, event=Event.FIT_END):
+                self.eval()
+            self._event(Event.FIT_END)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        self.close()
+        return state
+
+    def _done(self) -> bool:
+        return self.state.stop_requested or self.state.reached(self.state.max_duration)
+
+    def _run_epoch(self) -> None:
+        state = self.state
+        loader = state.train_dataloader
+        self._prepare_epoch(loader)
+        self._event(Event.EPOCH_START)
+        iterator = iter(loader)
+        for _ in range(self._replay):
+            next(iterator, None)
+        self._replay = 0
+        produced = False
+        while not self._done():
+            self._event(Event.BEFORE_DATALOADER)
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                break
+            produced = True
+            state.batch = move_to_device(batch, state.device)
+            self._event(Event.AFTER_DATALOADER)
+            self.train_step(state.batch)
+            self._after_batch()
+        else:
+            return  # max duration or stop reached mid-epoch: the epoch is not over
+        if not produced and state.timestamp.batch_in_epoch == 0:
+            raise TrainingError(
+                "the train dataloader yielded no batches this epoch; check the dataset, its split over ranks "
+                "and drop_last with the batch size"
+            )
+        state.timestamp.advance_epoch()
+        self._event(Event.EPOCH_END)
+        if self.hook.should_eval(state=state, event=Event.EPOCH_END):
+            self.eval()
+        state.checkpoint_requested = bool(self.hook.should_checkpoint(state=state, event=Event.EPOCH_END))
+        self._event(Event.EPOCH_CHECKPOINT)
+
+    def _prepare_epoch(self, loader: Any) -> None:
+        """Tell the sampler the epoch, and skip what was already trained when resuming mid-epoch."""
+        ts = self.state.timestamp
+        sampler = getattr(loader, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(ts.epoch)
+        if ts.batch_in_epoch == 0:
+            return
+        if hasattr(sampler, "skip"):
+            sampler.skip(ts.batch_in_epoch * (loader.batch_size or 1))
+        elif self.state.dataloader_state_dict() is None:
+            log.warning(
+                "resuming at batch %d of epoch %d by replaying batches: the dataloader cannot skip ahead",
+                ts.batch_in_epoch,
+                ts.epoch,
+            )
+            self._replay = ts.batch_in_epoch
+
+    def _after_batch(self) -> None:
+        state = self.state
+        self.logger.log_metrics({"loss/train/total": float(state.batch_loss)})
+        self._event(Event.BATCH_END)
+        if self.hook.should_stop(state=state):
+            state.stop_requested = True
+        if self.hook.should_eval(state=state, event=Event.BATCH_END):
+            self.eval()
+        state.checkpoint_requested = bool(self.hook.should_checkpoint(state=state, event=Event.BATCH_END))
+        self._event(Event.BATCH_CHECKPOINT)
+
+    def train_step(self, batch: Any) -> torch.Tensor:
+        """One optimizer step on ``batch``: microbatches, backward, optimizer and scheduler step, time advance."""
+        state = self.state
+        start = time.perf_counter()
+        self._event(Event.BATCH_START)
+        state.batch_num_samples = batch_size_of(batch) * state.world_size
+        state.batch_num_tokens = num_tokens_of(state.raw_model, batch) * state.world_size
+        while True:
+            for opt in state.optimizers:
+                opt.zero_grad(set_to_none=True)
+            self._event(Event.BEFORE_TRAIN_BATCH)
+            oom = False
+            try:
+                loss = self.forward_backward(batch)
+            except torch.OutOfMemoryError:
+                if not state.auto_microbatching:
+                    raise
+                oom = True
+            if state.auto_microbatching and distributed.all_reduce_max(int(oom), state.device):
+                self._shrink_microbatch(batch)
+                continue
+            break
+        state.batch_loss = distributed.all_reduce_mean_(loss.detach().clone())
+        if state.grad_scaler is not None:
+            for opt in state.optimizers:
+                state.grad_scaler.unscale_(opt)
+        self._event(Event.AFTER_TRAIN_BATCH)
+        state.skip_optimizer_step = False
+        self._event(Event.BEFORE_OPTIMIZER_STEP)
+        if not state.skip_optimizer_step:
+            for opt in state.optimizers:
+                if state.grad_scaler is not None:
+                    state.grad_scaler.step(opt)
+                else:
+                    opt.step()
+            if state.grad_scaler is not None:
+                state.grad_scaler.update()
+        for sched in state.schedulers:
+            sched.step()
+        self._event(Event.AFTER_OPTIMIZER_STEP)
+        state.timestamp.advance_batch(state.batch_num_samples, state.batch_num_tokens, time.perf_counter() - start)
+        return state.batch_loss
+
+    def _microbatch_size(self, batch: Any) -> int:
+        state = self.state
+        n = batch_size_of(batch)
+        if state.device_train_microbatch_size is None:
+            state.device_train_microbatch_size = n
+        return state.device_train_microbatch_size
+
+    def _shrink_microbatch(self, batch: Any) -> None:
+        state = self.state
+        old = self._microbatch_size(batch)
+        if old <= 1:
+            raise TrainingError(
+                "out of memory with device_train_microbatch_size=1; use a smaller model, sequence length, "
+                "more sharding (parallelism=fsdp) or activation checkpointing"
+            )
+        new = max(1, old // 2)
+        state.device_train_microbatch_size = new
+        for opt in state.optimizers:
+            opt.zero_grad(set_to_none=True)
+        if state.device.type == "cuda":
+            torch.cuda.empty_cache()
+        log.warning("out of memory at microbatch size %d on some rank; retrying the batch at %d", old, new)
+        self.hook.on_microbatch_size_change(state=state, logger=self.logger, old=old, new=new)
+        self.logger.log_metrics({"trainer/device_train_microbatch_size": new})
+
+    def forward_backward(self, batch: Any) -> torch.Tensor:
+        """Forward and backward over the microbatches of ``batch``; returns the batch's mean loss (detached)."""
+        state = self.state
+        micro_size = self._microbatch_size(batch)
+        microbatches = split_batch(batch, micro_size)
+        total = batch_size_of(batch)
+        state.num_microbatches = len(microbatches)
+        batch_loss = torch.zeros((), device=state.device)
+        for idx, micro in enumerate(microbatches):
+            state.microbatch_idx = idx
+            state.microbatch = micro
+            last = idx == len(microbatches) - 1
+            self._event(Event.MICROBATCH_START)
+            with self.parallelism.gradient_sync(state.model, enabled=last):
+                self._event(Event.BEFORE_FORWARD)
+                with autocast(state.precision, state.device):
+                    state.outputs = state.model(state.microbatch)
+                    self._event(Event.AFTER_FORWARD)
+                    self._event(Event.BEFORE_LOSS)
+                    state.loss = state.raw_model.loss(state.outputs, state.microbatch)
+                self._event(Event.AFTER_LOSS)
+                weight = batch_size_of(state.microbatch) / total
+                scaled = state.loss * weight
+                if state.grad_scaler is not None:
+                    scaled = state.grad_scaler.scale(scaled)
+                self._event(Event.BEFORE_BACKWARD)
+                scaled.backward()
+                self._event(Event.AFTER_BACKWARD)
+            batch_loss += state.loss.detach().float() * weight
+            self._event(Event.MICROBATCH_END)
+        state.microbatch = None
+        state.outputs = None
+        return batch_loss
+
+    # ------------------------------------------------------------------ evaluation
+
+    def eval(self) -> dict[str, dict[str, float]]:
+        """Run every evaluator, log ``metrics/<label>/<name>``, and return the computed values."""
+        state = self.state
+        if not state.evaluators:
+            return {}
+        self._event(Event.EVAL_BEFORE_ALL)
+        was_training = state.model.training
+        state.model.eval()
+        try:
+            for evaluator in state.evaluators:
+                state.eval_metrics[evaluator.label] = self._run_evaluator(evaluator)
+        finally:
+            state.model.train(was_training)
+            state.eval_label = None
+        state.last_eval_batch = state.timestamp.batch
+        self._event(Event.EVAL_AFTER_ALL)
+        return state.eval_metrics
+
+    def _run_evaluator(self, evaluator: Evaluator) -> dict[str, float]:
+        state = self.state
+        state.eval_label = evaluator.label
+        if not evaluator.metrics:
+            maker = getattr(state.raw_model, "metrics", None)
+            evaluator.metrics = dict(maker(train=False)) if callable(maker) else {}
+        metrics = evaluator.metrics
+        for metric in metrics.values():
+            metric.reset()
+            metric.to(state.device)
+        self._event(Event.EVAL_START)
+        eval_forward = getattr(state.raw_model, "eval_forward", None)
+        updater = getattr(state.raw_model, "update_metric", None)
+        with torch.no_grad():
+            for i, batch in enumerate(evaluator.dataloader):
+                if 0 <= evaluator.subset_num_batches <= i:
+                    break
+                state.batch = move_to_device(batch, state.device)
+                self._event(Event.EVAL_BATCH_START)
+                self._event(Event.EVAL_BEFORE_FORWARD)
+                with autocast(state.precision, state.device):
+                    state.outputs = eval_forward(state.batch) if callable(eval_forward) else state.model(state.batch)
+                self._event(Event.EVAL_AFTER_FORWARD)
+                for metric in metrics.values():
+                    if callable(updater):
+                        updater(state.batch, state.outputs, metric)
+                    else:
+                        metric.update(state.outputs, state.batch[1])
+                self._event(Event.EVAL_BATCH_END)
+        values = {name: float(metric.compute()) for name, metric in metrics.items()}
+        state.outputs = None
+        self._event(Event.EVAL_END)
+        self.logger.log_metrics({f"metrics/{evaluator.label}/{name}": v for name, v in values.items()})
+        return values
+
+    # ------------------------------------------------------------------ teardown
+
+    def _fail(self, exc: BaseException) -> None:
+        try:
+            self.hook.on_exception(state=self.state, logger=self.logger, exc=exc)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Fire ``on_close`` once and unregister this run's plugins. Called by ``fit`` and on errors."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._event(Event.CLOSE)
+        finally:
+            self.pm.unregister_run_plugins(self._run_plugins)
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _safe_len(loader: Any) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None
+
+
+def _default_run_name() -> str:
+    """A run name that is the same on every rank: from the launcher's job id, never from the clock."""
+    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        value = os.environ.get(var)
+        if value and value != "none":
+            return f"run-{value}"
+    return "smalti-run"
