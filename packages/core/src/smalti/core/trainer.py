@@ -281,7 +281,10 @@ class Trainer:
             next(iterator, None)
         self._replay = 0
         produced = False
+        epoch_len = state.dataloader_len
         while not self._done():
+            if epoch_len is not None and state.timestamp.batch_in_epoch >= epoch_len:
+                break
             self._event(Event.BEFORE_DATALOADER)
             try:
                 batch = next(iterator)

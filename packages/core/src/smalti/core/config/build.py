@@ -1,0 +1,117 @@
+"""Build a :class:`~smalti.core.trainer.Trainer` from a composed ``smalti-train`` config."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from smalti.core import distributed
+from smalti.core.data import build_dataloader, per_rank_batch_size
+from smalti.core.errors import ConfigError
+from smalti.core.parallelism import Parallelism, SingleDevice
+from smalti.core.rng import seed_everything
+from smalti.core.trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+
+def build(node: Any, key: str, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate`` with errors that name the config key whose object failed to build."""
+    if node is None or (isinstance(node, DictConfig) and "_target_" not in node):
+        return None
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as exc:
+        raise ConfigError(f"could not build `{key}` ({node.get('_target_')}): {exc}") from exc
+
+
+def build_group(nodes: Any, key: str) -> dict[str, Any]:
+    """Build every ``name -> {_target_: ...}`` entry of a list-valued group (loggers, callbacks, ...)."""
+    out: dict[str, Any] = {}
+    for name, node in (nodes or {}).items():
+        if node is None:
+            continue
+        if not isinstance(node, DictConfig) or "_target_" not in node:
+            raise ConfigError(f"`{key}.{name}` must be a mapping with a `_target_`, got {OmegaConf.to_yaml(node)!r}")
+        out[str(name)] = build(node, f"{key}.{name}")
+    return out
+
+
+def build_trainer(cfg: DictConfig) -> Trainer:
+    """Instantiate every component of ``cfg`` and return a ready Trainer (process group started)."""
+    resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    assert isinstance(resolved, dict)
+    parallelism = build(cfg.parallelism, "parallelism") or SingleDevice()
+    if not isinstance(parallelism, Parallelism):
+        raise ConfigError(f"`parallelism` built a {type(parallelism).__name__}, not a smalti Parallelism")
+    parallelism.init_distributed()
+    seed_everything(cfg.trainer.seed)  # before the model is built: same initial weights on every rank and run
+
+    data = cfg.data
+    batch_size = per_rank_batch_size(data.global_train_batch_size, parallelism.dp_world_size)
+    train = build_dataloader(
+        build(data.train, "data.train"),
+        batch_size,
+        dp_rank=parallelism.dp_rank,
+        dp_world_size=parallelism.dp_world_size,
+        shuffle=data.shuffle,
+        seed=cfg.trainer.seed,
+        drop_last=data.drop_last,
+        num_workers=data.num_workers,
+    )
+    if train is None:
+        raise ConfigError("`data.train` is empty: choose a data option (data=char_corpus, ...) or set data.train")
+    eval_dataset = build(data.eval, "data.eval")
+    eval_loader = None
+    if eval_dataset is not None:
+        eval_loader = build_dataloader(
+            eval_dataset,
+            per_rank_batch_size(data.eval_batch_size, parallelism.dp_world_size, "data.eval_batch_size"),
+            dp_rank=parallelism.dp_rank,
+            dp_world_size=parallelism.dp_world_size,
+            shuffle=False,
+            drop_last=False,
+            num_workers=data.num_workers,
+        )
+
+    callbacks = build_group(cfg.callbacks, "callbacks")
+    callbacks.update(build_group(cfg.health, "health"))
+    checkpoint = build(cfg.checkpoint, "checkpoint")
+    if checkpoint is not None:
+        callbacks["checkpoint"] = checkpoint
+    t = cfg.trainer
+    return Trainer(
+        model=build(cfg.model, "model"),
+        train_dataloader=train,
+        max_duration=t.max_duration,
+        optimizers=build(cfg.optimizer, "optimizer"),
+        schedulers=build(cfg.scheduler, "scheduler"),
+        eval_dataloader=eval_loader,
+        eval_interval=t.eval_interval,
+        eval_subset_num_batches=t.eval_subset_num_batches,
+        algorithms=build_group(cfg.algorithms, "algorithms"),
+        callbacks=callbacks,
+        loggers=build_group(cfg.logger, "logger"),
+        device_train_microbatch_size=t.device_train_microbatch_size,
+        precision=t.precision,
+        parallelism=parallelism,
+        device=t.device,
+        seed=t.seed,
+        compile=t.compile,
+        run_name=cfg.run_name,
+        config=resolved,
+    )
+
+
+def run(cfg: DictConfig) -> float:
+    """Train the run ``cfg`` describes; return the final training loss (the value sweeps optimise)."""
+    trainer = build_trainer(cfg)
+    state = trainer.fit()
+    loss = float(state.batch_loss) if state.batch_loss is not None else float("nan")
+    if distributed.get_rank() == 0:
+        log.info("finished %s at %s with loss %.4f", state.run_name, state.timestamp, loss)
+    return loss
