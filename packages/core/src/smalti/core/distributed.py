@@ -114,3 +114,12 @@ def _flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[name] = value
     return out
+
+
+def shutdown() -> None:
+    """Wait for every rank, then destroy the process group (gloo aborts at exit if it is left running)."""
+    if is_initialized():
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()

@@ -220,7 +220,14 @@ class Trainer:
                         )
                 built.append(item)
             elif callable(item):
-                built.append(item(params))
+                try:
+                    built.append(item(params))
+                except TypeError as exc:
+                    target = getattr(item, "func", item)
+                    raise ConfigError(
+                        f"could not build the optimizer {getattr(target, '__qualname__', target)}: {exc}; "
+                        "check the keys under `optimizer`"
+                    ) from exc
             else:
                 raise ConfigError(f"optimizer {item!r} is neither an optimizer nor a factory f(params)")
         return built

@@ -109,8 +109,11 @@ def build_trainer(cfg: DictConfig) -> Trainer:
 
 def run(cfg: DictConfig) -> float:
     """Train the run ``cfg`` describes; return the final training loss (the value sweeps optimise)."""
-    trainer = build_trainer(cfg)
-    state = trainer.fit()
+    try:
+        trainer = build_trainer(cfg)
+        state = trainer.fit()
+    finally:
+        distributed.shutdown()
     loss = float(state.batch_loss) if state.batch_loss is not None else float("nan")
     if distributed.get_rank() == 0:
         log.info("finished %s at %s with loss %.4f", state.run_name, state.timestamp, loss)

@@ -1,0 +1,117 @@
+"""``smalti-train`` and ``smalti plugins`` as a user runs them, in subprocesses."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FIXTURE = Path(__file__).parent / "fixtures" / "smalti-example"
+QUICK = ["model=mlp", "data=synthetic", "trainer.max_duration=4ba", "trainer.eval_interval=2ba", "callbacks=[]",
+         "logger=[]"]
+
+
+def train(args, cwd, env=None, timeout=180, module="smalti.core.cli.train"):
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=full_env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_train_runs_and_writes_output_dir(tmp_path):
+    out = train(QUICK + ["optimizer.lr=3e-3"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "outputs" / "smalti-run" / ".hydra" / "config.yaml").is_file()
+    assert "finished smalti-run" in (tmp_path / "outputs" / "smalti-run" / "rank0.log").read_text()
+
+
+def test_misspelt_group_option_lists_choices(tmp_path):
+    out = train(QUICK + ["parallelism=fsdp2"], tmp_path)
+    assert out.returncode != 0
+    assert "parallelism/fsdp2" in out.stderr
+    for choice in ("ddp", "fsdp", "hsdp", "single"):
+        assert choice in out.stderr
+
+
+def test_misspelt_key_is_named(tmp_path):
+    out = train(QUICK + ["trainer.max_durration=5ba"], tmp_path)
+    assert out.returncode != 0
+    assert "max_durration" in out.stderr
+    out = train(QUICK + ["optimizer.lrr=0.1"], tmp_path)
+    assert out.returncode != 0 and "lrr" in out.stderr
+
+
+def test_bad_component_argument_names_the_key(tmp_path):
+    out = train(QUICK + ["+optimizer.momentumm=0.9"], tmp_path)
+    assert out.returncode != 0
+    assert "`optimizer`" in out.stderr and "momentumm" in out.stderr
+
+
+def test_multirun_sweep(tmp_path):
+    out = train(["-m", "optimizer.lr=1e-3,3e-3", *QUICK], tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    sweep = tmp_path / "multirun" / "smalti-run"
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
+    lrs = [(sweep / n / ".hydra" / "overrides.yaml").read_text() for n in ("0", "1")]
+    assert "optimizer.lr=0.001" in lrs[0] and "optimizer.lr=0.003" in lrs[1]
+
+
+def test_repository_conf_overrides_shipped_option(tmp_path):
+    conf = tmp_path / "conf" / "model"
+    conf.mkdir(parents=True)
+    (conf / "mlp.yaml").write_text("_target_: smalti.core.examples.MLPRegressor\nhidden: 3\n")
+    out = train(QUICK + ["hydra.run.dir=."], tmp_path,
+                env={"SMALTI_CONF_DIR": str(tmp_path / "conf")})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "hidden: 3" in (tmp_path / ".hydra" / "config.yaml").read_text()
+
+
+def test_torchrun_ddp(tmp_path):
+    from smalti.testing.torchrun import torchrun_command
+
+    cmd = torchrun_command(2) + ["-m", "smalti.core.cli.train", *QUICK, "parallelism=ddp"]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    # torchrun's run id names the run on every rank: one output folder, one log per rank.
+    (run_dir,) = (tmp_path / "outputs").iterdir()
+    assert sorted(p.name for p in run_dir.glob("rank*.log")) == ["rank0.log", "rank1.log"]
+
+
+@pytest.fixture(scope="module")
+def example_plugin_path(tmp_path_factory):
+    """The fixture package built and pip-installed into its own target folder, as a user would install it."""
+    target = tmp_path_factory.mktemp("site")
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--target", str(target),
+         str(FIXTURE)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return target
+
+
+def test_third_party_plugin_is_listed(example_plugin_path, tmp_path):
+    env = {"PYTHONPATH": str(example_plugin_path)}
+    out = train(["plugins"], tmp_path, env=env, module="smalti.core.cli.main")
+    assert out.returncode == 0, out.stderr
+    block = out.stdout.split("example: ")[1].split("\n\n")[0]
+    assert block.startswith("smalti-example 0.3.1")
+    assert "smalti_config_searchpath" in block and "pkg://smalti_example.conf" in block
+    assert "core: smalti-core" in out.stdout
+
+
+def test_third_party_plugin_adds_config_options_and_hooks(example_plugin_path, tmp_path):
+    marker = tmp_path / "marker.txt"
+    env = {"PYTHONPATH": str(example_plugin_path), "EXAMPLE_MARKER": str(marker)}
+    out = train(["model=wide_mlp", "data=synthetic", "trainer.max_duration=3ba", "callbacks=[write_marker]",
+                 "logger=[]"], tmp_path, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    batches, loss = marker.read_text().split()
+    assert batches == "3" and float(loss) > 0
+
+
+def test_disabled_plugin_is_skipped(example_plugin_path, tmp_path):
+    env = {"PYTHONPATH": str(example_plugin_path), "SMALTI_DISABLED_PLUGINS": "smalti-example"}
+    out = train(["plugins"], tmp_path, env=env, module="smalti.core.cli.main")
+    assert out.returncode == 0 and "example:" not in out.stdout
