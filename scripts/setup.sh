@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Creates .venv (or the venv given as $1) with torch and every smalti package installed editable, with test extras.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${1:-.venv}
+PY=${PYTHON:-python3}
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+pip_install() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@"; }
+pip_install --upgrade pip
+# The pinned torch: a CPU build from local disk on machines without a GPU, the CUDA build where there is one.
+"$VENV/bin/python" -c "import torch" 2>/dev/null || pip_install "torch==2.13.0"
+pip_install hatchling editables
+args=()
+for pkg in $("$VENV/bin/python" scripts/packages.py all); do
+  case "$pkg" in
+    core) args+=(-e "packages/core[mlflow,wandb,test]") ;;
+    *) if grep -q '^test *=' "packages/$pkg/pyproject.toml"; then args+=(-e "packages/$pkg[test]"); else args+=(-e "packages/$pkg"); fi ;;
+  esac
+done
+pip_install --no-build-isolation "${args[@]}" ruff
+echo "set up $VENV with: $("$VENV/bin/python" scripts/packages.py all)"

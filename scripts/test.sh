@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Sets everything up and runs every package's tests, each package in a virtual environment that holds only
+# that package, its declared smalti dependencies and its test extra; then the cross-package tests in tests/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+bash scripts/setup.sh
+.venv/bin/ruff check .
+failed=()
+for pkg in $(.venv/bin/python scripts/packages.py all); do
+  [ -d "packages/$pkg/tests" ] || continue
+  venv=".venvs/$pkg"
+  [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
+  "$venv/bin/python" -c "import torch" 2>/dev/null || "$venv/bin/python" -m pip install -q "torch==2.13.0"
+  "$venv/bin/python" -m pip install -q hatchling editables
+  # shellcheck disable=SC2046
+  "$venv/bin/python" -m pip install -q --no-build-isolation $(.venv/bin/python scripts/packages.py closure "$pkg")
+  echo "=== packages/$pkg (alone: $($venv/bin/python -m pip list 2>/dev/null | grep -c '^smalti-') smalti distributions) ==="
+  "$venv/bin/python" -m pytest "packages/$pkg" -q -p no:randomly || failed+=("$pkg")
+done
+if compgen -G "tests/test_*.py" > /dev/null; then
+  echo "=== tests/ (all packages) ==="
+  .venv/bin/python -m pytest tests -q || failed+=("tests")
+fi
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "FAILED: ${failed[*]}"
+  exit 1
+fi
+echo "all package test suites passed"
