@@ -1,6 +1,6 @@
 import pytest
 
-from smalti.core import Time, TimeUnit, Timestamp
+from smalti.core import Time, Timestamp, TimeUnit
 from smalti.core.errors import TimeError
 
 

@@ -8,6 +8,7 @@ already started a gloo process group and destroys it afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -154,10 +155,8 @@ def s3_bucket(s3_server: S3Server, request: pytest.FixtureRequest) -> str:
 
     name = "t-" + hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:20]
     client = s3_server.client()
-    try:
+    with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
         client.create_bucket(Bucket=name)
-    except client.exceptions.BucketAlreadyOwnedByYou:
-        pass
     return name
 
 
