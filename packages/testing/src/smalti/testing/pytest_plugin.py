@@ -11,14 +11,13 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from smalti.testing.servers import MlflowServer, S3Server, start_mlflow_server, start_s3_server
-from smalti.testing.torchrun import torchrun_command
+from smalti.testing.torchrun import run_process_group, torchrun_command
 
 IN_RANK_ENV = "SMALTI_TEST_IN_RANK"
 SHARED_TMP_ENV = "SMALTI_TEST_SHARED_TMP"
@@ -81,12 +80,10 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
         f"timeout={int(timeout)}",
     ]
     try:
-        proc = subprocess.run(
-            cmd, env=env, cwd=rootdir, capture_output=True, text=True, timeout=timeout, check=False
-        )
+        proc = run_process_group(cmd, env=env, cwd=rootdir, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or b"")[-6000:]
-        pytest.fail(f"{n}-rank run of {pyfuncitem.nodeid} hung for {timeout:.0f} s:\n{out!r}", pytrace=False)
+        out = f"{exc.output or ''}{exc.stderr or ''}"[-6000:]
+        pytest.fail(f"{n}-rank run of {pyfuncitem.nodeid} hung for {timeout:.0f} s and was killed:\n{out}", pytrace=False)
     output = proc.stdout + proc.stderr
     if proc.returncode != 0:
         pytest.fail(
@@ -170,7 +167,3 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowSe
     finally:
         server.stop()
 
-
-def python_executable() -> str:
-    """The interpreter running the tests (for subprocess-based tests)."""
-    return sys.executable

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -42,6 +43,27 @@ def run_torchrun(
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     target = ["-m", str(script)] if module else [str(script)]
     cmd = torchrun_command(nproc) + target + list(args)
-    return subprocess.run(
-        cmd, env=full_env, capture_output=True, text=True, timeout=timeout, cwd=cwd, check=False
+    return run_process_group(cmd, env=full_env, timeout=timeout, cwd=cwd)
+
+
+def run_process_group(
+    cmd: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    timeout: float = 120,
+    cwd: str | os.PathLike[str] | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` in its own session, capturing output; on time-out kill the whole process group and raise.
+
+    torchrun's workers are the launcher's children: killing only the launcher would leave them running.
+    """
+    proc = subprocess.Popen(
+        list(cmd), env=dict(env) if env is not None else None, cwd=cwd, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=30)
+        raise subprocess.TimeoutExpired(list(cmd), timeout, output=out, stderr=err) from None
+    return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
