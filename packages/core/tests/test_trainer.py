@@ -198,3 +198,18 @@ def test_time_helpers_on_state():
     trainer = make_trainer("2ep")
     assert trainer.state.to_batches(Time.parse("1ep")) == 8
     assert trainer.state.to_batches("0.5dur") == 8
+
+
+def test_model_built_on_meta_device_is_materialized():
+    class MetaMLP(MLPRegressor):
+        def init_weights(self):
+            for p in self.parameters():
+                torch.nn.init.normal_(p, std=0.02)
+
+    with torch.device("meta"):
+        model = MetaMLP()
+    assert all(p.is_meta for p in model.parameters())
+    trainer = Trainer(model, build_dataloader(SyntheticRegression(64), 16), "2ba")
+    trainer.fit()
+    assert not any(p.is_meta for p in trainer.state.raw_model.parameters())
+    assert torch.isfinite(trainer.state.batch_loss)

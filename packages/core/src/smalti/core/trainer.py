@@ -154,9 +154,14 @@ class Trainer:
         self._replay = 0
         try:
             self._event(Event.INIT)
-            model = self.state.raw_model.to(device)
+            model = self.state.raw_model
+            on_meta = any(p.is_meta for p in model.parameters())
+            if not on_meta:
+                model = model.to(device)
             self.state.raw_model = model
             self.state.model = self.parallelism.wrap(model, device, precision)
+            if on_meta:
+                self._materialize(model, device)
             self.state.device_mesh = self.parallelism.device_mesh
             if compile:
                 self.state.model.compile()
@@ -248,6 +253,18 @@ class Trainer:
             else:
                 built.append(item)
         return built
+
+    @staticmethod
+    def _materialize(model: nn.Module, device: torch.device) -> None:
+        """Allocate a model built on the meta device (after sharding, so each rank holds only its shards)."""
+        init = getattr(model, "init_weights", None)
+        if not callable(init):
+            raise ConfigError(
+                f"model {type(model).__name__} was built on the meta device but has no init_weights() to fill it in"
+            )
+        model.to_empty(device=device)
+        with torch.no_grad():
+            init()
 
     # ------------------------------------------------------------------ events
 

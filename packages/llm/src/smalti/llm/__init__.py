@@ -1,0 +1,31 @@
+"""smalti-llm: decoder-only language models (MPT and Llama families), offline tokenizers, data preparation
+to MDS, pretraining and finetuning recipes, in-context-learning evaluation and Hugging Face interop.
+
+Names are imported lazily so that loading the entry point (``smalti.llm.plugin``) stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "smalti.llm.model.transformer",
+    "load_tokenizer": "smalti.llm.tokenizer",
+    "ByteTokenizer": "smalti.llm.tokenizer",
+    "TokenizedText": "smalti.llm.data.text",
+    "MarkovTokens": "smalti.llm.data.synthetic",
+    "FinetuneDataset": "smalti.llm.data.finetune",
+    "ICLEval": "smalti.llm.icl.callback",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'smalti.llm' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,1 @@
+"""Datasets, data preparation to MDS and synthetic data for language models."""

@@ -1,0 +1,5 @@
+"""The decoder-only transformer and its layers."""
+
+from smalti.llm.model.transformer import LLM
+
+__all__ = ["LLM"]

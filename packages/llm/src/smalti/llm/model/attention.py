@@ -1,0 +1,91 @@
+"""Causal self-attention through PyTorch SDPA: grouped-query heads, optional QK-norm, RoPE or ALiBi,
+and sequence-id masking for packed documents."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from smalti.llm.model.norms import make_norm
+from smalti.llm.model.position import Rotary, alibi_bias, apply_rotary
+
+
+def build_attention_mask(
+    seq_len: int,
+    device: torch.device,
+    sequence_id: torch.Tensor | None = None,
+    slopes: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """The SDPA mask for one forward pass, or ``None`` when plain causal attention suffices.
+
+    Boolean ``[B, 1, T, T]`` when only documents are masked (``sequence_id``); float ``[B|1, H, T, T]``
+    (``-inf`` where masked) when ALiBi ``slopes`` add a bias.
+    """
+    if sequence_id is None and slopes is None:
+        return None
+    allowed = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()[None, None]
+    if sequence_id is not None:
+        allowed = allowed & (sequence_id[:, None, :, None] == sequence_id[:, None, None, :])
+    if slopes is None:
+        return allowed
+    bias = alibi_bias(slopes, seq_len, device, torch.float32)
+    return bias.masked_fill(~allowed, float("-inf"))
+
+
+class Attention(nn.Module):
+    """Multi-head, grouped-query (``n_kv_heads < n_heads``) or multi-query causal self-attention."""
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int,
+        bias: bool = False,
+        qk_norm: bool = False,
+        norm_type: str = "rmsnorm",
+        norm_eps: float = 1e-5,
+        rotary: Rotary | None = None,
+        softmax_scale: float | None = None,
+        clip_qkv: float | None = None,
+        device: Any = None,
+    ) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads
+        self.head_dim = d_model // n_heads
+        self.softmax_scale = softmax_scale
+        self.clip_qkv = clip_qkv
+        self.rotary = rotary
+        self.wqkv = nn.Linear(d_model, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=bias, device=device)
+        self.out_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias, device=device)
+        self.out_proj._is_residual = True  # type: ignore[attr-defined]
+        self.q_norm = make_norm(norm_type, self.head_dim, norm_eps, bias, device) if qk_norm else None
+        self.k_norm = make_norm(norm_type, self.head_dim, norm_eps, bias, device) if qk_norm else None
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, t, _ = x.shape
+        qkv = self.wqkv(x)
+        if self.clip_qkv is not None:
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
+        hd = self.head_dim
+        q, k, v = qkv.split([self.n_heads * hd, self.n_kv_heads * hd, self.n_kv_heads * hd], dim=-1)
+        q = q.view(b, t, self.n_heads, hd)
+        k = k.view(b, t, self.n_kv_heads, hd)
+        v = v.view(b, t, self.n_kv_heads, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.rotary is not None:
+            cos, sin = self.rotary.tables(q.shape[2], 0, q.device, q.dtype)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if mask is not None and mask.dtype != torch.bool:
+            mask = mask.to(q.dtype)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        out = out.transpose(1, 2)
+        return self.out_proj(out.reshape(b, t, -1))

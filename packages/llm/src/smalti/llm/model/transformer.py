@@ -1,0 +1,313 @@
+"""The decoder-only transformer (MPT and Llama families) following smalti's model protocol.
+
+Batches are dicts: ``input_ids [B, T]``; optional ``labels [B, T]`` (default: ``input_ids``; ``-100`` is
+ignored), ``sequence_id [B, T]`` (packed documents do not attend to each other) and ``attention_mask``
+(right padding; only used to count tokens). Position ``t`` predicts label ``t + 1``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from smalti.llm.errors import ModelConfigError
+from smalti.llm.model.attention import Attention, build_attention_mask
+from smalti.llm.model.checkpointing import parse_activation_checkpointing
+from smalti.llm.model.ffn import make_ffn
+from smalti.llm.model.metrics import LanguageCrossEntropy, LanguagePerplexity, TokenAccuracy
+from smalti.llm.model.norms import make_norm
+from smalti.llm.model.position import Rotary, alibi_slopes
+
+IGNORE_INDEX = -100
+POSITIONS = ("alibi", "rope", "learned", "none")
+
+
+class Block(nn.Module):
+    """Pre-norm block: ``x + attn(norm_1(x))`` then ``x + ffn(norm_2(x))``; returns ``(x, aux_loss)``."""
+
+    def __init__(self, attn: Attention, ffn: nn.Module, norm_1: nn.Module, norm_2: nn.Module) -> None:
+        super().__init__()
+        self.norm_1 = norm_1
+        self.attn = attn
+        self.norm_2 = norm_2
+        self.ffn = ffn
+        self.checkpointing: str | None = None  # "block", "attention" or "ffn"
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.checkpointing == "block" and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, mask, use_reentrant=False)
+        return self._forward(x, mask)
+
+    def _forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        recompute = torch.is_grad_enabled()
+        h = self.norm_1(x)
+        if self.checkpointing == "attention" and recompute:
+            x = x + checkpoint(self.attn, h, mask, use_reentrant=False)
+        else:
+            x = x + self.attn(h, mask)
+        h = self.norm_2(x)
+        if self.checkpointing == "ffn" and recompute:
+            y, aux = checkpoint(self.ffn, h, use_reentrant=False)
+        else:
+            y, aux = self.ffn(h)
+        return x + y, aux
+
+
+class LLM(nn.Module):
+    """A decoder-only causal language model.
+
+    Args:
+        d_model, n_heads, n_layers, vocab_size, max_seq_len: the sizes.
+        n_kv_heads: key/value heads (grouped-query attention); default ``n_heads``, 1 is multi-query.
+        expansion_ratio / ffn_hidden_size: FFN width (``ffn_hidden_size`` wins when given).
+        position: ``alibi``, ``rope``, ``learned`` or ``none``; ``rope_theta``, ``rope_scaling`` (``{type:
+            linear|llama3, factor, ...}``), ``alibi_bias_max``.
+        qk_norm: normalise queries and keys per head; ``clip_qkv``, ``softmax_scale`` as in MPT.
+        bias: biases in every linear layer and norm (MPT's ``no_bias: true`` is ``bias: false``).
+        norm_type: ``layernorm``, ``rmsnorm``, ``low_precision_layernorm`` or ``low_precision_rmsnorm``.
+        ffn_type: ``mlp``, ``glu`` or ``moe`` (with ``moe: {num_experts, top_k, loss_weight, ...}``).
+        activation: ``gelu``, ``gelu_tanh``, ``silu`` or ``relu``.
+        tie_embeddings: share the input embedding with the output head.
+        attn_uses_sequence_id: mask attention across packed documents when the batch has ``sequence_id``.
+        activation_checkpointing: null, true, a granularity or ``{granularity, layers}``.
+        init_device: ``cpu``, ``cuda`` or ``meta`` (no memory; call :meth:`init_weights` after ``to_empty``).
+        init_std: std of the normal init; residual output projections get ``init_std / sqrt(2 n_layers)``.
+    """
+
+    def __init__(
+        self,
+        d_model: int = 128,
+        n_heads: int = 4,
+        n_layers: int = 2,
+        vocab_size: int = 2048,
+        max_seq_len: int = 256,
+        n_kv_heads: int | None = None,
+        expansion_ratio: float = 4,
+        ffn_hidden_size: int | None = None,
+        position: str = "rope",
+        rope_theta: float = 10000.0,
+        rope_scaling: dict[str, Any] | None = None,
+        alibi_bias_max: float = 8.0,
+        qk_norm: bool = False,
+        clip_qkv: float | None = None,
+        softmax_scale: float | None = None,
+        bias: bool = False,
+        norm_type: str = "layernorm",
+        norm_eps: float = 1e-5,
+        ffn_type: str = "mlp",
+        activation: str | None = None,
+        moe: dict[str, Any] | None = None,
+        tie_embeddings: bool = True,
+        attn_uses_sequence_id: bool = True,
+        activation_checkpointing: Any = None,
+        init_device: str | None = None,
+        init_std: float = 0.02,
+    ) -> None:
+        super().__init__()
+        n_kv_heads = n_kv_heads or n_heads
+        if d_model % n_heads:
+            raise ModelConfigError(f"model.d_model={d_model} is not divisible by model.n_heads={n_heads}")
+        if n_heads % n_kv_heads:
+            raise ModelConfigError(f"model.n_heads={n_heads} is not divisible by model.n_kv_heads={n_kv_heads}")
+        if position not in POSITIONS:
+            raise ModelConfigError(f"model.position={position!r} is not one of {', '.join(POSITIONS)}")
+        if position == "rope" and (d_model // n_heads) % 2:
+            raise ModelConfigError(f"position=rope needs an even head size; d_model/n_heads = {d_model // n_heads}")
+        activation = activation or ("silu" if ffn_type == "glu" else "gelu")
+        hidden = int(ffn_hidden_size) if ffn_hidden_size else int(expansion_ratio * d_model)
+        self.config = {
+            "d_model": d_model, "n_heads": n_heads, "n_layers": n_layers, "vocab_size": vocab_size,
+            "max_seq_len": max_seq_len, "n_kv_heads": n_kv_heads, "ffn_hidden_size": hidden, "position": position,
+            "rope_theta": rope_theta, "rope_scaling": dict(rope_scaling) if rope_scaling else None,
+            "alibi_bias_max": alibi_bias_max, "qk_norm": qk_norm, "clip_qkv": clip_qkv, "softmax_scale": softmax_scale,
+            "bias": bias, "norm_type": norm_type, "norm_eps": norm_eps, "ffn_type": ffn_type, "activation": activation,
+            "moe": dict(moe) if moe else None, "tie_embeddings": tie_embeddings,
+            "attn_uses_sequence_id": attn_uses_sequence_id, "init_std": init_std,
+        }
+        self.d_model, self.n_heads, self.n_layers = d_model, n_heads, n_layers
+        self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
+        self.position = position
+        self.attn_uses_sequence_id = attn_uses_sequence_id
+        self.init_std = init_std
+        device = torch.device(init_device) if init_device else None
+        rotary = Rotary(d_model // n_heads, rope_theta, rope_scaling) if position == "rope" else None
+        self._alibi_slopes = alibi_slopes(n_heads, alibi_bias_max) if position == "alibi" else None
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            self.wte = nn.Embedding(vocab_size, d_model)
+            self.wpe = nn.Embedding(max_seq_len, d_model) if position == "learned" else None
+            self.blocks = nn.ModuleList(
+                Block(
+                    Attention(d_model, n_heads, n_kv_heads, bias, qk_norm, norm_type, norm_eps, rotary, softmax_scale,
+                              clip_qkv),
+                    make_ffn(ffn_type, d_model, hidden, activation, bias, moe),
+                    make_norm(norm_type, d_model, norm_eps, bias),
+                    make_norm(norm_type, d_model, norm_eps, bias),
+                )
+                for _ in range(n_layers)
+            )
+            self.norm_f = make_norm(norm_type, d_model, norm_eps, bias)
+            self.lm_head = None if tie_embeddings else nn.Linear(d_model, vocab_size, bias=False)
+        self.set_activation_checkpointing(activation_checkpointing)
+        self.n_params = sum(p.numel() for p in self.parameters())
+        self.n_active_params = self._active_params()
+        if device is None or device.type != "meta":
+            self.init_weights()
+
+    # ------------------------------------------------------------------ construction helpers
+
+    def set_activation_checkpointing(self, spec: Any) -> None:
+        """Choose what each block recomputes in backward (see :mod:`smalti.llm.model.checkpointing`)."""
+        chosen = parse_activation_checkpointing(spec, self.n_layers)
+        for i, block in enumerate(self.blocks):
+            block.checkpointing = chosen.get(i)
+
+    def _active_params(self) -> int:
+        """Parameters used per token: all but the position table and the experts a token is not routed to."""
+        total = self.n_params - (self.wpe.weight.numel() if self.wpe is not None else 0)
+        moe = self.config["moe"]
+        if self.config["ffn_type"] != "moe" or not moe:
+            return total
+        experts = moe.get("num_experts", moe.get("moe_num_experts", 1))
+        top_k = moe.get("top_k", moe.get("moe_top_k", 1))
+        expert_params = sum(
+            p.numel()
+            for block in self.blocks
+            for name, p in block.ffn.named_parameters()
+            if "expert" in name and "shared" not in name
+        )
+        return int(total - expert_params * (1 - top_k / max(experts, 1)))
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialise every weight: normal(0, init_std), residual projections scaled by 1/sqrt(2 n_layers)."""
+        residual_std = self.init_std / math.sqrt(2 * self.n_layers)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                std = residual_std if getattr(module, "_is_residual", False) else self.init_std
+                nn.init.normal_(module.weight, 0.0, std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, self.init_std)
+            elif module is not self and hasattr(module, "reset_parameters") and not list(module.children()):
+                module.reset_parameters()
+
+    def fsdp_blocks(self) -> list[nn.Module]:
+        """The units FSDP2 shards one by one: the transformer blocks."""
+        return list(self.blocks)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """The weight of the output projection (the embedding when tied)."""
+        return self.wte.weight if self.lm_head is None else self.lm_head.weight
+
+    # ------------------------------------------------------------------ forward and loss
+
+    def _mask(self, batch: dict[str, torch.Tensor], seq_len: int, device: torch.device) -> torch.Tensor | None:
+        sequence_id = batch.get("sequence_id") if self.attn_uses_sequence_id else None
+        return build_attention_mask(seq_len, device, sequence_id, self._alibi_slopes)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Logits ``[B, T, vocab]`` under ``"logits"``, plus ``"aux_loss"`` (summed over layers) for MoE FFNs."""
+        ids = batch["input_ids"]
+        seq_len = ids.shape[1]
+        if seq_len > self.max_seq_len:
+            raise ModelConfigError(
+                f"batch sequence length {seq_len} exceeds model.max_seq_len={self.max_seq_len}; raise max_seq_len "
+                "or shorten the data's max_seq_len"
+            )
+        x = self.wte(ids)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(seq_len, device=ids.device))
+        mask = self._mask(batch, seq_len, ids.device)
+        aux_losses = []
+        for block in self.blocks:
+            x, aux = block(x, mask)
+            if aux is not None:
+                aux_losses.append(aux)
+        x = self.norm_f(x)
+        logits = F.linear(x, self.output_weight)
+        out = {"logits": logits}
+        if aux_losses:
+            out["aux_loss"] = torch.stack([a.float() for a in aux_losses]).sum()
+        return out
+
+    def targets(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The labels each position predicts: ``labels`` shifted left by one, ``-100`` at the end."""
+        labels = batch.get("labels", batch["input_ids"])
+        return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+    def loss(self, outputs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Mean next-token cross-entropy over target tokens, plus the MoE auxiliary loss when present."""
+        logits = outputs["logits"]
+        targets = self.targets(batch)
+        loss = F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX
+        )
+        if "aux_loss" in outputs:
+            loss = loss + outputs["aux_loss"]
+        return loss
+
+    # ------------------------------------------------------------------ metrics and accounting
+
+    def metrics(self, train: bool = False) -> dict[str, Any]:
+        """Cross-entropy, perplexity and token accuracy."""
+        return {
+            "LanguageCrossEntropy": LanguageCrossEntropy(),
+            "LanguagePerplexity": LanguagePerplexity(),
+            "TokenAccuracy": TokenAccuracy(),
+        }
+
+    def update_metric(self, batch: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor], metric: Any) -> None:
+        """Update one metric from a batch and the model's outputs, weighted by the number of target tokens."""
+        targets = self.targets(batch)
+        valid = targets != IGNORE_INDEX
+        count = int(valid.sum())
+        if count == 0:
+            return
+        logits = outputs["logits"]
+        if isinstance(metric, TokenAccuracy):
+            hits = (logits.argmax(-1) == targets) & valid
+            metric.update(hits.sum().float() / count, weight=count)
+        else:
+            ce = F.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX
+            )
+            metric.update(ce, weight=count)
+
+    def num_tokens(self, batch: dict[str, torch.Tensor]) -> int:
+        """Tokens in the batch, not counting right padding."""
+        mask = batch.get("attention_mask")
+        return int(mask.sum()) if mask is not None else int(batch["input_ids"].numel())
+
+    def flops_per_batch(self, batch: dict[str, torch.Tensor]) -> float:
+        """Training FLOPs of one batch by LLM Foundry's formula (forward + backward = 3x forward)::
+
+            3 * (2 * n_active_params * T + n_layers * 4 * d_model * T^2) * B
+        """
+        bs, seq_len = batch["input_ids"].shape[:2]
+        params_flops = 2 * self.n_active_params * seq_len
+        attn_flops = self.n_layers * 2 * 2 * self.d_model * seq_len**2
+        return float(3 * (params_flops + attn_flops) * bs)
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+        """Greedy decoding (no KV cache: meant for evaluation of small models); returns only the new tokens.
+
+        Always runs ``max_new_tokens`` forward passes so that every rank of a sharded model stays in step.
+        """
+        ids = input_ids
+        new = []
+        for _ in range(max_new_tokens):
+            window = ids[:, -self.max_seq_len :]
+            logits = self({"input_ids": window})["logits"][:, -1]
+            nxt = logits.argmax(-1, keepdim=True)
+            new.append(nxt)
+            ids = torch.cat([ids, nxt], dim=1)
+        return torch.cat(new, dim=1) if new else input_ids[:, :0]

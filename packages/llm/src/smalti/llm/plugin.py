@@ -1,0 +1,16 @@
+"""smalti-llm's entry-point module: adds the package's config options (models, data, experiments) to Hydra.
+
+Import-light on purpose: every smalti process loads it, so it imports neither torch nor smalti.core.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+hookimpl = pluggy.HookimplMarker("smalti")
+
+
+@hookimpl
+def smalti_config_searchpath() -> str:
+    """Where smalti-llm's config groups live: model, data, callbacks and experiment options."""
+    return "pkg://smalti.llm.conf"
