@@ -355,12 +355,12 @@ class Trainer:
         state = self.state
         self.logger.log_metrics({"loss/train/total": float(state.batch_loss)})
         self._event(Event.BATCH_END)
-        if self.hook.should_stop(state=state):
-            state.stop_requested = True
         if self.hook.should_eval(state=state, event=Event.BATCH_END):
             self.eval()
         state.checkpoint_requested = bool(self.hook.should_checkpoint(state=state, event=Event.BATCH_END))
         self._event(Event.BATCH_CHECKPOINT)
+        if self.hook.should_stop(state=state):
+            state.stop_requested = True
 
     def train_step(self, batch: Any) -> torch.Tensor:
         """One optimizer step on ``batch``: microbatches, backward, optimizer and scheduler step, time advance."""

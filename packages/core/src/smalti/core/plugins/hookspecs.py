@@ -284,7 +284,7 @@ def on_microbatch_size_change(state: State, logger: Logger, old: int, new: int) 
 
 @hookspec(firstresult=True)
 def should_stop(state: State) -> bool | None:
-    """After each batch: return ``True`` to end training now (``on_fit_end`` still fires)."""
+    """After each batch's eval and checkpoint: return ``True`` to end training now (``on_fit_end`` still fires)."""
 
 
 @hookspec(firstresult=True)

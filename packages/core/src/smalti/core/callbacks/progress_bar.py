@@ -1,0 +1,45 @@
+"""A tqdm progress bar on rank 0, off when output is not a terminal."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from smalti.core.errors import TimeError
+from smalti.core.plugins import Callback
+
+
+class ProgressBar(Callback):
+    """Shows batches done out of ``max_duration`` and the loss (refreshed every ``refresh_every`` batches).
+
+    Only rank 0 draws it, and only on a TTY unless ``force`` is set.
+    """
+
+    def __init__(self, force: bool = False, refresh_every: int = 10) -> None:
+        self.force = force
+        self.refresh_every = refresh_every
+        self._bar: Any = None
+
+    def on_fit_start(self, state: Any) -> None:
+        if state.rank != 0 or not (self.force or sys.stdout.isatty()):
+            return
+        from tqdm import tqdm
+
+        try:
+            total = state.to_batches(state.max_duration)
+        except TimeError:
+            total = None
+        self._bar = tqdm(total=total, initial=state.timestamp.batch, unit="ba", dynamic_ncols=True,
+                         desc=state.run_name, leave=True, file=sys.stdout)
+
+    def on_batch_end(self, state: Any) -> None:
+        if self._bar is None:
+            return
+        self._bar.update(1)
+        if state.timestamp.batch % self.refresh_every == 0:
+            self._bar.set_postfix(loss=f"{float(state.batch_loss):.4f}", refresh=False)
+
+    def on_close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

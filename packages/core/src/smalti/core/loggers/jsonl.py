@@ -1,0 +1,66 @@
+"""Writes every logged metric, the hyperparameters and artifact notes as JSON lines to a local file."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from smalti.core import distributed
+from smalti.core.plugins import LoggerDestination
+
+
+class JSONLLogger(LoggerDestination):
+    """One JSON object per line: ``{"kind": "metrics", "step", "time", "metrics"}``, ``"hparams"`` and ``"artifact"``.
+
+    The file is opened on first use (rank 0 only by default; other ranks write ``<stem>.rank<N>.jsonl`` when
+    ``rank_zero_only`` is false), buffered, flushed every ``flush_every`` lines and at close.
+    """
+
+    def __init__(self, path: str = "metrics.jsonl", rank_zero_only: bool = True, flush_every: int = 100) -> None:
+        self.path = Path(path)
+        self.rank_zero_only = rank_zero_only
+        self.flush_every = flush_every
+        self._file: IO[str] | None = None
+        self._lines = 0
+
+    def _open(self) -> IO[str] | None:
+        if self._file is None:
+            rank = distributed.get_rank()
+            if self.rank_zero_only and rank != 0:
+                return None
+            path = self.path if rank == 0 else self.path.with_name(f"{self.path.stem}.rank{rank}{self.path.suffix}")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run
+        return self._file
+
+    def _write(self, record: dict[str, Any]) -> None:
+        f = self._open()
+        if f is None:
+            return
+        f.write(json.dumps(record, default=float) + "\n")
+        self._lines += 1
+        if self._lines % self.flush_every == 0:
+            f.flush()
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        self._write({"kind": "metrics", "step": step, "time": time.time(), "metrics": metrics})
+
+    def log_hyperparameters(self, params: dict[str, Any]) -> None:
+        self._write({"kind": "hparams", "time": time.time(), "params": params})
+
+    def log_artifact(self, local_path: str, name: str) -> None:
+        self._write({"kind": "artifact", "time": time.time(), "name": name, "path": os.path.abspath(local_path)})
+
+    def on_close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_jsonl(path: str | os.PathLike[str], kind: str = "metrics") -> list[dict[str, Any]]:
+    """The records of ``kind`` in a JSONL log, in order."""
+    with open(path, encoding="utf-8") as f:
+        return [rec for line in f if line.strip() and (rec := json.loads(line)).get("kind") == kind]
