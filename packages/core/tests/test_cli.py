@@ -115,3 +115,23 @@ def test_disabled_plugin_is_skipped(example_plugin_path, tmp_path):
     env = {"PYTHONPATH": str(example_plugin_path), "SMALTI_DISABLED_PLUGINS": "smalti-example"}
     out = train(["plugins"], tmp_path, env=env, module="smalti.core.cli.main")
     assert out.returncode == 0 and "example:" not in out.stdout
+
+
+def test_default_run_with_loggers_and_callbacks(tmp_path):
+    """The issue's example command, on the shipped model and corpus, with console and JSONL loggers."""
+    out = train(["optimizer.lr=3e-3", "trainer.max_duration=40ba", "trainer.eval_interval=20ba",
+                 "logger=[console,jsonl]", "callbacks=[speed_monitor,lr_monitor,progress_bar]"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "[batch 40 40/40ba] loss/train/total" in out.stdout
+    from smalti.core.loggers import read_jsonl
+
+    rows = read_jsonl(tmp_path / "outputs" / "smalti-run" / "metrics.jsonl")
+    losses = [r["metrics"]["loss/train/total"] for r in rows if "loss/train/total" in r["metrics"]]
+    assert len(losses) == 40 and sum(losses[-5:]) < 0.7 * sum(losses[:5])
+    assert any("throughput/tokens_per_sec" in r["metrics"] for r in rows)
+    assert [r["step"] for r in rows if "metrics/eval/CrossEntropy" in r["metrics"]] == [20, 40]
+
+
+def test_auto_microbatching_from_the_command_line(tmp_path):
+    out = train(QUICK + ["trainer.device_train_microbatch_size=auto"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
