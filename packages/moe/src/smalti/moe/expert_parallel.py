@@ -1,0 +1,50 @@
+"""Expert parallelism: experts split over a process group, tokens sent to their expert's rank by all-to-all.
+
+Steps: sort this rank's (token, slot) entries by expert; exchange per-expert counts; send the rows with a
+differentiable all-to-all; run the local experts on what arrived; send the results back the same way;
+combine each token's k outputs with its routing weights. Gradients flow back through both all-to-alls, so
+each rank's expert weights get the gradient from every rank's tokens.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch.distributed.nn.functional import all_to_all_single
+
+from smalti.moe import ops
+
+if TYPE_CHECKING:
+    from smalti.moe.layer import MoE
+
+
+def expert_parallel_forward(layer: MoE, tokens: torch.Tensor, expert_ids: torch.Tensor,
+                            weights: torch.Tensor) -> torch.Tensor:
+    group = layer.expert_group
+    ep = dist.get_world_size(group)
+    local = layer.num_local_experts
+    k = expert_ids.shape[1]
+    perm, counts, _ = ops.sort_by_expert(expert_ids, layer.num_experts, layer.backend)
+    send_rows = tokens.index_select(0, torch.div(perm, k, rounding_mode="floor"))
+    # counts[e] for e in rank r's experts go to rank r; receive [ep, local] counts from every rank.
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts.contiguous(), group=group)
+    send_splits = counts.view(ep, local).sum(1).tolist()
+    recv_matrix = recv_counts.view(ep, local)
+    recv_splits = recv_matrix.sum(1).tolist()
+    received = all_to_all_single(
+        torch.empty(sum(recv_splits), tokens.shape[1], dtype=tokens.dtype, device=tokens.device),
+        send_rows, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group,
+    )
+    local_ids = torch.repeat_interleave(
+        torch.arange(local, device=tokens.device).repeat(ep), recv_matrix.reshape(-1)
+    ).unsqueeze(1)
+    ones = torch.ones_like(local_ids, dtype=received.dtype)
+    computed = layer.experts_forward(received, local_ids, ones, layer.w1, layer.w2)
+    returned = all_to_all_single(
+        torch.empty(sum(send_splits), tokens.shape[1], dtype=tokens.dtype, device=tokens.device),
+        computed, output_split_sizes=send_splits, input_split_sizes=recv_splits, group=group,
+    )
+    return ops.scatter_rows(returned, perm, weights, k, layer.backend)

@@ -1,0 +1,200 @@
+"""The Mixture-of-Experts layer: route, sort by expert, expert FFNs as grouped GEMMs, weighted combine."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from smalti.moe import ops
+from smalti.moe.errors import MoEError
+from smalti.moe.losses import load_balancing_loss, router_z_loss
+from smalti.moe.reference import ACTIVATIONS
+from smalti.moe.router import Router, Routing
+
+
+class MoE(nn.Module):
+    """A token-choice MoE FFN. ``forward(x) -> (y, aux_loss)`` for ``x [..., hidden_size]``.
+
+    Arguments follow MegaBlocks' names without the ``moe_`` prefix:
+    ``capacity_factor`` 0 or None is dropless; above 0 each expert takes at most
+    ``int(capacity_factor * top_k * T / num_experts)`` entries and later ones are dropped.
+    ``load_balancing``: ``aux_loss`` (MegaBlocks' loss times ``lbl_weight``), ``aux_free`` (a selection bias
+    updated from expert counts by :class:`smalti.moe.balancing.AuxFreeBiasUpdate`) or ``none``.
+    ``aux_loss`` returned is this layer's balancing loss plus its z-loss (``zloss_weight``); nothing is kept
+    in module-global state. ``expert_group``: a process group over which the experts are split (expert
+    parallelism); each rank then holds ``num_experts / group size`` of them.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        num_experts: int = 8,
+        top_k: int = 2,
+        mlp_type: str = "mlp",
+        activation: str = "gelu",
+        capacity_factor: float | None = None,
+        num_shared_experts: int = 0,
+        router_jitter: float = 0.0,
+        normalize_expert_weights: float | None = None,
+        score_func: str = "softmax",
+        load_balancing: str = "aux_loss",
+        lbl_weight: float = 0.1,
+        zloss_weight: float = 0.0,
+        backend: str = "torch",
+        expert_group: Any = None,
+        init_std: float = 0.02,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if mlp_type not in ("mlp", "glu"):
+            raise MoEError(f"mlp_type={mlp_type!r} must be 'mlp' or 'glu'")
+        if activation not in ACTIVATIONS:
+            raise MoEError(f"activation={activation!r} must be one of {', '.join(ACTIVATIONS)}")
+        if load_balancing not in ("aux_loss", "aux_free", "none"):
+            raise MoEError(f"load_balancing={load_balancing!r} must be 'aux_loss', 'aux_free' or 'none'")
+        if backend not in ops.BACKENDS:
+            raise MoEError(f"backend={backend!r} is not one of {', '.join(ops.BACKENDS)}")
+        if backend == "triton":
+            reason = ops.triton_unavailable_reason(torch.device(device) if device is not None else None)
+            if reason:
+                raise MoEError(f"backend='triton' cannot run: {reason}")
+        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
+        self.num_experts, self.top_k = num_experts, top_k
+        self.mlp_type, self.activation = mlp_type, activation
+        self.capacity_factor = capacity_factor or 0.0
+        self.load_balancing, self.lbl_weight, self.zloss_weight = load_balancing, lbl_weight, zloss_weight
+        self.backend = backend
+        self.expert_group = expert_group
+        ep = _group_size(expert_group)
+        if num_experts % ep:
+            raise MoEError(f"num_experts={num_experts} does not divide over {ep} expert-parallel ranks")
+        self.num_local_experts = num_experts // ep
+        self.router = Router(hidden_size, num_experts, top_k, score_func, router_jitter, normalize_expert_weights,
+                             use_bias=load_balancing == "aux_free", device=device, dtype=dtype)
+        factory = {"device": device, "dtype": dtype}
+        up_width = 2 * ffn_hidden_size if mlp_type == "glu" else ffn_hidden_size
+        self.w1 = nn.Parameter(torch.empty(self.num_local_experts, hidden_size, up_width, **factory))
+        self.w2 = nn.Parameter(torch.empty(self.num_local_experts, ffn_hidden_size, hidden_size, **factory))
+        self.shared = (
+            nn.Sequential(nn.Linear(hidden_size, ffn_hidden_size * num_shared_experts, bias=False, **factory),
+                          _Activation(activation),
+                          nn.Linear(ffn_hidden_size * num_shared_experts, hidden_size, bias=False, **factory))
+            if num_shared_experts else None
+        )
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts, device=device), persistent=False)
+        self.init_std = init_std
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) experts; the output projection scaled down by sqrt(2) as in GPT-2."""
+        nn.init.normal_(self.w1, std=self.init_std)
+        nn.init.normal_(self.w2, std=self.init_std / math.sqrt(2))
+        nn.init.normal_(self.router.gate.weight, std=self.init_std)
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        routing = self.router(tokens)
+        weights = self._apply_capacity(routing)
+        if self.training and self.load_balancing == "aux_free":
+            with torch.no_grad():
+                self.tokens_per_expert += torch.bincount(routing.expert_ids.reshape(-1), minlength=self.num_experts)
+        if self.expert_group is not None and _group_size(self.expert_group) > 1:
+            from smalti.moe.expert_parallel import expert_parallel_forward
+
+            y = expert_parallel_forward(self, tokens, routing.expert_ids, weights)
+        else:
+            y = self.experts_forward(tokens, routing.expert_ids, weights, self.w1, self.w2)
+        if self.shared is not None:
+            y = y + self.shared(tokens)
+        return y.reshape(shape), self.aux_loss(routing)
+
+    def experts_forward(self, tokens: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                        w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        """Dropless expert computation for ``tokens`` routed to ``expert_ids`` (local ids into ``w1``/``w2``)."""
+        k = expert_ids.shape[1]
+        perm, _counts, offsets = ops.sort_by_expert(expert_ids, w1.shape[0], self.backend)
+        h = ops.gather_mm(tokens, w1, perm, offsets, k, self.backend)
+        if self.mlp_type == "glu":
+            gate, up = h.split(self.ffn_hidden_size, dim=-1)
+            h = ops.glu(gate.contiguous(), up.contiguous(), self.activation, self.backend)
+        else:
+            h = ACTIVATIONS[self.activation](h)
+        out = ops.grouped_mm(h, w2, offsets, self.backend)
+        return ops.scatter_rows(out, perm, weights, k, self.backend)
+
+    def _apply_capacity(self, routing: Routing) -> torch.Tensor:
+        """Zero the weights of entries past an expert's capacity (later tokens first); dropless returns them as is."""
+        if not self.capacity_factor:
+            return routing.weights
+        tokens, k = routing.expert_ids.shape
+        capacity = int(self.capacity_factor * k * tokens / self.num_experts)
+        flat = routing.expert_ids.reshape(-1)
+        order = torch.sort(flat, stable=True).indices
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        starts = torch.cumsum(counts, 0) - counts
+        rank_sorted = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+        rank = torch.empty_like(rank_sorted)
+        rank[order] = rank_sorted
+        keep = (rank < capacity).view(tokens, k)
+        return routing.weights * keep.to(routing.weights.dtype)
+
+    def aux_loss(self, routing: Routing) -> torch.Tensor:
+        """This layer's balancing loss (when ``load_balancing='aux_loss'``) plus its router z-loss."""
+        loss = routing.logits.new_zeros(())
+        if self.training and self.load_balancing == "aux_loss" and self.lbl_weight:
+            loss = loss + load_balancing_loss(routing.probs, routing.expert_ids, self.num_experts, self.lbl_weight)
+        if self.training and self.zloss_weight:
+            loss = loss + router_z_loss(routing.logits, self.zloss_weight)
+        return loss
+
+    # ------------------------------------------------------------------ aux-free balancing
+
+    @torch.no_grad()
+    def update_expert_bias(self, coeff: float = 1e-3, counts: torch.Tensor | None = None) -> None:
+        """DeepSeek-V3 balancing: ``b += coeff * sign(mean(n) - n)``, centred; ``n`` = counts since the last update."""
+        if self.router.expert_bias is None:
+            return
+        n = self.tokens_per_expert if counts is None else counts
+        delta = coeff * torch.sign(n.float().mean() - n.float())
+        self.router.expert_bias += delta - delta.mean()
+        self.tokens_per_expert.zero_()
+
+
+class _Activation(nn.Module):
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ACTIVATIONS[self.name](x)
+
+
+def _group_size(group: Any) -> int:
+    if group is None:
+        return 1
+    import torch.distributed as dist
+
+    return dist.get_world_size(group)
+
+
+def dense_ffn_reference(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, mlp_type: str, activation: str,
+                        ffn_hidden_size: int) -> torch.Tensor:
+    """The dense FFN one expert computes (for tests and benchmarks)."""
+    h = x @ w1
+    if mlp_type == "glu":
+        gate, up = h.split(ffn_hidden_size, dim=-1)
+        h = ACTIVATIONS[activation](gate) * up
+    else:
+        h = ACTIVATIONS[activation](h)
+    return h @ w2
+
+
+__all__ = ["MoE", "dense_ffn_reference"]

@@ -1,0 +1,23 @@
+"""Balancing losses with MegaBlocks' formulas, computed per layer and returned to the caller."""
+
+from __future__ import annotations
+
+import torch
+
+
+def load_balancing_loss(probs: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, weight: float) -> torch.Tensor:
+    """Switch/MegaBlocks load-balancing loss of one layer.
+
+    ``weight * E / (T * k) * sum_e c_e * mean_t p[t, e]`` where ``c_e`` counts the (token, slot)
+    assignments to expert ``e`` and ``p`` are the router's probabilities over all experts (not only the
+    top-k). Equals ``weight`` when routing is perfectly balanced.
+    """
+    tokens, k = expert_ids.shape
+    counts = torch.bincount(expert_ids.reshape(-1), minlength=num_experts).to(probs.dtype)
+    mean_probs = probs.float().mean(0)
+    return weight * num_experts / (tokens * k) * torch.dot(counts.float(), mean_probs)
+
+
+def router_z_loss(logits: torch.Tensor, weight: float) -> torch.Tensor:
+    """Router z-loss: ``weight * mean_t logsumexp(logits[t])^2`` (ST-MoE), in fp32."""
+    return weight * torch.logsumexp(logits.float(), dim=-1).pow(2).mean()

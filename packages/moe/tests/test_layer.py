@@ -1,0 +1,143 @@
+"""Tier 1 (CPU, torch backend): the layer against a per-token loop, layer equalities, gradients, edge cases."""
+
+import pytest
+import torch
+
+from smalti.moe import MoE, MoEError, load_balancing_loss, router_z_loss
+from smalti.moe.layer import dense_ffn_reference
+
+
+def make(**kw):
+    torch.manual_seed(0)
+    args = dict(hidden_size=24, ffn_hidden_size=16, num_experts=4, top_k=2)
+    args.update(kw)
+    return MoE(**args)
+
+
+def per_token_loop(layer: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The obvious implementation: every token, every chosen expert, one at a time."""
+    routing = layer.router(x)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(layer.top_k):
+            e = int(routing.expert_ids[t, j])
+            h = dense_ffn_reference(x[t : t + 1], layer.w1[e], layer.w2[e], layer.mlp_type, layer.activation,
+                                    layer.ffn_hidden_size)
+            out[t] += routing.weights[t, j] * h[0]
+    return out
+
+
+@pytest.mark.parametrize("mlp_type", ["mlp", "glu"])
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_matches_per_token_loop(mlp_type, score_func):
+    layer = make(mlp_type=mlp_type, score_func=score_func, activation="silu" if mlp_type == "glu" else "gelu",
+                 normalize_expert_weights=1.0 if score_func == "sigmoid" else None)
+    x = torch.randn(37, 24)
+    y, _ = layer(x)
+    torch.testing.assert_close(y, per_token_loop(layer, x), rtol=1e-5, atol=1e-6)
+
+
+def test_one_expert_equals_dense_ffn():
+    layer = make(num_experts=1, top_k=1, mlp_type="glu", activation="silu")
+    x = torch.randn(2, 9, 24)
+    y, _ = layer(x)
+    dense = dense_ffn_reference(x, layer.w1[0], layer.w2[0], "glu", "silu", 16)
+    torch.testing.assert_close(y, dense, rtol=1e-5, atol=1e-6)
+
+
+def test_dropless_equals_capacity_when_capacity_is_large():
+    dropless = make()
+    capped = make(capacity_factor=float(dropless.num_experts))  # capacity = k * T: nothing can be dropped
+    capped.load_state_dict(dropless.state_dict())
+    x = torch.randn(50, 24)
+    torch.testing.assert_close(capped(x)[0], dropless(x)[0])
+
+
+def test_small_capacity_drops_later_tokens_first():
+    layer = make(num_experts=2, top_k=1, capacity_factor=0.5)  # capacity = int(0.5 * 1 * T / 2) = T // 4
+    with torch.no_grad():
+        layer.router.gate.weight.zero_()
+        layer.router.gate.weight[0, 0] = 10.0  # every token with x[:, 0] > 0 goes to expert 0
+    x = torch.randn(16, 24).abs()
+    y, _ = layer(x)
+    kept = (y.abs().sum(-1) > 0).tolist()
+    assert kept == [True] * 4 + [False] * 12
+
+
+def test_gradcheck_float64():
+    layer = make(hidden_size=6, ffn_hidden_size=5, num_experts=3, top_k=2, mlp_type="glu", activation="silu",
+                 dtype=torch.float64)
+    x = torch.randn(7, 6, dtype=torch.float64, requires_grad=True)
+
+    def fn(x, w1, w2):
+        return torch.func.functional_call(layer, {"w1": w1, "w2": w2}, (x,))[0]
+
+    w1 = layer.w1.detach().clone().requires_grad_()
+    w2 = layer.w2.detach().clone().requires_grad_()
+    # Routing is piecewise constant in x, so gradcheck holds away from ties (random inputs have none).
+    assert torch.autograd.gradcheck(fn, (x, w1, w2), eps=1e-6, atol=1e-5)
+
+
+def test_expert_with_no_tokens_gets_zero_gradient():
+    layer = make(num_experts=4, top_k=1)
+    with torch.no_grad():
+        layer.router.gate.weight[3] = -100.0  # with positive inputs, expert 3 is never chosen
+    x = torch.randn(20, 24).abs()
+    y, _ = layer(x)
+    y.sum().backward()
+    assert layer.w1.grad[3].abs().sum() == 0 and layer.w1.grad[:3].abs().sum() > 0
+
+
+@pytest.mark.parametrize(("tokens", "k", "hidden"), [(1, 2, 24), (9, 4, 24), (13, 2, 40)])
+def test_edge_shapes(tokens, k, hidden):
+    layer = make(hidden_size=hidden, top_k=k)
+    x = torch.randn(tokens, hidden)
+    torch.testing.assert_close(layer(x)[0], per_token_loop(layer, x), rtol=1e-5, atol=1e-6)
+
+
+def test_balancing_loss_formula_and_balanced_value():
+    probs = torch.full((8, 4), 0.25)
+    ids = torch.tensor([[0, 1], [2, 3]] * 4)
+    assert load_balancing_loss(probs, ids, 4, 0.1) == pytest.approx(0.1)  # perfectly balanced: the weight
+    probs = torch.softmax(torch.randn(8, 4), -1)
+    counts = torch.bincount(ids.reshape(-1), minlength=4).float()
+    expected = 0.1 * 4 / (8 * 2) * (counts * probs.mean(0)).sum()
+    assert load_balancing_loss(probs, ids, 4, 0.1) == pytest.approx(float(expected))
+    logits = torch.randn(5, 4)
+    assert router_z_loss(logits, 1e-3) == pytest.approx(float(1e-3 * torch.logsumexp(logits, -1).pow(2).mean()))
+
+
+def test_aux_loss_is_returned_per_layer_and_off_in_eval():
+    layer = make(lbl_weight=0.1, zloss_weight=1e-3)
+    _, loss = layer(torch.randn(10, 24))
+    assert loss.item() > 0.09  # about the weight when near-balanced, plus the z-loss
+    layer.eval()
+    assert layer(torch.randn(10, 24))[1].item() == 0.0
+
+
+def test_aux_free_bias_moves_toward_balance():
+    layer = make(num_experts=4, top_k=1, load_balancing="aux_free")
+    with torch.no_grad():
+        layer.router.gate.weight.zero_()
+        layer.router.gate.weight[0, 0] = 5.0
+    layer(torch.randn(64, 24).abs())
+    assert layer.tokens_per_expert[0] == 64
+    layer.update_expert_bias(coeff=0.1)
+    bias = layer.router.expert_bias
+    assert bias[0] < 0 and (bias[1:] > 0).all() and abs(float(bias.sum())) < 1e-6
+    assert layer.tokens_per_expert.sum() == 0
+
+
+def test_bad_arguments_name_the_value():
+    with pytest.raises(MoEError, match="mlp_type='swiglu'"):
+        make(mlp_type="swiglu")
+    with pytest.raises(MoEError, match="top_k=5"):
+        make(top_k=5)
+
+
+def test_triton_backend_on_cpu_says_why_not(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the interpreter would make it runnable
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(MoEError, match="backend='triton' cannot run: .*(CUDA|not installed)"):
+        make(backend="triton")
