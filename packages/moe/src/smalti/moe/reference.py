@@ -47,13 +47,9 @@ def scatter_rows(ys: torch.Tensor, perm: torch.Tensor, weights: torch.Tensor | N
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``c[rows of e] = a[rows of e] @ b[e]`` for rows sorted by expert; ``a [N, K]``, ``b [E, K, M]`` -> ``[N, M]``."""
-    out = a.new_zeros(a.shape[0], b.shape[-1])
-    start = 0
-    for e, end in enumerate(offsets.tolist()):
-        if end > start:
-            out[start:end] = a[start:end] @ b[e]
-        start = end
-    return out
+    bounds = [0, *offsets.tolist()]
+    chunks = [a[s:e] @ b[i] for i, (s, e) in enumerate(zip(bounds, bounds[1:])) if e > s]
+    return torch.cat(chunks) if chunks else a.new_zeros(0, b.shape[-1])
 
 
 def grouped_mm_wgrad(a: torch.Tensor, dc: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,98 @@
+"""Forward+backward time of the dropless MoE layer against a dense FFN with the same active parameters per token.
+
+The dense FFN has hidden size ``F``; the MoE has ``E`` experts of hidden size ``F / k`` and routes each
+token to ``k`` of them, so both spend the same FLOPs per token on the FFN. Both run in the same process,
+alternating, and the script prints the median times, tokens/s and the ratio ``moe / dense``.
+Goals: <= 1.5 on CPU (torch backend) at 8 experts top-2; <= 1.1 on an H100 (triton backend) at
+DBRX-like shapes (16 experts, top-4).
+
+    python bench/moe_layer.py                      # CPU, torch backend
+    python bench/moe_layer.py --backend triton --device cuda --dtype bfloat16 --experts 16 --top-k 4 \\
+        --hidden 6144 --ffn 10752 --tokens 8192   # DBRX-like on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from smalti.moe import MoE
+
+
+class DenseFFN(nn.Module):
+    def __init__(self, hidden: int, ffn: int, glu: bool, device, dtype) -> None:
+        super().__init__()
+        self.glu = glu
+        self.up = nn.Linear(hidden, 2 * ffn if glu else ffn, bias=False, device=device, dtype=dtype)
+        self.down = nn.Linear(ffn, hidden, bias=False, device=device, dtype=dtype)
+        self.ffn = ffn
+
+    def forward(self, x):
+        h = self.up(x)
+        if self.glu:
+            gate, up = h.split(self.ffn, -1)
+            h = nn.functional.silu(gate) * up
+        else:
+            h = nn.functional.gelu(h, approximate="tanh")
+        return self.down(h)
+
+
+def timed(fn, x, repeats: int, device: str) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        x.grad = None
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = fn(x)
+        y = out[0] if isinstance(out, tuple) else out
+        y.float().square().mean().backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--ffn", type=int, default=2048, help="dense FFN hidden size; each expert gets ffn / top_k")
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--mlp-type", default="glu", choices=["mlp", "glu"])
+    p.add_argument("--backend", default="torch", choices=["torch", "triton"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=3)
+    a = p.parse_args()
+    dtype = getattr(torch, a.dtype)
+    torch.manual_seed(0)
+    glu = a.mlp_type == "glu"
+    dense = DenseFFN(a.hidden, a.ffn, glu, a.device, dtype)
+    moe = MoE(hidden_size=a.hidden, ffn_hidden_size=a.ffn // a.top_k, num_experts=a.experts, top_k=a.top_k,
+              mlp_type=a.mlp_type, activation="silu" if glu else "gelu", backend=a.backend, device=a.device,
+              dtype=dtype)
+    x = torch.randn(a.tokens, a.hidden, device=a.device, dtype=dtype, requires_grad=True)
+    timed(dense, x, 2, a.device)
+    timed(moe, x, 2, a.device)
+    d_times, m_times = [], []
+    for _ in range(a.rounds):
+        d_times += timed(dense, x, a.repeats, a.device)
+        m_times += timed(moe, x, a.repeats, a.device)
+    d, m = statistics.median(d_times), statistics.median(m_times)
+    print(f"device {a.device} ({torch.cuda.get_device_name() if a.device == 'cuda' else 'cpu'}), {a.dtype}, "
+          f"{a.tokens} tokens, hidden {a.hidden}, {a.experts} experts top-{a.top_k}, expert ffn {a.ffn // a.top_k}, "
+          f"{a.mlp_type}, backend {a.backend}")
+    print(f"dense FFN (ffn {a.ffn})  fwd+bwd median {d * 1e3:8.2f} ms   {a.tokens / d:12.0f} tokens/s")
+    print(f"dropless MoE            fwd+bwd median {m * 1e3:8.2f} ms   {a.tokens / m:12.0f} tokens/s")
+    print(f"ratio moe / dense = {m / d:.3f}")
+
+
+if __name__ == "__main__":
+    main()
