@@ -96,6 +96,10 @@ class MoE(nn.Module):
         nn.init.normal_(self.w2, std=self.init_std / math.sqrt(2))
         nn.init.normal_(self.router.gate.weight, std=self.init_std)
 
+    def expert_parameters(self) -> list[nn.Parameter]:
+        """The routed experts' weights (a token uses ``top_k / num_experts`` of them; shared experts excluded)."""
+        return [self.w1, self.w2]
+
     # ------------------------------------------------------------------ forward
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

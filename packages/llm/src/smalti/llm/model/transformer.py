@@ -177,9 +177,9 @@ class LLM(nn.Module):
         top_k = moe.get("top_k", moe.get("moe_top_k", 1))
         expert_params = sum(
             p.numel()
-            for block in self.blocks
-            for name, p in block.ffn.named_parameters()
-            if "expert" in name and "shared" not in name
+            for module in self.modules()
+            if callable(getattr(module, "expert_parameters", None))
+            for p in module.expert_parameters()
         )
         return int(total - expert_params * (1 - top_k / max(experts, 1)))
 
