@@ -103,6 +103,9 @@ def build_dataloader(
     if isinstance(dataset, DataLoader):
         return dataset
     if isinstance(dataset, IterableDataset):
+        if getattr(dataset, "batch_size", None) != batch_size and hasattr(dataset, "batch_size"):
+            # Streaming datasets split global batches themselves and must know the per-rank batch size.
+            dataset.batch_size = batch_size
         return DataLoader(
             dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn, drop_last=drop_last, **kwargs
         )

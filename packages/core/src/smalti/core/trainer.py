@@ -339,6 +339,9 @@ class Trainer:
         sampler = getattr(loader, "sampler", None)
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(ts.epoch)
+        dataset = getattr(loader, "dataset", None)
+        if hasattr(dataset, "set_epoch"):  # streaming datasets order themselves per epoch
+            dataset.set_epoch(ts.epoch)
         if ts.batch_in_epoch == 0:
             return
         if hasattr(sampler, "skip"):

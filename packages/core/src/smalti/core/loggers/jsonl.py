@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -10,6 +11,8 @@ from typing import IO, Any
 
 from smalti.core import distributed
 from smalti.core.plugins import LoggerDestination
+
+log = logging.getLogger(__name__)
 
 
 class JSONLLogger(LoggerDestination):
@@ -25,6 +28,8 @@ class JSONLLogger(LoggerDestination):
         self.flush_every = flush_every
         self._file: IO[str] | None = None
         self._lines = 0
+        #: Writes that failed (disk full, path not writable); reported with a warning, never raised.
+        self.failures = 0
 
     def _open(self) -> IO[str] | None:
         if self._file is None:
@@ -37,13 +42,19 @@ class JSONLLogger(LoggerDestination):
         return self._file
 
     def _write(self, record: dict[str, Any]) -> None:
-        f = self._open()
-        if f is None:
-            return
-        f.write(json.dumps(record, default=float) + "\n")
-        self._lines += 1
-        if self._lines % self.flush_every == 0:
-            f.flush()
+        try:
+            f = self._open()
+            if f is None:
+                return
+            f.write(json.dumps(record, default=_jsonable) + "\n")
+            self._lines += 1
+            if self._lines % self.flush_every == 0:
+                f.flush()
+        except (OSError, TypeError, ValueError) as exc:  # a full disk must not end training
+            self.failures += 1
+            if self.failures == 1 or self.failures % 1000 == 0:
+                log.warning("JSONLLogger could not write %s (failure %d; training goes on): %r", self.path,
+                            self.failures, exc)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         self._write({"kind": "metrics", "step": step, "time": time.time(), "metrics": metrics})
@@ -56,8 +67,20 @@ class JSONLLogger(LoggerDestination):
 
     def on_close(self) -> None:
         if self._file is not None:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError as exc:
+                log.warning("JSONLLogger could not flush %s at close: %r", self.path, exc)
             self._file = None
+
+
+def _jsonable(value: Any) -> Any:
+    """Tensors and NumPy scalars as numbers; anything else as its string."""
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+        return value.item()
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)
 
 
 def read_jsonl(path: str | os.PathLike[str], kind: str = "metrics") -> list[dict[str, Any]]:

@@ -10,7 +10,14 @@ from smalti.core.loggers.queued import QueuedLoggerDestination
 
 
 class WandBLogger(QueuedLoggerDestination):
-    """A W&B run on rank 0; ``wandb.init`` runs on the sender thread so start-up never waits on the network."""
+    """A W&B run on rank 0; ``wandb.init`` runs on the sender thread so start-up never waits on the network.
+
+    Args:
+        project, entity, name, tags: as for ``wandb.init`` (``name`` defaults to the trainer's run name).
+        mode: ``online``, ``offline`` or ``disabled``; default ``$WANDB_MODE`` (else wandb's default).
+        dir: where wandb writes its run folder (``<dir>/wandb/...``).
+        **kwargs: queue settings of :class:`~smalti.core.loggers.queued.QueuedLoggerDestination`.
+    """
 
     def __init__(self, project: str = "smalti", entity: str | None = None, name: str | None = None,
                  mode: str | None = None, dir: str | None = None, tags: list[str] | None = None,
@@ -18,7 +25,7 @@ class WandBLogger(QueuedLoggerDestination):
         try:
             import wandb  # noqa: F401
         except ImportError:
-            raise ConfigError("the W&B logger needs wandb: pip install 'smalti-core[wandb]'") from None
+            raise ConfigError("the W&B logger (logger=wandb) needs wandb, which is not installed: pip install 'smalti-core[wandb]'") from None
         super().__init__(flush_interval_s=flush_interval_s, **kwargs)
         self.project, self.entity, self.name = project, entity, name
         self.mode = mode or os.environ.get("WANDB_MODE")
@@ -50,3 +57,9 @@ class WandBLogger(QueuedLoggerDestination):
     def _finish(self, status: str) -> None:
         if self.run is not None:
             self.run.finish(exit_code=0 if status == "FINISHED" else 1)
+            self.run = None
+
+    def _is_transient(self, exc: BaseException) -> bool:
+        from wandb.errors import CommError
+
+        return isinstance(exc, CommError | OSError)

@@ -1,0 +1,1 @@
+"""smalti's Hydra launchers (Hydra builds launchers only from ``hydra_plugins.*`` packages, so they live here)."""

@@ -1,0 +1,17 @@
+"""smalti-streaming: MDS shards and a deterministic, resumable StreamingDataset from disk or S3."""
+
+__version__ = "0.1.0"
+
+from smalti.streaming.errors import DownloadError, ShardCorruptError, StreamingError  # noqa: E402
+from smalti.streaming.mds import MDSWriter, ShardReader, load_index, merge_index, read_shard_samples  # noqa: E402
+
+__all__ = ["DownloadError", "MDSWriter", "ShardCorruptError", "ShardReader", "StreamingDataset", "Stream",
+           "StreamingError", "load_index", "merge_index", "read_shard_samples"]
+
+
+def __getattr__(name: str):
+    if name in ("StreamingDataset", "Stream"):
+        from smalti.streaming import dataset
+
+        return getattr(dataset, name)
+    raise AttributeError(name)

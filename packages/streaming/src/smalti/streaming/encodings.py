@@ -1,0 +1,185 @@
+"""MDS column encodings: how each value becomes bytes in a shard, exactly as mosaicml-streaming lays them out."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import struct
+from decimal import Decimal
+from io import BytesIO
+from typing import Any
+
+import numpy as np
+
+from smalti.streaming.errors import StreamingError
+
+FIXED = {
+    "int8": np.int8, "int16": np.int16, "int32": np.int32, "int64": np.int64,
+    "uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32, "uint64": np.uint64,
+    "float16": np.float16, "float32": np.float32, "float64": np.float64,
+}
+VARIABLE = ("bytes", "str", "json", "pkl", "str_int", "str_float", "str_decimal", "jpeg", "png", "pil",
+            "list[pil]", "list[jpeg]", "list[png]", "jpeg_array", "jpegarray")
+UNSAFE = ("pkl",)
+_DTYPE_CODES = {"uint8": 8, "int8": 9, "uint16": 16, "int16": 17, "float16": 18, "uint32": 32, "int32": 33,
+                "float32": 34, "uint64": 64, "int64": 65, "float64": 66}
+_CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
+_WIDTHS = (np.uint8, np.uint16, np.uint32, np.uint64)
+
+
+def _ndarray_spec(encoding: str) -> tuple[str | None, tuple[int, ...] | None]:
+    parts = encoding.split(":")
+    dtype = parts[1] if len(parts) > 1 and parts[1] else None
+    shape = tuple(int(d) for d in parts[2].split(",")) if len(parts) > 2 else None
+    if dtype is not None and dtype not in _DTYPE_CODES:
+        raise StreamingError(f"encoding {encoding!r}: dtype {dtype} is not one of {', '.join(_DTYPE_CODES)}")
+    return dtype, shape
+
+
+def is_known(encoding: str) -> bool:
+    return encoding in FIXED or encoding == "int" or encoding in VARIABLE or encoding.startswith("ndarray")
+
+
+def fixed_size(encoding: str) -> int | None:
+    """Bytes per value for fixed-size encodings, ``None`` for variable-size ones."""
+    if encoding in FIXED:
+        return np.dtype(FIXED[encoding]).itemsize
+    if encoding == "int":
+        return 8
+    if encoding.startswith("ndarray"):
+        dtype, shape = _ndarray_spec(encoding)
+        if dtype is not None and shape is not None:
+            return int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return None
+
+
+def check(encoding: str, allow_unsafe_types: bool = False, column: str = "?") -> None:
+    """Raise naming the column when ``encoding`` is unknown or unsafe (``pkl``) and not allowed."""
+    if not is_known(encoding):
+        raise StreamingError(f"column {column!r}: unknown encoding {encoding!r}")
+    if encoding in UNSAFE and not allow_unsafe_types:
+        raise StreamingError(
+            f"column {column!r} uses {encoding!r}, which can run code when read; pass allow_unsafe_types=True "
+            "if you trust the data"
+        )
+
+
+def encode(encoding: str, value: Any) -> bytes:
+    """Bytes of ``value`` under ``encoding`` (a ``bytes`` value is stored verbatim)."""
+    if isinstance(value, bytes) and encoding not in FIXED and encoding != "int":
+        return value
+    if encoding in FIXED:
+        return np.asarray(value, dtype=FIXED[encoding]).tobytes()
+    if encoding == "int":
+        if not isinstance(value, int | np.integer):
+            raise StreamingError(f"encoding 'int' needs a Python int, got {type(value).__name__}")
+        return np.int64(value).tobytes()
+    if encoding == "str":
+        return value.encode("utf-8")
+    if encoding == "json":
+        return json.dumps(value).encode("utf-8")
+    if encoding == "pkl":
+        return pickle.dumps(value)
+    if encoding in ("str_int", "str_float", "str_decimal"):
+        return str(value).encode("utf-8")
+    if encoding.startswith("ndarray"):
+        return _encode_ndarray(encoding, value)
+    return _encode_image(encoding, value)
+
+
+def decode(encoding: str, data: bytes) -> Any:
+    """The value ``data`` holds under ``encoding``."""
+    if encoding in FIXED:
+        return np.frombuffer(data, dtype=FIXED[encoding])[0]
+    if encoding == "int":
+        return int(np.frombuffer(data, dtype=np.int64)[0])
+    if encoding == "bytes":
+        return data
+    if encoding == "str":
+        return data.decode("utf-8")
+    if encoding == "json":
+        return json.loads(data.decode("utf-8"))
+    if encoding == "pkl":
+        return pickle.loads(data)
+    if encoding == "str_int":
+        return int(data.decode())
+    if encoding == "str_float":
+        return float(data.decode())
+    if encoding == "str_decimal":
+        return Decimal(data.decode())
+    if encoding.startswith("ndarray"):
+        return _decode_ndarray(encoding, data)
+    return _decode_image(encoding, data)
+
+
+def _encode_ndarray(encoding: str, value: Any) -> bytes:
+    dtype, shape = _ndarray_spec(encoding)
+    arr = np.asarray(value)
+    if arr.ndim == 0 or arr.size == 0 or arr.ndim > 63:
+        raise StreamingError(f"encoding {encoding!r}: arrays must have 1 to 63 dimensions and some elements")
+    head = b""
+    if dtype is None:
+        if arr.dtype.name not in _DTYPE_CODES:
+            raise StreamingError(f"encoding {encoding!r}: dtype {arr.dtype} is not storable")
+        head += bytes([_DTYPE_CODES[arr.dtype.name]])
+    else:
+        arr = arr.astype(dtype, copy=False)
+    if shape is None:
+        width = next(i for i, w in enumerate(_WIDTHS) if max(arr.shape) <= np.iinfo(w).max)
+        head += bytes([(arr.ndim << 2) | width]) + np.asarray(arr.shape, dtype=_WIDTHS[width]).tobytes()
+    elif tuple(arr.shape) != shape:
+        raise StreamingError(f"encoding {encoding!r}: array of shape {arr.shape} does not match")
+    return head + np.ascontiguousarray(arr).tobytes()
+
+
+def _decode_ndarray(encoding: str, data: bytes) -> np.ndarray:
+    dtype, shape = _ndarray_spec(encoding)
+    pos = 0
+    if dtype is None:
+        dtype = _CODE_DTYPES[data[0]]
+        pos = 1
+    if shape is None:
+        ndim, width = data[pos] >> 2, data[pos] & 3
+        pos += 1
+        size = np.dtype(_WIDTHS[width]).itemsize
+        shape = tuple(int(d) for d in np.frombuffer(data, dtype=_WIDTHS[width], count=ndim, offset=pos))
+        pos += ndim * size
+    return np.frombuffer(data, dtype=dtype, offset=pos).reshape(shape).copy()
+
+
+def _encode_image(encoding: str, value: Any) -> bytes:
+    if encoding == "pil":
+        mode = value.mode.encode()
+        return struct.pack("<III", value.width, value.height, len(mode)) + mode + value.tobytes()
+    if encoding in ("jpeg", "png"):
+        buf = BytesIO()
+        value.save(buf, format="JPEG" if encoding == "jpeg" else "PNG")
+        return buf.getvalue()
+    if encoding.startswith("list["):
+        items = [_encode_image(encoding[5:-1], v) for v in value]
+        return struct.pack(f"<II{len(items)}I", 0, len(items), *map(len, items)) + b"".join(items)
+    if encoding in ("jpeg_array", "jpegarray"):
+        items = [_encode_image("jpeg", v) for v in value]
+        return struct.pack(f"<I{len(items)}I", len(items), *map(len, items)) + b"".join(items)
+    raise StreamingError(f"unknown encoding {encoding!r}")
+
+
+def _decode_image(encoding: str, data: bytes) -> Any:
+    from PIL import Image
+
+    if encoding == "pil":
+        w, h, n = struct.unpack("<III", data[:12])
+        return Image.frombytes(data[12 : 12 + n].decode(), (w, h), data[12 + n :])
+    if encoding in ("jpeg", "png"):
+        return Image.open(BytesIO(data))
+    if encoding.startswith("list[") or encoding in ("jpeg_array", "jpegarray"):
+        offset = 4 if encoding.startswith("list[") else 0
+        (n,) = struct.unpack("<I", data[offset : offset + 4])
+        sizes = struct.unpack(f"<{n}I", data[offset + 4 : offset + 4 + 4 * n])
+        pos, out = offset + 4 + 4 * n, []
+        inner = encoding[5:-1] if encoding.startswith("list[") else "jpeg"
+        for size in sizes:
+            out.append(_decode_image(inner, data[pos : pos + size]))
+            pos += size
+        return out
+    raise StreamingError(f"unknown encoding {encoding!r}")

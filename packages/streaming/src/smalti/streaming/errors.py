@@ -1,0 +1,18 @@
+"""smalti-streaming's errors (subclasses of smalti-core's ``SmaltiError`` when core is installed)."""
+
+try:
+    from smalti.core.errors import SmaltiError as _Base
+except ImportError:  # smalti-streaming is usable without smalti-core
+    _Base = Exception
+
+
+class StreamingError(_Base):
+    """Bad dataset arguments or an index/shard that cannot be used; the message names the file or key."""
+
+
+class ShardCorruptError(StreamingError):
+    """A shard's bytes do not match its index (hash mismatch, truncation); names the shard and the stream."""
+
+
+class DownloadError(StreamingError):
+    """A remote file could not be fetched after every retry."""

@@ -1,0 +1,293 @@
+"""The MDS shard format: :class:`MDSWriter` writes shards and ``index.json``; :func:`read_shard_samples` and
+:class:`ShardReader` read them back. Byte-compatible with mosaicml-streaming's index version 2.
+
+A shard is ``u32 N | u32 offsets[N+1] | config JSON | samples``; a sample is the ``u32`` lengths of its
+variable-size columns followed by every column's bytes, columns in sorted-name order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from smalti.streaming import compression as comp
+from smalti.streaming import encodings
+from smalti.streaming.errors import ShardCorruptError, StreamingError
+from smalti.streaming.hashing import digest
+
+INDEX = "index.json"
+DEFAULT_SIZE_LIMIT = 1 << 26
+_UNITS = {"b": 1, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30}
+
+
+def parse_size(value: int | str | None) -> int | None:
+    """``"64mb"`` -> bytes; ints pass through; must stay below 2**32."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip().lower()
+        for unit in ("gb", "mb", "kb", "b"):
+            if text.endswith(unit):
+                value = int(float(text[: -len(unit)]) * _UNITS[unit])
+                break
+        else:
+            value = int(text)
+    if not 0 < int(value) < 1 << 32:
+        raise StreamingError(f"size_limit={value} must be between 1 and 2**32 - 1 bytes")
+    return int(value)
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to a temporary name beside ``path`` and rename it: never a half-written ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class MDSWriter:
+    """Writes samples (dicts keyed by column) into MDS shards of at most ``size_limit`` bytes.
+
+    ``out`` is a local directory or an ``s3://`` prefix (shards are staged locally, uploaded, and
+    ``index.json`` goes last). Use as a context manager; ``index.json`` is written only by :meth:`finish`,
+    so an interrupted write never looks like a complete dataset.
+    """
+
+    def __init__(self, out: str | os.PathLike[str], columns: dict[str, str], compression: str | None = None,
+                 hashes: list[str] | None = None, size_limit: int | str | None = DEFAULT_SIZE_LIMIT,
+                 exist_ok: bool = False, allow_unsafe_types: bool = False) -> None:
+        self.remote = str(out) if str(out).startswith("s3://") else None
+        self.local = Path(tempfile.mkdtemp(prefix="smalti-mds-")) if self.remote else Path(out)
+        if not self.remote:
+            if self.local.exists() and any(self.local.iterdir()) and not exist_ok:
+                raise StreamingError(f"output directory {self.local} is not empty; pass exist_ok=True to overwrite")
+            self.local.mkdir(parents=True, exist_ok=True)
+        self.column_names = sorted(columns)
+        self.column_encodings = [columns[name] for name in self.column_names]
+        for name, enc in zip(self.column_names, self.column_encodings):
+            encodings.check(enc, allow_unsafe_types, name)
+        self.column_sizes = [encodings.fixed_size(enc) for enc in self.column_encodings]
+        comp.parse(compression)
+        self.compression = compression or None
+        self.hashes = list(hashes or [])
+        if sorted(set(self.hashes)) != self.hashes:
+            raise StreamingError(f"hashes={self.hashes} must be unique and sorted")
+        for algo in self.hashes:
+            digest(algo, b"")
+        self.size_limit = parse_size(size_limit)
+        self.config = json.dumps({
+            "column_encodings": self.column_encodings, "column_names": self.column_names,
+            "column_sizes": self.column_sizes, "compression": self.compression, "format": "mds",
+            "hashes": self.hashes, "size_limit": self.size_limit, "version": 2,
+        }, sort_keys=True).encode("utf-8")
+        self.shards: list[dict[str, Any]] = []
+        self._samples: list[bytes] = []
+        self._size = 8 + len(self.config)
+        self._finished = False
+
+    def encode_sample(self, sample: dict[str, Any]) -> bytes:
+        """The bytes of one sample; raises naming a missing column."""
+        lengths, values = [], []
+        for name, enc, size in zip(self.column_names, self.column_encodings, self.column_sizes):
+            if name not in sample:
+                raise StreamingError(f"sample is missing column {name!r} (columns: {', '.join(self.column_names)})")
+            data = encodings.encode(enc, sample[name])
+            if size is None:
+                lengths.append(len(data))
+            elif len(data) != size:
+                raise StreamingError(f"column {name!r} ({enc}) must be {size} bytes, got {len(data)}")
+            values.append(data)
+        return struct.pack(f"<{len(lengths)}I", *lengths) + b"".join(values)
+
+    def write(self, sample: dict[str, Any]) -> None:
+        """Append one sample, starting a new shard first when it would not fit in ``size_limit``."""
+        data = self.encode_sample(sample)
+        if self.size_limit and self.size_limit < self._size + len(data) + 4:
+            self._flush()
+        self._samples.append(data)
+        self._size += len(data) + 4
+
+    def _flush(self) -> None:
+        n = len(self._samples)
+        sizes = np.array([len(s) for s in self._samples], dtype=np.uint32)
+        start = 4 + 4 * (n + 1) + len(self.config)
+        offsets = start + np.concatenate([[0], np.cumsum(sizes, dtype=np.uint64)]).astype(np.uint32)
+        raw = struct.pack("<I", n) + offsets.tobytes() + self.config + b"".join(self._samples)
+        basename = f"shard.{len(self.shards):05}.mds"
+        entry: dict[str, Any] = {
+            "column_encodings": self.column_encodings, "column_names": self.column_names,
+            "column_sizes": self.column_sizes, "compression": self.compression, "format": "mds",
+            "hashes": self.hashes, "samples": n, "size_limit": self.size_limit, "version": 2,
+            "raw_data": {"basename": basename, "bytes": len(raw), "hashes": {h: digest(h, raw) for h in self.hashes}},
+            "zip_data": None,
+        }
+        if self.compression:
+            packed = comp.compress(self.compression, raw)
+            zip_name = basename + comp.extension(self.compression)
+            entry["zip_data"] = {"basename": zip_name, "bytes": len(packed),
+                                 "hashes": {h: digest(h, packed) for h in self.hashes}}
+            atomic_write(self.local / zip_name, packed)
+        else:
+            atomic_write(self.local / basename, raw)
+        self.shards.append(entry)
+        self._samples = []
+        self._size = 8 + len(self.config)
+
+    def finish(self) -> None:
+        """Flush the last shard and write ``index.json`` (uploading everything first for ``s3://``)."""
+        if self._finished:
+            return
+        if self._samples or not self.shards:
+            self._flush()
+        index = json.dumps({"shards": self.shards, "version": 2}, sort_keys=True).encode("utf-8")
+        if self.remote:
+            from smalti.streaming.storage import upload_file
+
+            for entry in self.shards:
+                name = (entry["zip_data"] or entry["raw_data"])["basename"]
+                upload_file(self.local / name, f"{self.remote.rstrip('/')}/{name}")
+            atomic_write(self.local / INDEX, index)
+            upload_file(self.local / INDEX, f"{self.remote.rstrip('/')}/{INDEX}")
+            shutil.rmtree(self.local, ignore_errors=True)
+        else:
+            atomic_write(self.local / INDEX, index)
+        self._finished = True
+
+    def __enter__(self) -> MDSWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, *rest: Any) -> None:
+        if exc_type is None:
+            self.finish()
+
+
+def load_index(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The shard entries of an ``index.json``; raise naming the file when it is not a version-2 MDS index."""
+    path = Path(path)
+    try:
+        obj = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise StreamingError(f"cannot read MDS index {path}: {exc}") from exc
+    if obj.get("version") != 2:
+        raise StreamingError(f"{path}: index version {obj.get('version')!r} is not supported (need 2)")
+    for i, shard in enumerate(obj.get("shards", [])):
+        if shard.get("format") != "mds" or shard.get("version") != 2:
+            raise StreamingError(f"{path}: shard {i} is format {shard.get('format')!r} v{shard.get('version')}, "
+                                 "only MDS version 2 is supported")
+    return obj["shards"]
+
+
+class ShardReader:
+    """Random access to the samples of one raw (decompressed) shard file."""
+
+    def __init__(self, path: Path, entry: dict[str, Any], stream: str = "") -> None:
+        self.path, self.entry, self.stream = path, entry, stream
+        self.data = path.read_bytes()
+        n = entry["samples"]
+        if len(self.data) != entry["raw_data"]["bytes"]:
+            raise ShardCorruptError(
+                f"shard {path} of stream {stream or path.parent} is {len(self.data)} bytes, the index says "
+                f"{entry['raw_data']['bytes']}: truncated or replaced"
+            )
+        (count,) = struct.unpack_from("<I", self.data, 0)
+        if count != n:
+            raise ShardCorruptError(f"shard {path} of stream {stream or path.parent} holds {count} samples, "
+                                    f"the index says {n}")
+        self.offsets = np.frombuffer(self.data, dtype=np.uint32, count=n + 1, offset=4)
+        self.encodings = entry["column_encodings"]
+        self.names = entry["column_names"]
+        self.sizes = entry["column_sizes"]
+        self.variable = [i for i, s in enumerate(self.sizes) if s is None]
+
+    def __len__(self) -> int:
+        return self.entry["samples"]
+
+    def raw_sample(self, i: int) -> bytes:
+        return self.data[self.offsets[i] : self.offsets[i + 1]]
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        data = self.raw_sample(i)
+        lengths = struct.unpack_from(f"<{len(self.variable)}I", data, 0)
+        sizes = list(self.sizes)
+        for col, length in zip(self.variable, lengths):
+            sizes[col] = length
+        pos = 4 * len(self.variable)
+        sample = {}
+        for name, enc, size in zip(self.names, self.encodings, sizes):
+            sample[name] = encodings.decode(enc, data[pos : pos + size])
+            pos += size
+        return sample
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return (self[i] for i in range(len(self)))
+
+
+def verify_file(path: Path, info: dict[str, Any], stream: str = "") -> None:
+    """Check a shard file's size and every hash the index lists; raise naming the shard and stream."""
+    data = path.read_bytes()
+    if len(data) != info["bytes"]:
+        raise ShardCorruptError(f"shard {path} of stream {stream or path.parent} is {len(data)} bytes, the index "
+                                f"says {info['bytes']}: truncated or replaced")
+    for algo, expected in info.get("hashes", {}).items():
+        got = digest(algo, data)
+        if got != expected:
+            raise ShardCorruptError(f"shard {path} of stream {stream or path.parent}: {algo} is {got}, the index "
+                                    f"says {expected}")
+
+
+def decompress_shard(root: Path, entry: dict[str, Any], stream: str = "", validate_hash: bool = True) -> Path:
+    """Make sure the raw shard file exists under ``root`` (decompressing the zip if needed); return its path."""
+    raw = root / entry["raw_data"]["basename"]
+    if raw.exists():
+        return raw
+    zip_info = entry.get("zip_data")
+    if not zip_info:
+        raise StreamingError(f"shard {raw} of stream {stream or root} is missing")
+    packed = root / zip_info["basename"]
+    if validate_hash:
+        verify_file(packed, zip_info, stream)
+    try:
+        data = comp.decompress(entry["compression"], packed.read_bytes())
+    except Exception as exc:
+        raise ShardCorruptError(f"shard {packed} of stream {stream or root} does not decompress: {exc}") from exc
+    atomic_write(raw, data)
+    return raw
+
+
+def read_shard_samples(root: str | os.PathLike[str], validate_hash: bool = True) -> Iterator[dict[str, Any]]:
+    """Every sample of a local MDS directory, in order (checking hashes)."""
+    root = Path(root)
+    for entry in load_index(root / INDEX):
+        raw = decompress_shard(root, entry, validate_hash=validate_hash)
+        if validate_hash and not entry.get("zip_data"):
+            verify_file(raw, entry["raw_data"])
+        yield from ShardReader(raw, entry)
+
+
+def merge_index(root: str | os.PathLike[str], subdirs: list[str] | None = None) -> Path:
+    """Write ``root/index.json`` listing the shards of each ``root/<subdir>/index.json`` (parallel writers)."""
+    root = Path(root)
+    subdirs = subdirs or sorted(p.parent.name for p in root.glob("*/" + INDEX))
+    shards = []
+    for sub in subdirs:
+        for entry in load_index(root / sub / INDEX):
+            entry = json.loads(json.dumps(entry))
+            entry["raw_data"]["basename"] = f"{sub}/{entry['raw_data']['basename']}"
+            if entry.get("zip_data"):
+                entry["zip_data"]["basename"] = f"{sub}/{entry['zip_data']['basename']}"
+            shards.append(entry)
+    atomic_write(root / INDEX, json.dumps({"shards": shards, "version": 2}, sort_keys=True).encode())
+    return root / INDEX

@@ -1,0 +1,162 @@
+"""The epoch's sample order: shuffles over shards and canonical nodes, then the split over ranks and workers.
+
+Everything here is a pure NumPy function of (seed, epoch, shard layout, canonical nodes), so every rank and
+worker computes the same global order on its own: no shared memory, no lock files.
+
+The global order is cut into global batches of ``batch_size * data-parallel ranks`` samples; data-parallel
+rank ``r`` takes the ``r``-th slice of ``batch_size`` of each global batch, and DataLoader worker ``w`` of
+``W`` takes that rank's batches ``w, w + W, ...`` (which the DataLoader yields back in order). The global
+batches therefore depend only on the seed, the canonical nodes and the global batch size, never on how many
+nodes, ranks per node or workers share them. The order is padded with its own first samples to a whole
+number of global batches: that is the only repetition within an epoch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from smalti.streaming.errors import StreamingError
+
+SHUFFLES = ("naive", "py1s", "py2s", "py1br", "py1e")
+
+
+def default_block_size(num_canonical_nodes: int) -> int:
+    """mosaicml-streaming's default shuffle block: ``max(4_000_000 // NCN, 1 << 18)`` samples."""
+    return max(4_000_000 // max(num_canonical_nodes, 1), 1 << 18)
+
+
+def shuffle_order(shards: list[np.ndarray], algo: str, seed: int, epoch: int, num_canonical_nodes: int,
+                  block_size: int | None = None) -> np.ndarray:
+    """Shuffle the sample ids of ``shards`` (one id array per shard, in shard order) for ``epoch``.
+
+    ``naive`` permutes globally. The others keep shards together for cache locality: shards are ordered
+    once per run (``seed``), the sequence is cut into ``num_canonical_nodes`` contiguous pieces, each
+    epoch reorders the spans inside every piece, then shuffles samples locally: inside each span
+    (``py1s``), inside whole shards and again inside spans (``py2s``), inside blocks of random size around
+    ``block_size`` (``py1br``), or by a random shift of up to ``block_size / 2`` positions (``py1e``).
+    The pieces are then interleaved sample by sample.
+    """
+    if algo not in SHUFFLES:
+        raise StreamingError(f"shuffle_algo={algo!r} is not one of {', '.join(SHUFFLES)}")
+    if not shards:
+        return np.zeros(0, dtype=np.int64)
+    ids = np.concatenate(shards).astype(np.int64)
+    epoch_rng = np.random.default_rng(seed + epoch)
+    if algo == "naive":
+        return ids[epoch_rng.permutation(len(ids))]
+    block = block_size or default_block_size(num_canonical_nodes)
+    run_rng = np.random.default_rng(seed)
+    shard_ids = [np.asarray(s, dtype=np.int64) for s in shards]
+    if algo == "py2s":
+        shard_ids = [s[epoch_rng.permutation(len(s))] for s in shard_ids]
+    ordered = [shard_ids[i] for i in run_rng.permutation(len(shard_ids))]
+    sizes = np.array([len(s) for s in ordered])
+    flat = np.concatenate(ordered)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    cuts = np.linspace(0, len(flat), num_canonical_nodes + 1).round().astype(np.int64)
+    nodes = []
+    for lo, hi in zip(cuts[:-1], cuts[1:]):
+        bounds = np.unique(np.clip(np.concatenate([[lo, hi], starts]), lo, hi))
+        spans = [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        spans = [spans[i] for i in epoch_rng.permutation(len(spans))]
+        if algo in ("py1s", "py2s"):
+            spans = [s[epoch_rng.permutation(len(s))] for s in spans]
+        node = np.concatenate(spans) if spans else np.zeros(0, dtype=np.int64)
+        if algo == "py1br":
+            node = _shuffle_blocks(node, block, epoch_rng)
+        elif algo == "py1e":
+            keys = np.arange(len(node)) + epoch_rng.uniform(-block / 2, block / 2, len(node))
+            node = node[np.argsort(keys, kind="stable")]
+        nodes.append(node)
+    return interleave(nodes)
+
+
+def _shuffle_blocks(node: np.ndarray, block: int, rng: np.random.Generator) -> np.ndarray:
+    out, pos = [], 0
+    while pos < len(node):
+        size = max(1, int(rng.uniform(0.75 * block, 1.25 * block)))
+        part = node[pos : pos + size]
+        out.append(part[rng.permutation(len(part))])
+        pos += size
+    return np.concatenate(out) if out else node
+
+
+def interleave(nodes: list[np.ndarray]) -> np.ndarray:
+    """Take one sample from each canonical node in turn (nodes differ in length by at most one)."""
+    if not nodes:
+        return np.zeros(0, dtype=np.int64)
+    longest = max(len(n) for n in nodes)
+    grid = np.full((len(nodes), longest), -1, dtype=np.int64)
+    for i, n in enumerate(nodes):
+        grid[i, : len(n)] = n
+    flat = grid.T.reshape(-1)
+    return flat[flat >= 0]
+
+
+def pad_to_batches(order: np.ndarray, global_batch: int) -> np.ndarray:
+    """Repeat the order's first samples so its length is a multiple of ``global_batch``."""
+    if len(order) == 0:
+        return order
+    missing = (-len(order)) % global_batch
+    if missing:
+        order = np.concatenate([order, np.resize(order, missing)])
+    return order
+
+
+def rank_batches(order: np.ndarray, batch_size: int, dp_rank: int, dp_world: int, worker: int = 0,
+                 num_workers: int = 1) -> list[np.ndarray]:
+    """The batches of ``order`` (already padded) that data-parallel rank ``dp_rank``'s worker ``worker`` yields."""
+    global_batch = batch_size * dp_world
+    grid = order.reshape(-1, global_batch)[:, dp_rank * batch_size : (dp_rank + 1) * batch_size]
+    return list(grid[worker::num_workers])
+
+
+def stream_counts(sizes: list[int], weights: list[tuple[str, float | int | None]], epoch_size: int | None,
+                  seed: int) -> list[int]:
+    """Samples to take from each stream this epoch from its ``proportion``, ``repeat`` or ``choose``.
+
+    Proportions are relative and scaled to ``epoch_size`` (default: the total); leftovers from rounding go
+    to streams picked with ``seed``. ``repeat`` and ``choose`` are absolute; the kinds cannot be mixed.
+    """
+    kinds = {kind for kind, value in weights if value is not None}
+    if "proportion" in kinds and kinds - {"proportion"}:
+        raise StreamingError("streams mix proportion with repeat/choose; use relative or absolute weights, not both")
+    if "proportion" in kinds:
+        props = np.array([v if v is not None else 0.0 for _, v in weights], dtype=np.float64)
+        total = epoch_size or sum(sizes)
+        exact = props / props.sum() * total
+        counts = np.floor(exact).astype(np.int64)
+        short = total - counts.sum()
+        if short:
+            rng = np.random.default_rng(seed)
+            for i in rng.choice(len(counts), size=short, p=props / props.sum()):
+                counts[i] += 1
+        return counts.tolist()
+    counts = []
+    for size, (kind, value) in zip(sizes, weights):
+        if kind == "repeat" and value is not None:
+            counts.append(int(round(size * value)))
+        elif kind == "choose" and value is not None:
+            counts.append(int(value))
+        else:
+            counts.append(size)
+    if epoch_size is not None and sum(counts):
+        scale = epoch_size / sum(counts)
+        counts = [int(round(c * scale)) for c in counts]
+    return counts
+
+
+def select_samples(shards: list[np.ndarray], count: int, seed: int, epoch: int) -> list[np.ndarray]:
+    """``count`` samples of a stream as per-shard id arrays: whole copies, then a seeded random remainder."""
+    total = sum(len(s) for s in shards)
+    if total == 0 or count == 0:
+        return []
+    full, rest = divmod(count, total)
+    out = [s for _ in range(full) for s in shards]
+    if rest:
+        flat = np.concatenate(shards)
+        chosen = np.sort(np.random.default_rng(seed + epoch).choice(total, rest, replace=False))
+        picked = flat[chosen]
+        bounds = np.cumsum([len(s) for s in shards])[:-1]
+        out += [p for p in np.split(picked, np.searchsorted(chosen, bounds)) if len(p)]
+    return out

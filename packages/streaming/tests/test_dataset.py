@@ -1,0 +1,148 @@
+"""StreamingDataset: deterministic global batches on any topology, exact epochs, resumption, mixing, S3, cache."""
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from smalti.streaming import Stream, StreamingDataset, StreamingError
+from smalti.streaming.order import SHUFFLES, rank_batches
+
+
+def ids(ds, **loader_kw):
+    return [int(i) for batch in DataLoader(ds, batch_size=ds.batch_size, **loader_kw) for i in batch["id"]]
+
+
+def global_batches(local, nodes, ranks, workers, algo="py1e", epoch=0):
+    """Global batches as the union of every rank's batch, computed the way each rank's workers would."""
+    world = nodes * ranks
+    per_rank = []
+    for rank in range(world):
+        ds = StreamingDataset(local=str(local), batch_size=8, shuffle=True, shuffle_algo=algo, num_canonical_nodes=4,
+                              shuffle_block_size=64, rank=rank, world_size=world)
+        order = ds.epoch_order(epoch)
+        by_worker = [rank_batches(order, 8, rank, world, w, workers) for w in range(workers)]
+        # The DataLoader yields worker 0's first batch, then worker 1's, ...
+        per_rank.append([by_worker[b % workers][b // workers] for b in range(sum(map(len, by_worker)))])
+    return [sorted(np.concatenate([r[b] for r in per_rank]).tolist()) for b in range(len(per_rank[0]))]
+
+
+@pytest.mark.parametrize("algo", SHUFFLES)
+def test_same_global_batches_on_any_topology(dataset_dir, algo):
+    reference = global_batches(dataset_dir, 1, 4, 1, algo)
+    assert global_batches(dataset_dir, 2, 2, 1, algo) == reference
+    assert global_batches(dataset_dir, 4, 1, 3, algo) == reference
+    assert global_batches(dataset_dir, 2, 2, 3, algo) == reference
+
+
+def test_real_workers_yield_the_same_order(dataset_dir):
+    one = ids(StreamingDataset(local=str(dataset_dir), batch_size=8, shuffle=True, num_canonical_nodes=2))
+    three = ids(StreamingDataset(local=str(dataset_dir), batch_size=8, shuffle=True, num_canonical_nodes=2),
+                num_workers=3)
+    assert one == three
+
+
+def test_every_sample_once_per_epoch_plus_padding_and_epochs_differ(dataset_dir):
+    ds = StreamingDataset(local=str(dataset_dir), batch_size=8, shuffle=True, world_size=2, rank=0)
+    other = StreamingDataset(local=str(dataset_dir), batch_size=8, shuffle=True, world_size=2, rank=1)
+    first = ids(ds) + ids(other)
+    assert len(first) == 1008 and set(first) == set(range(1003))  # 5 samples of padding to whole global batches
+    assert len(ds) == 504
+    ds.set_epoch(1)
+    assert ids(ds) != first[:504]
+
+
+def test_resume_mid_epoch_yields_exactly_the_tail(dataset_dir):
+    full = ids(StreamingDataset(local=str(dataset_dir), batch_size=8, shuffle=True))
+    ds = StreamingDataset(local=str(dataset_dir), batch_size=8, shuffle=True)
+    ds.load_state_dict({"epoch": 0, "sample_in_epoch": 400, "num_canonical_nodes": 1, "shuffle_seed": 9176})
+    assert ids(ds) == full[400:]
+
+
+def test_state_dict_counts_yielded_samples(dataset_dir):
+    ds = StreamingDataset(local=str(dataset_dir), batch_size=8, shuffle=True)
+    it = iter(ds)
+    for _ in range(24):
+        next(it)
+    assert ds.state_dict() == {"epoch": 0, "sample_in_epoch": 24, "num_canonical_nodes": 1, "shuffle_seed": 9176}
+    with pytest.raises(StreamingError, match="num_canonical_nodes"):
+        ds.load_state_dict({"epoch": 0, "sample_in_epoch": 8, "num_canonical_nodes": 4, "shuffle_seed": 9176})
+
+
+def test_replication_gives_groups_identical_samples(dataset_dir):
+    got = [ids(StreamingDataset(local=str(dataset_dir), batch_size=8, shuffle=True, replication=2, rank=r,
+                                world_size=4)) for r in range(4)]
+    assert got[0] == got[1] and got[2] == got[3] and got[0] != got[2]
+    assert set(got[0]) | set(got[2]) == set(range(1003))
+
+
+def test_stream_mixing_counts(tmp_path, make_dataset):
+    write_dataset = make_dataset
+
+    a = write_dataset(tmp_path / "a", n=300)
+    b = write_dataset(tmp_path / "b", n=100)
+    offset = 300  # b's ids appear after a's in the global sample space
+    ds = StreamingDataset(streams=[Stream(local=str(a), proportion=1), Stream(local=str(b), proportion=3)],
+                          batch_size=10, shuffle=True, epoch_size=400)
+    got = ds.epoch_order(0)
+    from_b = int((got >= offset).sum())
+    assert len(got) == 400 and from_b == 300  # proportions 1:3 of 400, b upsampled 3x
+    ds = StreamingDataset(streams=[Stream(local=str(a), choose=50), Stream(local=str(b), repeat=2)], batch_size=10)
+    got = ds.epoch_order(0)
+    assert int((got < offset).sum()) == 50 and int((got >= offset).sum()) == 200
+
+
+@pytest.mark.parametrize("method", ["stratified", "per_stream", "device_per_stream"])
+def test_batching_methods_exact_counts(tmp_path, method, make_dataset):
+    write_dataset = make_dataset
+
+    a = write_dataset(tmp_path / "a", n=300)
+    b = write_dataset(tmp_path / "b", n=100)
+    ds = StreamingDataset(streams=[Stream(local=str(a)), Stream(local=str(b))], batch_size=4, world_size=2, rank=0,
+                          shuffle=True, batching_method=method)
+    batches = ds.epoch_order(0).reshape(-1, 8)
+    from_b = (batches >= 300).sum(1)
+    if method == "stratified":
+        assert set(from_b.tolist()) == {2}  # 8 * 100/400 of every global batch
+    elif method == "per_stream":
+        assert set(from_b.tolist()) <= {0, 8}
+    else:
+        per_device = (batches.reshape(-1, 4) >= 300).sum(1)
+        assert set(per_device.tolist()) <= {0, 4}
+
+
+def test_s3_remote_with_cache_limit(dataset_dir, s3_server, s3_bucket, tmp_path):
+    client = s3_server.client()
+    for path in dataset_dir.iterdir():
+        client.upload_file(str(path), s3_bucket, f"ds/{path.name}")
+    largest = max(p.stat().st_size for p in dataset_dir.iterdir())
+    with pytest.raises(StreamingError, match="cache_limit"):
+        StreamingDataset(remote=f"s3://{s3_bucket}/ds", local=str(tmp_path / "c0"), batch_size=8, cache_limit=100)
+    ds = StreamingDataset(remote=f"s3://{s3_bucket}/ds", local=str(tmp_path / "cache"), batch_size=8, shuffle=True,
+                          cache_limit=6 * largest)
+    got = ids(ds)
+    assert set(got) == set(range(1003))
+    cached = sum(p.stat().st_size for p in (tmp_path / "cache").glob("shard.*"))
+    assert cached <= 6 * largest
+    assert got == ids(StreamingDataset(local=str(dataset_dir), batch_size=8, shuffle=True))
+
+
+def test_s3_errors_and_slow_responses_still_give_exact_epoch(dataset_dir, s3_server, s3_bucket, faulty_s3, tmp_path):
+    client = s3_server.client()
+    for path in dataset_dir.iterdir():
+        client.upload_file(str(path), s3_bucket, f"ds/{path.name}")
+    ds = StreamingDataset(remote=f"s3://{s3_bucket}/ds", local=str(tmp_path / "cache"), batch_size=8, shuffle=True,
+                          download_retry=3)
+    got = ids(ds)
+    assert faulty_s3.failures > 0
+    assert got == ids(StreamingDataset(local=str(dataset_dir), batch_size=8, shuffle=True))
+
+
+def test_getitem_and_two_datasets_in_one_process(dataset_dir, tmp_path, make_dataset):
+    other = make_dataset(tmp_path / "other", n=10, compression=None)
+    a = StreamingDataset(local=str(dataset_dir), batch_size=4)
+    b = StreamingDataset(local=str(other), batch_size=4)
+    assert a[500]["id"] == 500 and b[3]["id"] == 3
+    assert torch.equal(torch.as_tensor(a[7]["x"]), torch.full((4,), 7.0))
+    with pytest.raises(IndexError):
+        b[10]
