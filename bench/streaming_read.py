@@ -1,0 +1,135 @@
+"""Epoch read throughput of smalti-streaming against mosaicml-streaming 0.13.0, same data, same run.
+
+Writes one tokenized MDS dataset (``--samples`` samples of 2048 uint16 tokens, zstd), then iterates one full
+shuffled epoch (py1e, batch 32, one rank, 2 DataLoader workers) with each library: from local disk, then
+from a loopback S3 endpoint (moto) with an empty cache. mosaicml-streaming runs in its own virtual
+environment, created by this script under ``.bench-venvs/`` (it pins numpy<2.2). Prints samples/s, MB/s,
+the ratio smalti / mosaic and the time to the first batch.
+
+    python bench/streaming_read.py [--samples 20000] [--skip-s3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV = ROOT / ".bench-venvs" / "mosaicml-streaming"
+SEQ = 2048
+
+READER = r"""
+import json, sys, time
+from torch.utils.data import DataLoader
+kind, remote, local = sys.argv[1], sys.argv[2], sys.argv[3]
+remote = None if remote == "-" else remote
+if kind == "mosaic":
+    from streaming import StreamingDataset
+    ds = StreamingDataset(remote=remote, local=local, batch_size=32, shuffle=True, shuffle_algo="py1e",
+                          num_canonical_nodes=1, predownload=256)
+else:
+    from smalti.streaming import StreamingDataset
+    ds = StreamingDataset(remote=remote, local=local, batch_size=32, shuffle=True, shuffle_algo="py1e",
+                          num_canonical_nodes=1, predownload=256)
+start = time.perf_counter()
+first = None
+n = 0
+for batch in DataLoader(ds, batch_size=32, num_workers=2):
+    if first is None:
+        first = time.perf_counter() - start
+    n += len(batch["tokens"])
+total = time.perf_counter() - start
+print(json.dumps({"samples": n, "seconds": total, "first_batch": first}))
+"""
+
+
+def ensure_mosaic_venv() -> Path:
+    python = VENV / "bin" / "python"
+    if python.exists():
+        return python
+    subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+    pip = [str(python), "-m", "pip", "install", "-q"]
+    subprocess.run(pip + ["torch==2.13.0"], check=True)
+    subprocess.run(pip + ["mosaicml-streaming==0.13.0", "boto3"], check=True)
+    return python
+
+
+def write_data(path: Path, samples: int) -> int:
+    from smalti.streaming import MDSWriter
+
+    rng = np.random.default_rng(0)
+    with MDSWriter(path, {"tokens": f"ndarray:uint16:{SEQ}"}, compression="zstd", hashes=["xxh64"],
+                   size_limit="32mb") as writer:
+        for _ in range(samples):
+            writer.write({"tokens": rng.integers(0, 50000, SEQ, dtype=np.uint16)})
+    return sum(p.stat().st_size for p in path.iterdir())
+
+
+def read(python: str, kind: str, remote: str | None, local: Path, env: dict[str, str]) -> dict[str, float]:
+    out = subprocess.run([python, "-c", READER, kind, remote or "-", str(local)], capture_output=True, text=True,
+                         env={**os.environ, **env}, timeout=3600)
+    if out.returncode != 0:
+        raise RuntimeError(f"{kind} reader failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def report(title: str, ours: dict[str, float], theirs: dict[str, float], mb_per_sample: float) -> None:
+    o, t = ours["samples"] / ours["seconds"], theirs["samples"] / theirs["seconds"]
+    print(f"\n{title}")
+    print(f"  smalti-streaming    {o:10.0f} samples/s  {o * mb_per_sample:8.1f} MB/s  first batch {ours['first_batch']:.2f} s")
+    print(f"  mosaicml-streaming  {t:10.0f} samples/s  {t * mb_per_sample:8.1f} MB/s  first batch {theirs['first_batch']:.2f} s")
+    print(f"  ratio smalti / mosaic = {o / t:.2f}   time to first batch ratio = {ours['first_batch'] / theirs['first_batch']:.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--samples", type=int, default=20000)
+    parser.add_argument("--skip-s3", action="store_true")
+    args = parser.parse_args()
+    mosaic = str(ensure_mosaic_venv())
+    work = Path(tempfile.mkdtemp(prefix="bench-streaming-"))
+    try:
+        data = work / "data"
+        size = write_data(data, args.samples)
+        mb_per_sample = SEQ * 2 / 1e6
+        print(f"dataset: {args.samples} samples x {SEQ} uint16 tokens, {size / 1e6:.0f} MB zstd, in {data}")
+        # Local: each library reads the same directory (decompressed shards are created on the first read,
+        # so each library gets its own copy of the zipped shards).
+        for kind in ("smalti", "mosaic"):
+            shutil.copytree(data, work / f"local-{kind}")
+        ours = read(sys.executable, "smalti", None, work / "local-smalti", {})
+        theirs = read(mosaic, "mosaic", None, work / "local-mosaic", {})
+        report("local disk, full shuffled epoch (py1e, batch 32, 2 workers)", ours, theirs, mb_per_sample)
+        if args.skip_s3:
+            return
+        sys.path.insert(0, str(ROOT / "packages" / "testing" / "src"))
+        from smalti.testing.servers import start_s3_server
+
+        server = start_s3_server()
+        try:
+            client = server.client()
+            client.create_bucket(Bucket="bench")
+            for path in data.iterdir():
+                client.upload_file(str(path), "bench", f"ds/{path.name}")
+            env = {k: os.environ[k] for k in ("S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                              "AWS_DEFAULT_REGION")}
+            ours = read(sys.executable, "smalti", "s3://bench/ds", work / "s3-smalti", env)
+            theirs = read(mosaic, "mosaic", "s3://bench/ds", work / "s3-mosaic", env)
+            report("loopback S3 (moto), empty cache", ours, theirs, mb_per_sample)
+        finally:
+            server.stop()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
