@@ -8,6 +8,7 @@ variable-size columns followed by every column's bytes, columns in sorted-name o
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import shutil
 import struct
@@ -195,7 +196,8 @@ class ShardReader:
 
     def __init__(self, path: Path, entry: dict[str, Any], stream: str = "") -> None:
         self.path, self.entry, self.stream = path, entry, stream
-        self.data = path.read_bytes()
+        with open(path, "rb") as f:  # mapped, not read: opening a shard costs nothing until samples are touched
+            self.data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.path.getsize(path) else b""
         n = entry["samples"]
         if len(self.data) != entry["raw_data"]["bytes"]:
             raise ShardCorruptError(
