@@ -146,3 +146,29 @@ def test_getitem_and_two_datasets_in_one_process(dataset_dir, tmp_path, make_dat
     assert torch.equal(torch.as_tensor(a[7]["x"]), torch.full((4,), 7.0))
     with pytest.raises(IndexError):
         b[10]
+
+
+def test_curriculum_changes_proportions_at_an_epoch(tmp_path, make_dataset):
+    a = make_dataset(tmp_path / "a", n=300)
+    b = make_dataset(tmp_path / "b", n=100)
+    ds = StreamingDataset(streams=[Stream(local=str(a), proportion=3), Stream(local=str(b), proportion=1)],
+                          batch_size=10, shuffle=True, epoch_size=400,
+                          proportion_schedule=[{"at": "2ep", "proportions": [1, 3]}])
+    from_b = [int((ds.epoch_order(e) >= 300).sum()) for e in range(3)]
+    assert from_b == [100, 100, 300]  # high-quality stream b upsampled from epoch 2 on
+    with pytest.raises(StreamingError, match="whole number of epochs"):
+        StreamingDataset(streams=[Stream(local=str(a)), Stream(local=str(b))], proportion_schedule=[{"at": "0.5dur"}])
+
+
+def test_leaves_no_shared_memory_or_lock_files(dataset_dir, tmp_path):
+    import glob
+    import tempfile
+
+    def leftovers():
+        return set(glob.glob("/dev/shm/*")) | set(glob.glob(f"{tempfile.gettempdir()}/*lock*"))
+
+    before = leftovers()
+    ds = StreamingDataset(local=str(dataset_dir), batch_size=8, shuffle=True)
+    assert len(ids(ds, num_workers=2)) == 1008
+    assert leftovers() == before
+    assert not list(dataset_dir.glob("*.tmp"))

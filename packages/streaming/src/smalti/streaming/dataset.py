@@ -115,6 +115,7 @@ class StreamingDataset(IterableDataset):
         allow_unsafe_types: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
+        proportion_schedule: list[dict[str, Any]] | None = None,
     ) -> None:
         if streams is None:
             if remote is None and local is None:
@@ -145,6 +146,7 @@ class StreamingDataset(IterableDataset):
         self.download_retry, self.download_timeout = download_retry, download_timeout
         self.validate_hash = validate_hash
         self.allow_unsafe_types = allow_unsafe_types
+        self.proportion_schedule = self._check_schedule(proportion_schedule or [], len(streams))
         self.epoch = 0
         self._resume: tuple[int, int] | None = None
         self._yielded = 0
@@ -175,6 +177,31 @@ class StreamingDataset(IterableDataset):
         self._readers: OrderedDict[int, ShardReader] = OrderedDict()
         self._access: dict[int, int] = {}
         self._clock = 0
+
+    @staticmethod
+    def _check_schedule(schedule: list[dict[str, Any]], num_streams: int) -> list[tuple[int, list[float]]]:
+        """``[{"at": "2ep", "proportions": [1, 3]}, ...]`` -> sorted ``(epoch, proportions)``."""
+        out = []
+        for item in schedule:
+            at = str(item.get("at", ""))
+            if not at.endswith("ep") or not at[:-2].isdigit():
+                raise StreamingError(f"proportion_schedule: 'at' must be a whole number of epochs like '2ep', got {at!r}")
+            props = [float(p) for p in item.get("proportions", [])]
+            if len(props) != num_streams or min(props, default=0) < 0 or not sum(props):
+                raise StreamingError(f"proportion_schedule at {at}: give {num_streams} non-negative proportions, "
+                                     f"got {item.get('proportions')}")
+            out.append((int(at[:-2]), props))
+        return sorted(out)
+
+    def weights_for_epoch(self, epoch: int) -> list[tuple[str, float | int | None]]:
+        """The streams' weights in ``epoch``: their own, or the latest ``proportion_schedule`` entry reached."""
+        chosen = None
+        for start, props in self.proportion_schedule:
+            if epoch >= start:
+                chosen = props
+        if chosen is None:
+            return [s.weight for s in self.streams]
+        return [("proportion", p) for p in chosen]
 
     # ------------------------------------------------------------------ index and shards
 
@@ -282,7 +309,7 @@ class StreamingDataset(IterableDataset):
         """The global sample order of ``epoch``, padded to whole global batches."""
         global_batch = self.batch_size * self.dp_world
         sizes = [sum(self._shards[s][1]["samples"] for s in ids) for ids in self._stream_shards]
-        counts = stream_counts(sizes, [s.weight for s in self.streams], self.epoch_size, self.shuffle_seed + epoch)
+        counts = stream_counts(sizes, self.weights_for_epoch(epoch), self.epoch_size, self.shuffle_seed + epoch)
         per_stream = [select_samples(self._shard_ids(ids), n, self.shuffle_seed + 1000 * si, epoch)
                       for si, (ids, n) in enumerate(zip(self._stream_shards, counts))]
 
