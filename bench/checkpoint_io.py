@@ -1,0 +1,150 @@
+"""Checkpoint I/O against the raw disk, measured in the same run.
+
+Prints, for a training state of ``--size-gib`` (default 1 GiB: fp32 parameters plus AdamW's two moments,
+after one real optimizer step) on the disk that holds
+``--dir``: raw write bandwidth (write + fsync of one file), smalti-checkpoint's synchronous save
+throughput (DCP write + sha256 of every file + manifest), raw read bandwidth, load throughput (manifest
+verification + DCP read into the model), and with ``async_save`` the time the training loop is blocked
+as a fraction of a synchronous save. Goals (issue 5): save >= 0.8 x raw write, blocked <= 0.1 x sync save.
+
+    python bench/checkpoint_io.py --size-gib 1 --dir /tmp/bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+class Blob(nn.Module):
+    """A model whose parameters add up to ``size`` bytes of fp32, in ``pieces`` tensors."""
+
+    def __init__(self, size: int, pieces: int = 16) -> None:
+        super().__init__()
+        per = size // 4 // pieces
+        self.weights = nn.ParameterList(nn.Parameter(torch.randn(per)) for _ in range(pieces))
+
+    def forward(self, batch):
+        return sum(w.sum() for w in self.weights) * batch[0].sum()
+
+    def loss(self, outputs, batch):
+        return outputs
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def raw_write(path: Path, data: memoryview) -> float:
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return time.perf_counter() - start
+
+
+def raw_read(path: Path) -> float:
+    start = time.perf_counter()
+    with open(path, "rb") as f:
+        while f.read(64 << 20):
+            pass
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-gib", type=float, default=1.0)
+    parser.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="DCP writer threads")
+    args = parser.parse_args()
+
+    from smalti.checkpoint import Checkpointer
+    from smalti.core import Trainer
+
+    root = Path(args.dir or tempfile.mkdtemp(prefix="ckpt-bench-"))
+    root.mkdir(parents=True, exist_ok=True)
+    size = int(args.size_gib * (1 << 30))
+    torch.manual_seed(0)
+    model = Blob(size // 3)  # weights + exp_avg + exp_avg_sq = size
+    nbytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
+    raw_data = memoryview(torch.randn(nbytes // 4).numpy().view("uint8"))
+    optimizer = functools.partial(torch.optim.AdamW, lr=1e-3)
+    batches = [(torch.ones(1), torch.ones(1))]
+
+    def trained(checkpointer):
+        trainer = Trainer(model, batches, "1ba", optimizers=optimizer, callbacks={"checkpoint": checkpointer}, loggers=[])
+        trainer.fit()  # one real step: the optimizer state exists, as in training
+        return trainer
+
+    class Log:
+        def log_metrics(self, metrics, step=None):
+            pass
+
+    results: dict[str, list[float]] = {k: [] for k in ("raw_write", "save", "raw_read", "load", "async_blocked", "async_total")}
+    cold = drop_caches()
+    for rep in range(args.repeats):
+        raw_file = root / f"raw-{rep}.bin"
+        results["raw_write"].append(raw_write(raw_file, raw_data))
+        drop_caches()
+        results["raw_read"].append(raw_read(raw_file))
+        raw_file.unlink()
+
+        folder = root / f"sync-{rep}"
+        ck = Checkpointer(str(folder), save_interval=None, save_on_fit_end=False, thread_count=args.threads)
+        trainer = trained(ck)
+        start = time.perf_counter()
+        ck.save(trainer.state, Log())
+        results["save"].append(time.perf_counter() - start)
+        saved_bytes = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+        drop_caches()
+        loader = Checkpointer(load_path=str(folder), save_interval=None, save_on_fit_end=False)
+        start = time.perf_counter()
+        trainer = Trainer(model, batches, "1ba", optimizers=optimizer, callbacks={"checkpoint": loader}, loggers=[])
+        results["load"].append(time.perf_counter() - start)
+        trainer.close()
+        shutil.rmtree(folder)
+
+        folder = root / f"async-{rep}"
+        ck = Checkpointer(str(folder), save_interval=None, save_on_fit_end=False, async_save=True, thread_count=args.threads)
+        trainer = trained(ck)
+        start = time.perf_counter()
+        ck.save(trainer.state, Log())
+        results["async_blocked"].append(time.perf_counter() - start)
+        ck.wait()
+        results["async_total"].append(time.perf_counter() - start)
+        shutil.rmtree(folder)
+
+    med = {k: statistics.median(v) for k, v in results.items()}
+    gb = nbytes / 1e9
+    print(f"state: {nbytes / (1 << 30):.3f} GiB (checkpoint {saved_bytes / (1 << 30):.3f} GiB on disk); dir {root}; "
+          f"page cache dropped before reads: {cold}; median of {args.repeats}")
+    print(f"raw write (write+fsync)      {gb / med['raw_write']:8.2f} GB/s  ({med['raw_write']:.3f} s)")
+    print(f"save (DCP+sha256+manifest)   {gb / med['save']:8.2f} GB/s  ({med['save']:.3f} s)   ratio {med['raw_write'] / med['save']:.2f} (goal >= 0.8)")
+    print(f"raw read                     {gb / med['raw_read']:8.2f} GB/s  ({med['raw_read']:.3f} s)")
+    print(f"load (verify sha256 + DCP)   {gb / med['load']:8.2f} GB/s  ({med['load']:.3f} s)   ratio {med['raw_read'] / med['load']:.2f}")
+    print(f"async save: blocked {med['async_blocked']:.3f} s, total {med['async_total']:.3f} s; "
+          f"blocked / sync save = {med['async_blocked'] / med['save']:.3f} (goal <= 0.1)")
+    if not args.dir:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

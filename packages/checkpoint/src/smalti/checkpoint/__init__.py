@@ -1,0 +1,17 @@
+"""smalti-checkpoint: sharded, async, verifiable checkpoints through torch.distributed.checkpoint.
+
+``Checkpointer`` is the callback ``smalti-train checkpoint=dcp`` builds. A checkpoint is a folder
+``ep{epoch}-ba{batch}`` whose ``manifest.json`` (sizes and sha256 of every file) is written last.
+"""
+
+__version__ = "0.1.0"
+
+from smalti.checkpoint.checkpointer import Checkpointer  # noqa: E402
+from smalti.checkpoint.errors import (  # noqa: E402
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointUploadError,
+    ReshardError,
+)
+
+__all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointUploadError", "Checkpointer", "ReshardError"]

@@ -1,0 +1,460 @@
+"""The ``Checkpointer`` callback: when to save, the commit protocol, retention, loading and autoresume."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from smalti.checkpoint import state_io
+from smalti.checkpoint.errors import CheckpointError
+from smalti.checkpoint.manifest import VERIFY_LEVELS, build_manifest, hash_files, write_json_atomic
+from smalti.checkpoint.naming import MANIFEST_NAME, folder_name, sort_key
+from smalti.checkpoint.resume import Found, default_cache_dir, newest_good, resolve_load_path
+from smalti.checkpoint.storage import S3Store, open_store
+from smalti.core import distributed
+from smalti.core.errors import ConfigError
+from smalti.core.intervals import interval_fires
+from smalti.core.plugins import Callback
+from smalti.core.time import Time
+
+log = logging.getLogger(__name__)
+
+
+def retained(names: list[str], keep_last_n: int, keep_every_n: int | None) -> set[str]:
+    """The committed checkpoint names that retention keeps: the newest ``keep_last_n`` (all when < 0),
+    plus every one whose batch count is a multiple of ``keep_every_n``."""
+    ordered = sorted(names, key=sort_key)
+    keep = set(ordered if keep_last_n < 0 else ordered[len(ordered) - keep_last_n :] if keep_last_n else [])
+    if keep_every_n:
+        keep |= {n for n in ordered if sort_key(n)[0] % keep_every_n == 0}
+    return keep
+
+
+class Checkpointer(Callback):
+    """Sharded, verifiable checkpoints of the whole run state through ``torch.distributed.checkpoint``.
+
+    Args:
+        save_folder: local directory or ``s3://bucket/prefix``; ``None`` saves nothing (load only).
+        save_interval: cadence as a :class:`~smalti.core.time.Time` (``"500ba"``, ``"1ep"``); ``None`` for none.
+        save_on_fit_end: also save when training ends (unless that batch was just saved).
+        save_on_signal: signal names (``SIGTERM``, ``SIGUSR1``) that make every rank save after the current
+            batch and then stop (preemption).
+        async_save: stage to host memory and write/upload in the background; the next save waits.
+        keep_last_n: keep the newest N committed checkpoints (``-1``: all). Deletes happen only after a
+            newer checkpoint is committed.
+        keep_every_n: additionally keep every checkpoint whose batch count is a multiple of N.
+        load_path: checkpoint folder, or a save folder (its newest good checkpoint), local or ``s3://``.
+        load_weights_only: load the model weights only (no optimizer, time, RNG, data position).
+        load_ignore_keys: glob patterns of what not to load: ``model.<fqn>``, ``optim``, ``timestamp``,
+            ``schedulers``, ``rng``, ``dataloader``, ``grad_scaler``, ``plugins.<name>``.
+        load_strict: fail when model keys differ between the run and the checkpoint.
+        autoresume: load the newest committed, verified checkpoint of ``save_folder`` when there is one
+            (a corrupt or partial newest one is reported and skipped); else ``load_path``.
+        verify: ``manifest`` (sizes and sha256 of every file) or ``full`` (also DCP metadata consistency);
+            ``none`` only checks that a manifest exists.
+        local_cache_dir: where remote checkpoints are staged and downloaded (default: a temp dir per folder).
+        thread_count: DCP writer threads per rank.
+        s3_retries, s3_multipart_mb, timeout_s: object-store retries, multipart threshold and time-outs.
+    """
+
+    def __init__(
+        self,
+        save_folder: str | None = None,
+        save_interval: str | Time | None = "1ep",
+        save_on_fit_end: bool = True,
+        save_on_signal: list[str] | None = None,
+        async_save: bool = False,
+        keep_last_n: int = -1,
+        keep_every_n: int | None = None,
+        load_path: str | None = None,
+        load_weights_only: bool = False,
+        load_ignore_keys: list[str] | None = None,
+        load_strict: bool = True,
+        autoresume: bool = False,
+        verify: str = "manifest",
+        local_cache_dir: str | None = None,
+        thread_count: int = 1,
+        s3_retries: int = 5,
+        s3_multipart_mb: int = 64,
+        timeout_s: float = 600,
+    ) -> None:
+        if verify not in VERIFY_LEVELS:
+            raise ConfigError(f"checkpoint.verify={verify!r} must be one of {', '.join(VERIFY_LEVELS)}")
+        if autoresume and not save_folder:
+            raise ConfigError("checkpoint.autoresume=true needs checkpoint.save_folder (where to look for checkpoints)")
+        self.save_folder = str(save_folder) if save_folder else None
+        self.save_interval = Time.from_input(save_interval) if save_interval else None
+        self.save_on_fit_end = save_on_fit_end
+        self.signals = [self._signal_number(name) for name in (save_on_signal or [])]
+        self.async_save = async_save
+        self.keep_last_n = keep_last_n
+        self.keep_every_n = keep_every_n
+        self.load_path = load_path
+        self.load_weights_only = load_weights_only
+        self.load_ignore_keys = list(load_ignore_keys or [])
+        self.load_strict = load_strict
+        self.autoresume = autoresume
+        self.verify = verify
+        self.thread_count = thread_count
+        self.timeout_s = timeout_s
+        self.s3_options = {"retries": s3_retries, "multipart_threshold_mb": s3_multipart_mb, "timeout_s": min(timeout_s, 120)}
+        self.store = open_store(self.save_folder, **self._s3(self.save_folder)) if self.save_folder else None
+        if local_cache_dir:
+            self.cache_dir = Path(local_cache_dir)
+        else:
+            self.cache_dir = default_cache_dir(self.store.url if self.store else "load")
+        self.loaded: Found | None = None
+        self.committed: list[str] = []
+        self._group: Any = None
+        self._writer_group: Any = None
+        self._is_writer = True
+        self._rank = 0
+        self._world = 1
+        self._last_saved_batch = -1
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._metrics: list[dict[str, float]] = []
+        self._lock = threading.Lock()
+        self._signal_flag = 0
+        self._signal_save = False
+        self._stop_after_save = False
+        self._old_handlers: dict[int, Any] = {}
+        self._failed = False
+        self._last_batch_end: float | None = None
+
+    # ------------------------------------------------------------------ helpers
+
+    def _s3(self, url: str | None) -> dict[str, Any]:
+        return self.s3_options if url and url.startswith("s3://") else {}
+
+    @staticmethod
+    def _signal_number(name: str | int) -> int:
+        if isinstance(name, int):
+            return name
+        try:
+            return int(getattr(signal.Signals, str(name).upper()))
+        except AttributeError:
+            raise ConfigError(f"checkpoint.save_on_signal has {name!r}, which is not a signal name (SIGTERM, SIGUSR1, ...)") from None
+
+    def _setup_groups(self, state: Any) -> None:
+        self._rank, self._world = state.rank, state.world_size
+        if not distributed.is_initialized() or self._group is not None:
+            return
+        self._group = state_io.gloo_group(None, self.timeout_s)
+        self._writer_group = self._group
+        mesh = state.device_mesh
+        names = list(getattr(mesh, "mesh_dim_names", None) or [])
+        if mesh is not None and "dp_replicate" in names and mesh.size(names.index("dp_replicate")) > 1:
+            writers = mesh.mesh.select(names.index("dp_replicate"), 0).flatten().tolist()
+            # new_group is collective: every rank calls it, only the first replica group is a member.
+            self._writer_group = state_io.gloo_group(writers, self.timeout_s)
+            self._is_writer = self._rank in writers
+
+    def _broadcast(self, value: Any) -> Any:
+        if self._group is None:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        return box[0]
+
+    def _barrier(self) -> None:
+        if self._group is not None:
+            dist.barrier(group=self._group)
+
+    def _staging(self, name: str) -> Path:
+        assert self.store is not None
+        if isinstance(self.store, S3Store):
+            return self.cache_dir / "staging" / name
+        return self.store.folder(name)
+
+    # ------------------------------------------------------------------ set-up and loading
+
+    def on_init(self, state: Any, logger: Any) -> None:
+        if self.signals and threading.current_thread() is threading.main_thread():
+            for signum in self.signals:
+                self._old_handlers[signum] = signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._signal_flag = signum
+        log.warning("received %s: saving a checkpoint after this batch, then stopping", signal.Signals(signum).name)
+
+    def on_before_load(self, state: Any, logger: Any) -> None:
+        self._setup_groups(state)
+        start = time.perf_counter()
+        found, autoresumed = self._choose_checkpoint()
+        if found is None:
+            return
+        if self._rank != 0 and not (found.folder / MANIFEST_NAME).is_file():
+            # another node: fetch our own copy of what rank 0 chose
+            found = resolve_load_path(found.source, self.cache_dir, self.verify, **self._s3(found.source))
+        weights_only = self.load_weights_only and not autoresumed  # resuming this run restores everything
+        state_io.load_checkpoint(
+            state, found.folder, found.manifest, self._group, weights_only=weights_only,
+            ignore_keys=self.load_ignore_keys, strict=self.load_strict,
+        )
+        self.loaded = found
+        if not weights_only:
+            self._last_saved_batch = state.timestamp.batch
+        seconds = time.perf_counter() - start
+        logger.log_metrics({"checkpoint/load_s": seconds})
+        if self._rank == 0:
+            log.info("loaded checkpoint %s in %.2f s; resuming at epoch %d, batch %d", found.source, seconds,
+                     state.timestamp.epoch, state.timestamp.batch)
+
+    def _choose_checkpoint(self) -> tuple[Found | None, bool]:
+        """Rank 0 finds and verifies what to load; every rank gets its answer (or its error)."""
+        choice: Any = None
+        if self._rank == 0:
+            try:
+                found, autoresumed = None, False
+                if self.autoresume and self.store is not None:
+                    found = newest_good(self.store, self.cache_dir, self.verify)
+                    autoresumed = found is not None
+                    if found is None:
+                        log.info("autoresume: no committed checkpoint in %s yet", self.store.url)
+                if found is None and self.load_path:
+                    found = resolve_load_path(self.load_path, None, self.verify, **self._s3(self.load_path))
+                choice = (found, autoresumed)
+            except Exception as exc:  # sent to every rank so they fail together
+                choice = exc
+        choice = self._broadcast(choice)
+        if isinstance(choice, BaseException):
+            raise choice
+        return choice if choice is not None else (None, False)
+
+    # ------------------------------------------------------------------ deciding when to save
+
+    def on_batch_end(self, state: Any, logger: Any) -> None:
+        now = time.perf_counter()
+        in_flight = self._thread is not None and self._thread.is_alive()
+        metrics: dict[str, float] = {}
+        if in_flight and self._last_batch_end is not None:
+            metrics["checkpoint/step_time_in_flight_s"] = now - self._last_batch_end
+        self._last_batch_end = now
+        with self._lock:
+            pending, self._metrics = self._metrics, []
+        for item in pending:
+            metrics.update(item)
+        if metrics:
+            logger.log_metrics(metrics)
+        if self.signals:
+            self._signal_save = bool(distributed.all_reduce_max(int(self._signal_flag), state.device))
+
+    def should_checkpoint(self, state: Any, event: Any) -> bool | None:
+        event = str(event)
+        if event == "batch_end":
+            if self._signal_save:
+                return True
+            if self.save_interval is not None and interval_fires(self.save_interval, state, "batch_end"):
+                return True
+        elif event == "epoch_end":
+            if self.save_interval is not None and interval_fires(self.save_interval, state, "epoch_end"):
+                return True
+        elif event == "fit_end" and self.save_on_fit_end:
+            return True
+        return None
+
+    def should_stop(self, state: Any) -> bool | None:
+        return True if self._stop_after_save else None
+
+    def on_batch_checkpoint(self, state: Any, logger: Any) -> None:
+        if state.checkpoint_requested:
+            self.save(state, logger)
+            if self._signal_save:
+                self._stop_after_save = True
+
+    def on_epoch_checkpoint(self, state: Any, logger: Any) -> None:
+        if state.checkpoint_requested:
+            self.save(state, logger)
+
+    def on_fit_end(self, state: Any, logger: Any) -> None:
+        if state.checkpoint_requested:
+            self.save(state, logger)
+        self.wait()
+        self._flush_metrics(logger)
+
+    def on_exception(self, state: Any, logger: Any, exc: BaseException) -> None:
+        self._failed = True
+
+    def on_close(self, state: Any, logger: Any) -> None:
+        for signum, handler in self._old_handlers.items():
+            signal.signal(signum, handler)
+        self._old_handlers.clear()
+        if not self._failed:
+            self.wait()
+
+    def _flush_metrics(self, logger: Any) -> None:
+        with self._lock:
+            pending, self._metrics = self._metrics, []
+        for item in pending:
+            logger.log_metrics(item)
+
+    # ------------------------------------------------------------------ saving
+
+    def save(self, state: Any, logger: Any) -> None:
+        """Save ``state`` now as ``ep{epoch}-ba{batch}`` (no-op when that batch is already saved or no save folder)."""
+        if self.store is None or state.timestamp.batch == self._last_saved_batch:
+            return
+        start = time.perf_counter()
+        self.wait()
+        waited = time.perf_counter() - start
+        name = folder_name(state.timestamp.epoch, state.timestamp.batch)
+        staging = self._staging(name)
+        if self._rank == 0:
+            self._clear_stale(name, staging)
+        self._barrier()
+        staging.mkdir(parents=True, exist_ok=True)
+        state_io.write_rank_local_state(staging, state)
+        info = {
+            "name": name,
+            "timestamp": state.timestamp.state_dict(),
+            "world_size": state.world_size,
+            "mesh_shape": list(state.device_mesh.mesh.shape) if state.device_mesh is not None else [],
+            "mesh_dim_names": list(state.device_mesh.mesh_dim_names or []) if state.device_mesh is not None else [],
+            "run_name": state.run_name,
+            "start": start,
+        }
+        self._last_saved_batch = state.timestamp.batch
+        future = None
+        if self._is_writer:
+            state_dict = state_io.dcp_state_dict(state)
+            if self.async_save:
+                future = state_io.async_save_dcp(state_dict, staging, self._writer_group, self.thread_count)
+            else:
+                state_io.save_dcp(state_dict, staging, self._writer_group, self.thread_count)
+        if self.async_save:
+            self._error = None
+            self._thread = threading.Thread(
+                target=self._finalize_in_background, args=(future, staging, info), name=f"smalti-checkpoint-{name}", daemon=True
+            )
+            self._thread.start()
+            blocked = time.perf_counter() - start
+            logger.log_metrics({"checkpoint/blocked_s": blocked, "checkpoint/wait_previous_s": waited})
+        else:
+            self._finalize(None, staging, info)
+            blocked = time.perf_counter() - start
+            logger.log_metrics({"checkpoint/blocked_s": blocked})
+
+    def _clear_stale(self, name: str, staging: Path) -> None:
+        """Remove what an interrupted earlier save of the same name left, before writing anew."""
+        assert self.store is not None
+        if staging.exists():
+            (staging / MANIFEST_NAME).unlink(missing_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(self.store, S3Store) and name in self.store.list_names():
+            log.warning("overwriting %s/%s, left by an earlier save of the same batch", self.store.url, name)
+            self.store.delete(name)
+
+    def wait(self) -> None:
+        """Block until the save in flight is committed; re-raise its error here, in the training thread."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout=self.timeout_s)
+            if thread.is_alive():
+                raise CheckpointError(
+                    f"the checkpoint save in flight did not finish within timeout_s={self.timeout_s:.0f} s "
+                    "(slow storage or a stuck rank); raise checkpoint.timeout_s or check the other ranks' logs"
+                )
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _finalize_in_background(self, future: Any, staging: Path, info: dict[str, Any]) -> None:
+        try:
+            self._finalize(future, staging, info)
+        except BaseException as exc:
+            log.error("asynchronous checkpoint %s failed: %s", info["name"], exc)
+            self._error = exc
+
+    def _my_files(self, staging: Path) -> list[str]:
+        files = [state_io.extra_relpath(self._rank)]
+        if self._is_writer:
+            writer_rank = dist.get_rank(group=self._writer_group) if self._writer_group is not None else 0
+            files += sorted(p.name for p in staging.glob(f"__{writer_rank}_*.distcp"))
+            if writer_rank == 0:
+                files.append(".metadata")
+        return files
+
+    def _finalize(self, future: Any, staging: Path, info: dict[str, Any]) -> None:
+        """Hash (and upload) this rank's files, then rank 0 writes the manifest last, moves ``latest`` and prunes."""
+        assert self.store is not None
+        name = info["name"]
+        records: dict[str, Any] = {}
+        error = None
+        try:
+            if future is not None:
+                future.result(timeout=self.timeout_s)
+            mine = self._my_files(staging)
+            records = hash_files(staging, mine)
+            if isinstance(self.store, S3Store):
+                for rel in mine:
+                    self.store.upload_file(staging / rel, f"{name}/{rel}")
+        except Exception as exc:
+            error = f"rank {self._rank}: {exc}"
+        gathered = [(records, error)]
+        if self._group is not None:
+            gathered = [None] * self._world if self._rank == 0 else None
+            dist.gather_object((records, error), gathered, dst=0, group=self._group)
+        status = None
+        if self._rank == 0:
+            status = self._commit(name, staging, info, gathered)
+        status = self._broadcast(status)
+        if isinstance(self.store, S3Store):
+            shutil.rmtree(staging, ignore_errors=True)
+        if status is not None:
+            raise CheckpointError(status)
+        with self._lock:
+            self._metrics.append({"checkpoint/save_s": time.perf_counter() - info["start"]})
+            self.committed.append(name)
+
+    def _commit(self, name: str, staging: Path, info: dict[str, Any], gathered: list[Any]) -> str | None:
+        assert self.store is not None
+        errors = [err for _, err in gathered if err]
+        if errors:
+            return f"checkpoint {self.store.url}/{name} was not committed (the previous ones are kept): " + "; ".join(errors)
+        files: dict[str, Any] = {}
+        for records, _ in gathered:
+            files.update(records)
+        try:
+            manifest = build_manifest(
+                name, files, info["world_size"], info["mesh_shape"], info["mesh_dim_names"], info["timestamp"],
+                writer_ranks=sorted(dist.get_process_group_ranks(self._writer_group)) if self._writer_group is not None else [0],
+                extra={"run_name": info["run_name"], "bytes": sum(f["size"] for f in files.values())},
+            )
+            if isinstance(self.store, S3Store):
+                self.store.put_bytes(f"{name}/{MANIFEST_NAME}", json.dumps(manifest, indent=1, sort_keys=True).encode())
+            else:
+                write_json_atomic(staging / MANIFEST_NAME, manifest)
+            self.store.write_latest(name)
+            log.info("committed checkpoint %s/%s (%d files, %.1f MB)", self.store.url, name, len(files), manifest["bytes"] / 1e6)
+            self._prune(name)
+        except Exception as exc:
+            return f"checkpoint {self.store.url}/{name} was not committed: {exc}"
+        return None
+
+    def _prune(self, newest: str) -> None:
+        """Retention: delete older checkpoints the policy does not keep, now that ``newest`` is committed."""
+        assert self.store is not None
+        if self.keep_last_n < 0:
+            return
+        committed, partial = [], []
+        for n in self.store.list_names():
+            if sort_key(n) >= sort_key(newest) and n != newest:
+                continue
+            try:
+                (committed if self.store.read_manifest(n) is not None else partial).append(n)
+            except CheckpointError:
+                partial.append(n)
+        keep = retained(committed, self.keep_last_n, self.keep_every_n) | {newest}
+        for n in [c for c in committed if c not in keep] + [p for p in partial if p != newest]:
+            log.info("retention: deleting %s/%s", self.store.url, n)
+            self.store.delete(n)

@@ -1,0 +1,1 @@
+"""Config options smalti-checkpoint adds to ``smalti-train`` (group ``checkpoint``)."""

@@ -1,0 +1,58 @@
+"""Read a sharded checkpoint back whole in one process: for export to safetensors and for ``inspect``."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def load_full(folder: Path, prefix: str = "model.") -> dict[str, torch.Tensor]:
+    """Every tensor under ``prefix`` of the DCP checkpoint in ``folder``, consolidated (no process group needed)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    wanted: dict[str, Any] = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata):
+            wanted[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning)
+        dcp.load(wanted, storage_reader=FileSystemReader(str(folder)), no_dist=True)
+    return {key[len(prefix) :]: value for key, value in wanted.items()}
+
+
+def export_safetensors(folder: Path, out: Path, dtype: str | None = None) -> dict[str, torch.Tensor]:
+    """Write the checkpoint's model weights to one safetensors file (through a temp name); return them."""
+    import os
+
+    from safetensors.torch import save_file
+
+    tensors = load_full(folder)
+    if dtype:
+        target = getattr(torch, dtype)
+        tensors = {k: v.to(target) if v.is_floating_point() else v for k, v in tensors.items()}
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    save_file(tensors, str(tmp), metadata={"format": "pt", "source": str(folder)})
+    os.replace(tmp, out)
+    return tensors
+
+
+def describe(folder: Path) -> list[tuple[str, str, str]]:
+    """``(key, dtype, shape)`` of every entry DCP stored (tensors and objects), sorted by key."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    rows = []
+    for key, meta in FileSystemReader(str(folder)).read_metadata().state_dict_metadata.items():
+        if isinstance(meta, TensorStorageMetadata):
+            rows.append((key, str(meta.properties.dtype).removeprefix("torch."), "x".join(map(str, meta.size)) or "scalar"))
+        else:
+            rows.append((key, "object", "-"))
+    return sorted(rows)

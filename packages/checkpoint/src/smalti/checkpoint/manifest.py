@@ -1,0 +1,176 @@
+"""The manifest: written last, it lists every file of a checkpoint with its size and sha256.
+
+A folder without a valid manifest is not a checkpoint. ``verify_folder`` checks a local copy against it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from smalti.checkpoint.errors import CheckpointCorruptError
+from smalti.checkpoint.naming import MANIFEST_NAME
+
+FORMAT = "smalti-checkpoint/1"
+VERIFY_LEVELS = ("none", "manifest", "full")
+_CHUNK = 8 << 20
+
+
+def hash_file(path: str | os.PathLike[str]) -> tuple[int, str]:
+    """``(size, sha256 hex)`` of a file, read in 8 MiB chunks (hashlib releases the GIL on large updates)."""
+    digest = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def hash_files(folder: Path, relpaths: Iterable[str], threads: int = 4) -> dict[str, dict[str, Any]]:
+    """``{relpath: {"size", "sha256"}}`` for files under ``folder``, hashed in parallel threads."""
+    relpaths = list(relpaths)
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(relpaths) or 1))) as pool:
+        results = list(pool.map(lambda rel: hash_file(folder / rel), relpaths))
+    return {rel: {"size": size, "sha256": sha} for rel, (size, sha) in zip(relpaths, results)}
+
+
+def build_manifest(
+    name: str,
+    files: dict[str, dict[str, Any]],
+    world_size: int,
+    mesh_shape: list[int],
+    mesh_dim_names: list[str],
+    timestamp: dict[str, Any],
+    writer_ranks: list[int],
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The manifest dict for checkpoint ``name`` (JSON-serialisable)."""
+    import torch
+
+    return {
+        "format": FORMAT,
+        "name": name,
+        "world_size": world_size,
+        "mesh_shape": list(mesh_shape),
+        "mesh_dim_names": list(mesh_dim_names),
+        "writer_ranks": list(writer_ranks),
+        "timestamp": dict(timestamp),
+        "created_unix": time.time(),
+        "torch_version": torch.__version__,
+        "files": dict(sorted(files.items())),
+        **(extra or {}),
+    }
+
+
+def write_json_atomic(path: Path, payload: dict[str, Any] | str) -> None:
+    """Write ``payload`` (JSON or text) to ``path`` through a temp name, fsync and ``os.replace``."""
+    text = payload if isinstance(payload, str) else json.dumps(payload, indent=1, sort_keys=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def parse_manifest(raw: bytes | str, where: str) -> dict[str, Any]:
+    """Parse and sanity-check manifest bytes; raise :class:`CheckpointCorruptError` naming ``where``."""
+    try:
+        manifest = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointCorruptError(f"manifest {where} is not valid JSON ({exc}); the checkpoint is incomplete", where) from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+        raise CheckpointCorruptError(
+            f"manifest {where} is not a {FORMAT} manifest (format={manifest.get('format') if isinstance(manifest, dict) else None!r})",
+            where,
+        )
+    return manifest
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """The manifest of a local checkpoint folder; :class:`CheckpointCorruptError` when absent or invalid."""
+    path = folder / MANIFEST_NAME
+    if not path.is_file():
+        raise CheckpointCorruptError(
+            f"{folder} has no {MANIFEST_NAME}: it is not a committed checkpoint (a save was interrupted or is still running)",
+            str(path),
+        )
+    return parse_manifest(path.read_bytes(), str(path))
+
+
+def verify_folder(folder: Path, level: str = "manifest", manifest: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Check a local checkpoint folder against its manifest and return the manifest.
+
+    ``none``: the manifest exists and parses. ``manifest``: also every listed file exists with its recorded
+    size and sha256. ``full``: also DCP's ``.metadata`` refers only to listed files and to byte ranges inside
+    them. Raises :class:`CheckpointCorruptError` naming the first file at fault.
+    """
+    if level not in VERIFY_LEVELS:
+        raise ValueError(f"verify={level!r} must be one of {', '.join(VERIFY_LEVELS)}")
+    manifest = manifest or read_manifest(folder)
+    if level == "none":
+        return manifest
+    files: dict[str, dict[str, Any]] = manifest["files"]
+    for rel, entry in files.items():
+        path = folder / rel
+        if not path.is_file():
+            raise CheckpointCorruptError(f"checkpoint file {path} listed in the manifest is missing", str(path))
+        size = path.stat().st_size
+        if size != entry["size"]:
+            raise CheckpointCorruptError(
+                f"checkpoint file {path} has {size} bytes but the manifest says {entry['size']} (truncated or overwritten)",
+                str(path),
+            )
+    hashed = hash_files(folder, files)
+    for rel, entry in files.items():
+        if hashed[rel]["sha256"] != entry["sha256"]:
+            raise CheckpointCorruptError(
+                f"checkpoint file {folder / rel} has sha256 {hashed[rel]['sha256'][:16]}… but the manifest says "
+                f"{entry['sha256'][:16]}… (corrupted)",
+                str(folder / rel),
+            )
+    if level == "full":
+        _verify_dcp_metadata(folder, files)
+    return manifest
+
+
+def _verify_dcp_metadata(folder: Path, files: dict[str, dict[str, Any]]) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    where = folder / ".metadata"
+    if ".metadata" not in files:
+        raise CheckpointCorruptError(f"the manifest of {folder} does not list DCP's .metadata", str(where))
+    try:
+        metadata = FileSystemReader(str(folder)).read_metadata()
+    except Exception as exc:
+        raise CheckpointCorruptError(f"cannot read {where}: {exc}", str(where)) from exc
+    for index, info in (metadata.storage_data or {}).items():
+        rel = info.relative_path
+        if rel not in files:
+            raise CheckpointCorruptError(f"{where} refers to {rel} (for {index.fqn}), which the manifest does not list", str(folder / rel))
+        if info.offset + info.length > files[rel]["size"]:
+            raise CheckpointCorruptError(
+                f"{folder / rel} is too short for {index.fqn} (needs bytes up to {info.offset + info.length})",
+                str(folder / rel),
+            )

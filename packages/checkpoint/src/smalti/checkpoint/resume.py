@@ -1,0 +1,92 @@
+"""Finding what to load: the newest committed checkpoint that verifies, or the one ``load_path`` names."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from smalti.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointUploadError
+from smalti.checkpoint.manifest import verify_folder
+from smalti.checkpoint.naming import MANIFEST_NAME, parse_folder_name
+from smalti.checkpoint.storage import LocalStore, S3Store, Store, is_remote, open_store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Found:
+    """A verified checkpoint ready to load from a local folder (a download, for remote ones)."""
+
+    name: str
+    source: str
+    folder: Path
+    manifest: dict[str, Any]
+    skipped: list[str]
+
+
+def default_cache_dir(url: str) -> Path:
+    """A per-save-folder local directory for downloads and the staging of remote saves."""
+    digest = hashlib.sha1(url.encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / "smalti-checkpoint" / f"{os.getuid() if hasattr(os, 'getuid') else 0}-{digest}"
+
+
+def fetch(store: Store, name: str, cache_dir: Path, verify: str) -> tuple[Path, dict[str, Any]]:
+    """A verified local copy of checkpoint ``name``; raises :class:`CheckpointCorruptError` naming the bad file."""
+    manifest = store.read_manifest(name)
+    where = f"{store.url}/{name}"
+    if manifest is None:
+        raise CheckpointCorruptError(
+            f"{where} has no {MANIFEST_NAME}: it is not a committed checkpoint (a save was interrupted or is running)",
+            f"{where}/{MANIFEST_NAME}",
+        )
+    if isinstance(store, S3Store):
+        local = cache_dir / name
+        store.download_checkpoint(name, local, manifest)
+        verify_folder(local, verify, manifest)
+        return local, manifest
+    folder = store.folder(name)
+    verify_folder(folder, verify, manifest)
+    return folder, manifest
+
+
+def newest_good(store: Store, cache_dir: Path, verify: str) -> Found | None:
+    """The newest checkpoint under ``store`` that has a valid manifest and verifies; report every one skipped."""
+    skipped: list[str] = []
+    for name in reversed(store.list_names()):
+        try:
+            folder, manifest = fetch(store, name, cache_dir, verify)
+        except (CheckpointCorruptError, CheckpointUploadError) as exc:
+            log.error("skipping checkpoint %s/%s: %s", store.url, name, exc)
+            skipped.append(f"{name}: {exc}")
+            continue
+        if skipped:
+            log.warning("resuming from %s/%s, the newest good checkpoint; skipped newer: %s", store.url, name, "; ".join(skipped))
+        return Found(name, f"{store.url}/{name}", folder, manifest, skipped)
+    return None
+
+
+def resolve_load_path(load_path: str, cache_dir: Path | None, verify: str, **s3_options: Any) -> Found:
+    """``load_path`` names a checkpoint folder, or a save folder (its newest good checkpoint is used)."""
+    path = str(load_path).rstrip("/")
+    parent, _, last = path.rpartition("/")
+    cache = cache_dir or default_cache_dir(parent or path)
+    if parse_folder_name(last) is not None and parent:
+        store = open_store(parent, **s3_options)
+        folder, manifest = fetch(store, last, cache, verify)
+        return Found(last, path, folder, manifest, [])
+    if not is_remote(path) and (Path(path) / MANIFEST_NAME).is_file():
+        store = LocalStore(Path(path).parent)
+        folder, manifest = fetch(store, Path(path).name, cache, verify)
+        return Found(Path(path).name, path, folder, manifest, [])
+    store = open_store(path, **s3_options)
+    found = newest_good(store, cache_dir or default_cache_dir(store.url), verify)
+    if found is None:
+        raise CheckpointError(
+            f"load_path={load_path!r} holds no committed checkpoint (no ep<N>-ba<M> folder with a valid {MANIFEST_NAME})"
+        )
+    return found

@@ -1,0 +1,227 @@
+"""What goes into a checkpoint and how it comes back: DCP for the model and optimizers, one file per rank for the rest.
+
+Layout of a checkpoint folder::
+
+    ep1-ba2000/
+      .metadata, __<r>_<i>.distcp   DCP: model and optimizer shards (each writer rank writes its own)
+      extra/rank<r>.pt              rank r's other state: timestamp, schedulers, RNG, data loader, plugins
+      manifest.json                 written last by rank 0 (see :mod:`smalti.checkpoint.manifest`)
+
+Changing the number of ranks between save and load: model and optimizer state are resharded by DCP.
+The timestamp, schedulers and plugin states are the same on every rank and come from rank 0's file.
+RNG states are per rank and are *not* restored (each rank keeps the generators the trainer seeded; a
+warning says so). The data loader position of map-style loaders is re-derived from the timestamp by the
+resumable sampler, so it follows; a saved stateful loader position (streaming datasets) cannot and raises
+:class:`~smalti.checkpoint.errors.ReshardError` unless ``dataloader`` is in ``load_ignore_keys``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from smalti.checkpoint.errors import CheckpointError, ReshardError
+from smalti.core.rng import load_rng_state_dict, rng_state_dict
+from smalti.core.state import State
+
+log = logging.getLogger(__name__)
+
+EXTRA_DIR = "extra"
+#: Keys of the per-rank file that ``load_ignore_keys`` can name (plus ``plugins.<name>``).
+EXTRA_KEYS = ("timestamp", "schedulers", "rng", "dataloader", "grad_scaler", "plugins")
+
+
+def extra_relpath(rank: int) -> str:
+    """Where rank ``rank``'s non-DCP state lives inside a checkpoint folder."""
+    return f"{EXTRA_DIR}/rank{rank}.pt"
+
+
+def dcp_state_dict(state: State) -> dict[str, Any]:
+    """``{"model": ..., "optim": ...}`` as DCP wants it: sharded (DTensor) entries under FSDP, plain tensors otherwise."""
+    if state.optimizers:
+        model_sd, optim_sd = get_state_dict(state.model, state.optimizers)
+        return {"model": model_sd, "optim": optim_sd}
+    return {"model": get_model_state_dict(state.model)}
+
+
+def rank_local_state(state: State) -> dict[str, Any]:
+    """Everything but model and optimizers, as this rank sees it."""
+    return {
+        "rank": state.rank,
+        "world_size": state.world_size,
+        "timestamp": state.timestamp.state_dict(),
+        "schedulers": [sched.state_dict() for sched in state.schedulers],
+        "rng": rng_state_dict(),
+        "dataloader": state.dataloader_state_dict(),
+        "grad_scaler": state.grad_scaler.state_dict() if state.grad_scaler is not None else None,
+        "device_train_microbatch_size": state.device_train_microbatch_size,
+        "run_name": state.run_name,
+        "plugins": state.plugin_state_dict(),
+    }
+
+
+def write_rank_local_state(folder: Path, state: State) -> str:
+    """Write this rank's non-DCP state through a temp name; return its path relative to ``folder``."""
+    rel = extra_relpath(state.rank)
+    path = folder / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        torch.save(rank_local_state(state), f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return rel
+
+
+def make_writer(folder: Path, thread_count: int = 1) -> FileSystemWriter:
+    """DCP's file writer: one file per rank (per thread), fsynced; ``.metadata`` goes through a temp name."""
+    return FileSystemWriter(str(folder), single_file_per_rank=True, sync_files=True, thread_count=thread_count)
+
+
+def save_dcp(state_dict: dict[str, Any], folder: Path, group: Any, thread_count: int = 1) -> None:
+    """Synchronous DCP save of ``state_dict`` by the ranks of ``group`` (``None``: a single process)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
+        dcp.save(state_dict, storage_writer=make_writer(folder, thread_count), process_group=group, no_dist=group is None)
+
+
+def async_save_dcp(state_dict: dict[str, Any], folder: Path, group: Any, thread_count: int = 1) -> Any:
+    """Stage ``state_dict`` to host memory, then write it in a background thread; returns the write's future."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
+        return dcp.async_save(
+            state_dict, storage_writer=make_writer(folder, thread_count), process_group=group, no_dist=group is None
+        )
+
+
+def matches(key: str, patterns: list[str]) -> bool:
+    """Whether ``key`` (or one of its dotted parents) matches one of the glob ``patterns``."""
+    parts = key.split(".")
+    candidates = [".".join(parts[: i + 1]) for i in range(len(parts))]
+    return any(fnmatch.fnmatchcase(c, p) for p in patterns for c in candidates)
+
+
+def saved_keys(folder: Path) -> set[str]:
+    """The flattened keys DCP stored in ``folder`` (``model.<fqn>``, ``optim.state.<fqn>.<name>``, ...)."""
+    return set(FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
+
+
+def load_checkpoint(
+    state: State,
+    folder: Path,
+    manifest: dict[str, Any],
+    group: Any,
+    weights_only: bool = False,
+    ignore_keys: list[str] | None = None,
+    strict: bool = True,
+) -> None:
+    """Load the checkpoint in local folder ``folder`` into ``state`` (resharding model and optimizers as needed)."""
+    ignore = list(ignore_keys or [])
+    stored = saved_keys(folder)
+    model_sd = get_model_state_dict(state.model)
+    wanted = {k: v for k, v in model_sd.items() if not matches(f"model.{k}", ignore)}
+    stored_model = {k.removeprefix("model.") for k in stored if k.startswith("model.")}
+    missing = sorted(set(wanted) - stored_model)
+    unexpected = sorted(k for k in stored_model - set(model_sd) if not matches(f"model.{k}", ignore))
+    if strict and (missing or unexpected):
+        raise CheckpointError(
+            f"checkpoint {folder} does not match the model: missing {missing[:8]}{'…' if len(missing) > 8 else ''}, "
+            f"unexpected {unexpected[:8]}{'…' if len(unexpected) > 8 else ''}; set load_strict=false to load the "
+            "keys both have, or name keys to skip in load_ignore_keys (e.g. 'model.head.*')"
+        )
+    wanted = {k: v for k, v in wanted.items() if k in stored_model}
+    load_optim = not weights_only and state.optimizers and not matches("optim", ignore) and any(
+        k.startswith("optim.") for k in stored
+    )
+    if not weights_only and state.optimizers and not load_optim and not matches("optim", ignore):
+        raise CheckpointError(
+            f"checkpoint {folder} holds no optimizer state; load it with load_weights_only=true or add 'optim' to load_ignore_keys"
+        )
+    to_load: dict[str, Any] = {"model": wanted}
+    if load_optim:
+        _, optim_sd = get_state_dict(state.model, state.optimizers)
+        to_load["optim"] = optim_sd
+    planner = DefaultLoadPlanner(allow_partial_load=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
+        dcp.load(to_load, storage_reader=FileSystemReader(str(folder)), planner=planner, process_group=group, no_dist=group is None)
+    partial = len(wanted) != len(model_sd)
+    options = StateDictOptions(strict=not partial)
+    if load_optim:
+        set_state_dict(state.model, state.optimizers, model_state_dict=to_load["model"], optim_state_dict=to_load["optim"], options=options)
+    else:
+        set_model_state_dict(state.model, to_load["model"], options=options)
+    if partial:
+        log.info("loaded %d of the model's %d tensors from %s (others skipped by load_ignore_keys / load_strict)",
+                 len(wanted), len(model_sd), folder)
+    if weights_only:
+        return
+    _load_rank_local(state, folder, manifest, ignore)
+
+
+def _load_rank_local(state: State, folder: Path, manifest: dict[str, Any], ignore: list[str]) -> None:
+    saved_world = int(manifest.get("world_size", 1))
+    same_world = saved_world == state.world_size
+    source_rank = state.rank if same_world else 0
+    path = folder / extra_relpath(source_rank)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {folder} has no {extra_relpath(source_rank)} for rank {source_rank}")
+    extra = torch.load(path, map_location="cpu", weights_only=False)  # our own file, checked against the manifest
+    if not matches("timestamp", ignore):
+        state.timestamp.load_state_dict(extra["timestamp"])
+    if not matches("schedulers", ignore):
+        if len(extra["schedulers"]) != len(state.schedulers):
+            raise CheckpointError(
+                f"checkpoint {folder} has {len(extra['schedulers'])} schedulers but this run has {len(state.schedulers)}; "
+                "add 'schedulers' to load_ignore_keys to start the schedule afresh"
+            )
+        for sched, sched_state in zip(state.schedulers, extra["schedulers"]):
+            sched.load_state_dict(sched_state)
+    if not matches("rng", ignore):
+        if same_world:
+            load_rng_state_dict(extra["rng"])
+        else:
+            log.warning(
+                "checkpoint %s was saved by %d ranks and is loaded by %d: per-rank RNG states are not restored "
+                "(each rank keeps the generators seeded at start)", folder, saved_world, state.world_size,
+            )
+    if not matches("dataloader", ignore) and extra.get("dataloader") is not None:
+        if not same_world:
+            raise ReshardError(
+                f"checkpoint {folder} holds a data loader position saved by each of {saved_world} ranks; it cannot "
+                f"be split over {state.world_size} ranks. Add 'dataloader' to load_ignore_keys to restart the "
+                "loader from its epoch start (samples of this epoch may repeat), or resume on the same number of ranks"
+            )
+        state.load_dataloader_state_dict(extra["dataloader"])
+    if not matches("grad_scaler", ignore) and state.grad_scaler is not None and extra.get("grad_scaler"):
+        state.grad_scaler.load_state_dict(extra["grad_scaler"])
+    if extra.get("device_train_microbatch_size") is not None and state.auto_microbatching:
+        state.device_train_microbatch_size = extra["device_train_microbatch_size"]
+    plugins = {name: value for name, value in (extra.get("plugins") or {}).items() if not matches(f"plugins.{name}", ignore)}
+    state.load_plugin_state_dict(plugins)
+
+
+def gloo_group(ranks: list[int] | None = None, timeout_s: float = 600) -> Any:
+    """A gloo process group for checkpoint traffic, kept apart from the training collectives (collective call)."""
+    import datetime
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))

@@ -1,0 +1,171 @@
+"""Single-process save/load through the Checkpointer callback: resume, retention, partial loads, corruption, CLI."""
+
+import functools
+import json
+import logging
+import os
+import signal
+
+import pytest
+import torch
+
+from smalti.checkpoint import CheckpointCorruptError, Checkpointer, CheckpointError
+from smalti.checkpoint.cli import main as cli_main
+from smalti.core import Callback, LoggerDestination, Trainer
+from smalti.core.data import build_dataloader
+from smalti.core.examples import MLPRegressor, SyntheticRegression
+
+
+def make_trainer(duration, checkpointer=None, model=None, callbacks=None, loggers=None):
+    torch.manual_seed(0)
+    plugins = dict(callbacks or {})
+    if checkpointer is not None:
+        plugins["checkpoint"] = checkpointer
+    return Trainer(
+        model or MLPRegressor(),
+        build_dataloader(SyntheticRegression(96), 16, seed=5),  # 6 batches per epoch
+        duration,
+        optimizers=functools.partial(torch.optim.AdamW, lr=1e-2),
+        callbacks=plugins,
+        loggers=loggers,
+    )
+
+
+def assert_same_training_state(a, b):
+    for (name, pa), pb in zip(a.state.model.named_parameters(), b.state.model.parameters()):
+        assert torch.equal(pa, pb), name
+    sa, sb = a.state.optimizers[0].state_dict()["state"], b.state.optimizers[0].state_dict()["state"]
+    for idx in sa:
+        for key in sa[idx]:
+            assert torch.equal(sa[idx][key], sb[idx][key]), (idx, key)
+    assert a.state.timestamp.batch == b.state.timestamp.batch
+
+
+class MetricsRecorder(LoggerDestination):
+    def __init__(self):
+        self.metrics = {}
+
+    def log_metrics(self, metrics, step):
+        for key, value in metrics.items():
+            self.metrics.setdefault(key, []).append(value)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, async_save):
+    reference = make_trainer("10ba")
+    reference.fit()
+    make_trainer("4ba", Checkpointer(str(tmp_path), save_interval="2ba", async_save=async_save)).fit()
+    recorder = MetricsRecorder()
+    resumed = make_trainer("10ba", Checkpointer(str(tmp_path), save_interval="2ba", autoresume=True,
+                                                async_save=async_save), loggers={"rec": recorder})
+    assert resumed.state.timestamp.batch == 4  # across the epoch boundary at batch 6 below
+    resumed.fit()
+    assert_same_training_state(reference, resumed)
+    assert (tmp_path / "latest").read_text().strip() == "ep1-ba10"
+    assert recorder.metrics["checkpoint/blocked_s"] and recorder.metrics["checkpoint/save_s"]
+    assert len(recorder.metrics["checkpoint/save_s"]) == 3  # ba6, ba8, ba10 committed
+
+
+def test_manifest_lists_every_file_and_retention_keeps_policy(tmp_path):
+    make_trainer("10ba", Checkpointer(str(tmp_path), save_interval="2ba", keep_last_n=2, keep_every_n=4)).fit()
+    names = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
+    assert names == ["ep0-ba4", "ep1-ba10", "ep1-ba8"]  # last two, plus multiples of 4 batches
+    manifest = json.loads((tmp_path / "ep1-ba10" / "manifest.json").read_text())
+    on_disk = {str(p.relative_to(tmp_path / "ep1-ba10")) for p in (tmp_path / "ep1-ba10").rglob("*") if p.is_file()}
+    assert set(manifest["files"]) | {"manifest.json"} == on_disk
+    for rel, entry in manifest["files"].items():
+        assert (tmp_path / "ep1-ba10" / rel).stat().st_size == entry["size"]
+    assert manifest["world_size"] == 1 and manifest["timestamp"]["batch"] == 10 and manifest["timestamp"]["epoch"] == 1
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _flip(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["truncated_shard", "flipped_byte", "missing_manifest", "missing_rank_file"])
+def test_autoresume_reports_a_bad_newest_checkpoint_and_uses_the_previous(tmp_path, caplog, damage):
+    make_trainer("4ba", Checkpointer(str(tmp_path), save_interval="2ba")).fit()
+    newest = tmp_path / "ep0-ba4"
+    bad = {"truncated_shard": newest / "__0_0.distcp", "flipped_byte": newest / "__0_0.distcp",
+           "missing_manifest": newest / "manifest.json", "missing_rank_file": newest / "extra" / "rank0.pt"}[damage]
+    {"truncated_shard": _truncate, "flipped_byte": _flip}.get(damage, os.remove)(bad)
+    with caplog.at_level(logging.ERROR, logger="smalti.checkpoint"):
+        resumed = make_trainer("6ba", Checkpointer(str(tmp_path), save_interval="2ba", autoresume=True))
+    assert resumed.state.timestamp.batch == 2, caplog.text
+    assert str(newest if damage == "missing_manifest" else bad) in caplog.text
+    resumed.fit()
+    assert (tmp_path / "ep0-ba4" / "manifest.json").is_file()  # re-saved and committed
+
+
+def test_folder_without_manifest_is_never_loaded(tmp_path):
+    make_trainer("2ba", Checkpointer(str(tmp_path), save_interval="2ba")).fit()
+    os.remove(tmp_path / "ep0-ba2" / "manifest.json")
+    with pytest.raises(CheckpointCorruptError, match="manifest.json"):
+        make_trainer("4ba", Checkpointer(load_path=str(tmp_path / "ep0-ba2")))  # a failed __init__ closes itself
+    with pytest.raises(CheckpointError, match="no committed checkpoint"):
+        make_trainer("4ba", Checkpointer(load_path=str(tmp_path)))
+
+
+def test_weights_only_ignore_keys_and_strictness(tmp_path):
+    saved = make_trainer("4ba", Checkpointer(str(tmp_path), save_interval="4ba"))
+    saved.fit()
+    weights = {k: v.clone() for k, v in saved.state.model.state_dict().items()}
+
+    # Trainers that never fit are closed by hand, so their plugins leave the plugin manager.
+    with make_trainer("1ba", Checkpointer(load_path=str(tmp_path), load_weights_only=True)) as only:
+        assert only.state.timestamp.batch == 0 and not only.state.optimizers[0].state
+        for key, value in only.state.model.state_dict().items():
+            assert torch.equal(value, weights[key]), key
+
+    with make_trainer("1ba", Checkpointer(load_path=str(tmp_path), load_weights_only=True,
+                                          load_ignore_keys=["model.head.*"])) as partial:
+        assert not torch.equal(partial.state.model.head.weight, weights["head.weight"])
+        assert torch.equal(partial.state.model.blocks[0][0].weight, weights["blocks.0.0.weight"])
+
+    with pytest.raises(CheckpointError, match=r"missing \['blocks.2.0.bias'"):
+        make_trainer("1ba", Checkpointer(load_path=str(tmp_path), load_weights_only=True), model=MLPRegressor(depth=3))
+    with make_trainer("1ba", Checkpointer(load_path=str(tmp_path), load_weights_only=True, load_strict=False),
+                      model=MLPRegressor(depth=3)) as loose:
+        assert torch.equal(loose.state.model.blocks[1][0].weight, weights["blocks.1.0.weight"])
+
+
+class SendSignal(Callback):
+    def on_batch_end(self, state):
+        if state.timestamp.batch == 3:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+
+def test_signal_saves_then_stops(tmp_path):
+    previous = signal.getsignal(signal.SIGUSR1)
+    trainer = make_trainer("20ba", Checkpointer(str(tmp_path), save_interval="10ba", save_on_signal=["SIGUSR1"]),
+                           callbacks={"sender": SendSignal()})
+    trainer.fit()
+    assert trainer.state.timestamp.batch == 3
+    assert (tmp_path / "ep0-ba3" / "manifest.json").is_file()
+    assert signal.getsignal(signal.SIGUSR1) is previous
+
+
+def test_cli_inspect_verifies_and_export_writes_safetensors(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    trainer = make_trainer("2ba", Checkpointer(str(tmp_path / "ck"), save_interval="2ba"))
+    trainer.fit()
+    assert cli_main(["inspect", str(tmp_path / "ck"), "--verify", "full"]) == 0
+    out = capsys.readouterr().out
+    assert "ep0-ba2" in out and "model.head.weight" in out and "4x64" in out
+    assert cli_main(["export", str(tmp_path / "ck" / "ep0-ba2"), str(tmp_path / "m.safetensors")]) == 0
+    exported = load_file(str(tmp_path / "m.safetensors"))
+    expected = trainer.state.model.state_dict()
+    assert set(exported) == set(expected)
+    for key in expected:
+        assert torch.equal(exported[key], expected[key]), key
+    _flip(tmp_path / "ck" / "ep0-ba2" / "__0_0.distcp")
+    assert cli_main(["inspect", str(tmp_path / "ck" / "ep0-ba2")]) == 1
+    assert "__0_0.distcp" in capsys.readouterr().err

@@ -1,0 +1,129 @@
+"""Two gloo ranks: FSDP save -> load into one process and into HSDP; one process -> FSDP; HSDP writes once."""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+from smalti.checkpoint import Checkpointer
+
+SINGLE = """
+import functools, sys, torch
+from smalti.core import Trainer
+from smalti.core.data import build_dataloader
+from smalti.core.examples import MLPRegressor, SyntheticRegression
+from smalti.checkpoint import Checkpointer
+from torch.distributed.checkpoint.state_dict import get_state_dict
+load, save, dump = sys.argv[1:4]
+torch.manual_seed(0)
+t = Trainer(MLPRegressor(), build_dataloader(SyntheticRegression(256), 32, seed=5), "6ba",
+            optimizers=functools.partial(torch.optim.AdamW, lr=1e-2),
+            callbacks={"checkpoint": Checkpointer(save, save_interval=None, load_path=load)})
+model_sd, optim_sd = get_state_dict(t.state.model, t.state.optimizers)
+torch.save({"model": model_sd, "optim": optim_sd, "batch": t.state.timestamp.batch}, dump + ".loaded")
+t.fit()
+model_sd, optim_sd = get_state_dict(t.state.model, t.state.optimizers)
+torch.save({"model": model_sd, "optim": optim_sd, "batch": t.state.timestamp.batch}, dump + ".final")
+"""
+
+
+def make_trainer(parallelism, duration, checkpointer):
+    from smalti.core import Trainer
+    from smalti.core.data import build_dataloader
+    from smalti.core.examples import MLPRegressor, SyntheticRegression
+
+    loader = build_dataloader(SyntheticRegression(256), 16, dp_rank=dist.get_rank(), dp_world_size=2, seed=5)
+    torch.manual_seed(0)
+    return Trainer(MLPRegressor(), loader, duration, optimizers=functools.partial(torch.optim.AdamW, lr=1e-2),
+                   parallelism=parallelism, callbacks={"checkpoint": checkpointer})
+
+
+def full_state(trainer):
+    model_sd, optim_sd = get_state_dict(trainer.state.model, trainer.state.optimizers,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {"model": model_sd, "optim": optim_sd}  # full on rank 0 only (cpu_offload)
+
+
+def assert_nested_equal(a, b, where=""):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a.cpu(), b.cpu()), where
+    elif isinstance(a, dict):
+        assert set(a) == set(b), where
+        for key in a:
+            assert_nested_equal(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, list | tuple):
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_nested_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def run_single_process(load, save, dump):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                                               "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")}
+    out = subprocess.run([sys.executable, "-c", SINGLE, load, save, dump], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-4000:]
+
+
+@pytest.mark.world_size(2)
+def test_fsdp_checkpoint_reshards_to_one_process_and_back(shared_tmp_path):
+    from smalti.core.parallelism import FSDP
+
+    fsdp_dir, single_dir, dump = shared_tmp_path / "fsdp", shared_tmp_path / "single", str(shared_tmp_path / "dump")
+    trainer = make_trainer(FSDP(), "4ba", Checkpointer(str(fsdp_dir), save_interval="4ba"))
+    trainer.fit()
+    saved = full_state(trainer)
+    manifest = json.loads((fsdp_dir / "ep0-ba4" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and manifest["mesh_shape"] == [2] and manifest["writer_ranks"] == [0, 1]
+    assert {"__0_0.distcp", "__1_0.distcp", "extra/rank0.pt", "extra/rank1.pt"} <= set(manifest["files"])
+
+    # 2 ranks -> 1 process (which then trains on and saves at batch 6)
+    if dist.get_rank() == 0:
+        run_single_process(str(fsdp_dir), str(single_dir), dump)
+    dist.barrier()
+    loaded = torch.load(dump + ".loaded", weights_only=False)
+    assert loaded["batch"] == 4
+    if dist.get_rank() == 0:
+        assert_nested_equal(saved, {"model": loaded["model"], "optim": loaded["optim"]})
+
+    # 1 process -> 2 FSDP ranks
+    with make_trainer(FSDP(), "8ba", Checkpointer(load_path=str(single_dir))) as back:
+        assert back.state.timestamp.batch == 6
+        final = torch.load(dump + ".final", weights_only=False)
+        mine = full_state(back)
+        if dist.get_rank() == 0:
+            assert_nested_equal(mine, {"model": final["model"], "optim": final["optim"]})
+
+
+@pytest.mark.world_size(2)
+def test_hsdp_writes_from_the_first_replica_group_and_loads_fsdp_checkpoints(shared_tmp_path):
+    from smalti.core.parallelism import FSDP, HSDP
+
+    fsdp_dir, hsdp_dir = shared_tmp_path / "fsdp", shared_tmp_path / "hsdp"
+    trainer = make_trainer(FSDP(), "2ba", Checkpointer(str(fsdp_dir), save_interval="2ba"))
+    trainer.fit()
+    saved = full_state(trainer)
+    # FSDP over 2 ranks (mesh [2]) -> HSDP replicate=2 x shard=1 (mesh [2, 1])
+    hsdp = make_trainer(HSDP(replicate=2, shard=1), "4ba", Checkpointer(str(hsdp_dir), save_interval="4ba",
+                                                                         load_path=str(fsdp_dir)))
+    assert hsdp.state.timestamp.batch == 2
+    loaded = full_state(hsdp)
+    if dist.get_rank() == 0:
+        assert saved["model"] and saved["optim"]["state"]
+    assert_nested_equal(saved, loaded)
+    hsdp.fit()
+    manifest = json.loads((hsdp_dir / "ep0-ba4" / "manifest.json").read_text())
+    assert manifest["mesh_shape"] == [2, 1] and manifest["writer_ranks"] == [0]
+    shards = sorted(name for name in manifest["files"] if name.endswith(".distcp"))
+    assert shards == ["__0_0.distcp"]  # the second replica group wrote no shards
+    assert {"extra/rank0.pt", "extra/rank1.pt"} <= set(manifest["files"])
+    final = full_state(hsdp)
+    with make_trainer(FSDP(), "4ba", Checkpointer(load_path=str(hsdp_dir))) as back:
+        assert_nested_equal(final, full_state(back))
