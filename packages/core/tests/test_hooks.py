@@ -166,3 +166,11 @@ def test_broken_entry_point_names_distribution_and_escape_hatch(monkeypatch):
         pm.load_entry_points()
     monkeypatch.setenv("SMALTI_DISABLED_PLUGINS", "broken")
     pm.load_entry_points()
+
+
+def test_unclosed_trainer_plugins_do_not_leak_into_the_next_run():
+    recorder = EventRecorder()
+    Trainer(MLPRegressor(), build_dataloader(SyntheticRegression(16), 16), "1ba", callbacks={"recorder": recorder})
+    recorder.events.clear()  # the first trainer is never fitted nor closed
+    Trainer(MLPRegressor(), build_dataloader(SyntheticRegression(16), 16), "1ba").fit()
+    assert recorder.events == []

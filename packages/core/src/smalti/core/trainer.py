@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -31,6 +32,9 @@ from smalti.core.state import State
 from smalti.core.time import Time
 
 log = logging.getLogger(__name__)
+
+# The trainer whose run plugins are registered now; a new trainer closes it first (plugins are process-wide).
+_active: weakref.ReferenceType[Trainer] | None = None
 
 PluginSpec = Mapping[str, Any] | Iterable[Any] | None
 OptimizerSpec = torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | list[Any] | None
@@ -147,9 +151,17 @@ class Trainer:
             raise TrainingError("the train dataloader has no batches; check the dataset path, its size and the batch size")
         self.logger = Logger(self.pm.hook, self.state)
         self.hook = self.pm.hook
+        global _active
+        previous = _active() if _active is not None else None
+        if previous is not None and not previous._closed:
+            log.warning("closing the previous Trainer (never fitted or closed) so its plugins do not see this run")
+            previous.close()
+        _active = weakref.ref(self)
         self._run_plugins = self.pm.register_run_plugins(
             [("algorithms", _named(algorithms)), ("callbacks", _named(callbacks)), ("loggers", _named(loggers))]
         )
+        # A trainer dropped without close() must not leave its plugins registered for the next run.
+        weakref.finalize(self, self.pm.unregister_run_plugins, self._run_plugins)
         self._closed = False
         self._replay = 0
         try:
