@@ -71,6 +71,22 @@ def test_mlflow_logger_against_real_server(mlflow_server, tmp_path):
     assert [a.path for a in client.list_artifacts(logger.run_id)] == ["notes.txt"]
 
 
+def wait_for_wandb_exit(run_file, timeout=60):
+    """``run.finish()`` returns before wandb's service process has written the offline file out: wait for it."""
+    from smalti.testing.wandb_files import read_records
+
+    def finished():
+        try:
+            return any(r.WhichOneof("record_type") == "exit" for r in read_records(run_file))
+        except Exception:  # a record still being written
+            return False
+
+    deadline = time.monotonic() + timeout
+    while not finished():
+        assert time.monotonic() < deadline, f"{run_file} got no exit record in {timeout} s"
+        time.sleep(0.1)
+
+
 def test_wandb_offline_run_files(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     from smalti.core.loggers import WandBLogger
@@ -83,11 +99,38 @@ def test_wandb_offline_run_files(tmp_path, monkeypatch):
     from smalti.testing.wandb_files import config, history
 
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    wait_for_wandb_exit(run_file)
     rows = history(run_file)
     assert [row["_step"] for row in rows] == [1, 2, 3, 4, 5, 6]
     assert all("loss/train/total" in row for row in rows)
     assert [row["_step"] for row in rows if "metrics/eval/MSE" in row] == [3, 6]
     assert config(run_file)["optimizer"] == {"lr": 0.02}
+    from smalti.testing.wandb_files import read_records
+
+    exits = [r.exit.exit_code for r in read_records(run_file) if r.WhichOneof("record_type") == "exit"]
+    assert exits == [0]  # the run was finished at close, as a success
+
+
+def test_wandb_run_finishes_failed_when_training_raises(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from smalti.core import Callback
+    from smalti.core.loggers import WandBLogger
+    from smalti.testing.wandb_files import history, read_records
+
+    class Crash(Callback):
+        def on_batch_end(self, state):
+            if state.timestamp.batch == 2:
+                raise RuntimeError("simulated crash")
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = WandBLogger(project="smalti-test", name="crashed", mode="offline", dir=str(tmp_path))
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        fit({"wandb": logger}, callbacks={"crash": Crash()})
+    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    wait_for_wandb_exit(run_file)
+    assert [row["_step"] for row in history(run_file)] == [1, 2]
+    exits = [r.exit.exit_code for r in read_records(run_file) if r.WhichOneof("record_type") == "exit"]
+    assert exits == [1]
 
 
 def test_logger_failure_is_reported_not_raised(caplog):

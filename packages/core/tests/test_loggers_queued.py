@@ -175,6 +175,16 @@ def test_missing_extra_says_what_to_install(monkeypatch, module, cls, extra):
         getattr(loggers, cls)()
 
 
+def test_system_metrics_without_psutil_says_what_to_install(monkeypatch):
+    pytest.importorskip("mlflow")
+    from smalti.core.errors import ConfigError
+    from smalti.core.loggers import MLflowLogger
+
+    monkeypatch.setitem(__import__("sys").modules, "psutil", None)
+    with pytest.raises(ConfigError, match="log_system_metrics=true needs psutil.*pip install psutil"):
+        MLflowLogger(log_system_metrics=True)
+
+
 def test_importing_loggers_does_not_import_the_extras():
     import subprocess
     import sys

@@ -12,15 +12,26 @@ import hydra
 from omegaconf import DictConfig
 
 from smalti.core.config.schema import register_configs
+from smalti.core.launch.node import (
+    quiet_launcher_schema_notice,
+    report_result,
+    run_node_agent,
+    should_start_agent,
+)
 
 register_configs()
+quiet_launcher_schema_notice()  # conf/hydra/launcher/submitit_*.yaml match smalti's launcher schemas on purpose
 
 
 @hydra.main(version_base="1.3", config_path="pkg://smalti.core.conf", config_name="train")
 def _train(cfg: DictConfig) -> float:
     from smalti.core.config.build import run
 
-    return run(cfg)
+    # Scale-out: inside a submitit (Slurm/local) job but not yet under torchrun, start torchrun's agent for this
+    # node, which runs this app again on each rank (smalti.core.launch.node). Otherwise train here.
+    if should_start_agent():
+        return run_node_agent(cfg.run_name)
+    return report_result(run(cfg))
 
 
 def main() -> None:

@@ -131,12 +131,13 @@ class LogFollower:
 
 def show_logs(
     run_dir: Path,
-    out: TextIO = sys.stdout,
+    out: TextIO | None = None,
     follow: bool = True,
     interval_s: float = 0.5,
     stop: Callable[[], bool] | None = None,
 ) -> int:
     """Print the merged logs of ``run_dir``; with ``follow``, keep printing new lines until ``stop()`` or Ctrl-C."""
+    out = out or sys.stdout
     follower = LogFollower(run_dir)
     if not log_files(run_dir) and not follow:
         raise LaunchError(f"no log files ({', '.join(LOG_PATTERNS)}) under {run_dir}")

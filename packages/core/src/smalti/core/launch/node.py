@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import shlex
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,20 @@ log = logging.getLogger(__name__)
 
 #: Set for the workers by the node agent: where rank 0 writes the run's final loss for the agent to return.
 RESULT_FILE_ENV = "SMALTI_RESULT_FILE"
+#: "1": torchrun's workers start a fresh store each restart round instead of sharing the agent's, whose keys
+#: survive the round and can hang restarted workers across nodes (pytorch/pytorch#135712).
+RDZV_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def quiet_launcher_schema_notice() -> None:
+    """Silence Hydra's notice that ``conf/hydra/launcher/submitit_*.yaml`` are matched with ConfigStore schemas.
+
+    The match is deliberate (``hydra_plugins.smalti_launch`` registers those schemas). Called at import of
+    ``smalti.core.cli.train``: Hydra's plugin scan restores the warning filters, so it cannot be done there.
+    """
+    warnings.filterwarnings(
+        "ignore", message=r"\s*'hydra/launcher/submitit_(slurm|local)' is validated against ConfigStore schema"
+    )
 
 
 def under_torchrun(environ: Mapping[str, str] = os.environ) -> bool:
@@ -96,9 +111,13 @@ def run_node_agent(run_name: str) -> float:
             raise SystemExit(code)
     args = node_torchrun_args(launcher)
     overrides = worker_overrides(list(hydra_cfg.overrides.task), str(output_dir))
-    result_file = output_dir / f".result-node{node}.json"
+    # One file for the job (the output folder is on shared storage): rank 0 may run on any node. Every agent
+    # clears it before the rendezvous, so before any rank starts; torchrun's exit barrier makes every agent
+    # return only after all ranks, rank 0 included, have exited.
+    result_file = output_dir / ".result.json"
     result_file.unlink(missing_ok=True)
-    env = {RESULT_FILE_ENV: str(result_file), "SMALTI_RUN_NAME": run_name}
+    env = {RESULT_FILE_ENV: str(result_file), "SMALTI_RUN_NAME": run_name,
+           RDZV_STORE_ENV: os.environ.get(RDZV_STORE_ENV, "1")}
     conf = repo_conf_dir()
     if conf is not None:
         env[CONF_DIR_ENV] = str(conf)
@@ -124,7 +143,7 @@ def report_result(loss: float) -> float:
 
 
 def read_result(path: Path) -> float:
-    """The loss rank 0 reported, or NaN when rank 0 ran on another node."""
+    """The loss rank 0 reported, or NaN when it reported none (the file is not on storage this node sees)."""
     try:
         return float(json.loads(path.read_text())["loss"])
     except (OSError, ValueError, KeyError):

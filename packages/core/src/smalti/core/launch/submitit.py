@@ -110,8 +110,9 @@ def write_dry_run_scripts(params: dict[str, Any], sweep_dir: Path, num_jobs: int
     folder = sweep_dir / ".submitit" / "dry-run"
     folder.mkdir(parents=True, exist_ok=True)
     executor = _NoSrunCheck(folder=folder, max_num_timeout=int(params.get("max_num_timeout", 0)))
-    generic = {k: v for k, v in params.items() if k in GENERIC_KEYS}
-    specific = {k: v for k, v in params.items() if k not in GENERIC_KEYS | {"submitit_folder", "max_num_timeout"}}
+    given = {k: v for k, v in params.items() if v is not None}  # unset options keep submitit's defaults
+    generic = {k: v for k, v in given.items() if k in GENERIC_KEYS}
+    specific = {k: v for k, v in given.items() if k not in GENERIC_KEYS | {"submitit_folder", "max_num_timeout"}}
     executor.update_parameters(**executor._convert_parameters(generic), **specific)
     if num_jobs > 1:
         executor.parameters["map_count"] = num_jobs

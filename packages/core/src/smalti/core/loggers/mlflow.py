@@ -20,13 +20,11 @@ _BAD_KEY_CHARS = re.compile(r"[^\w\-. :/]")
 _RETRYABLE_CODES = {"INTERNAL_ERROR", "TEMPORARILY_UNAVAILABLE", "REQUEST_LIMIT_EXCEEDED", "RESOURCE_EXHAUSTED"}
 
 
-def _require(module: str, extra: str) -> None:
+def _require(module: str, what: str, install: str) -> None:
     try:
         __import__(module)
     except ImportError:
-        raise ConfigError(
-            f"the MLflow logger (logger=mlflow) needs {module}, which is not installed: pip install 'smalti-core[{extra}]'"
-        ) from None
+        raise ConfigError(f"{what} needs {module}, which is not installed: {install}") from None
 
 
 def mlflow_key(name: str) -> str:
@@ -54,9 +52,9 @@ class MLflowLogger(QueuedLoggerDestination):
     def __init__(self, tracking_uri: str | None = None, experiment_name: str = "smalti", run_name: str | None = None,
                  tags: dict[str, str] | None = None, log_system_metrics: bool = False,
                  system_metrics_interval_s: float = 10.0, flush_interval_s: float = 1.0, **kwargs: Any) -> None:
-        _require("mlflow", "mlflow")
+        _require("mlflow", "the MLflow logger (logger=mlflow)", "pip install 'smalti-core[mlflow]'")
         if log_system_metrics:
-            _require("psutil", "mlflow")
+            _require("psutil", "log_system_metrics=true", "pip install psutil (or set log_system_metrics=false)")
         super().__init__(flush_interval_s=flush_interval_s, **kwargs)
         self.tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
         self.experiment_name = experiment_name

@@ -183,8 +183,8 @@ class QueuedLoggerDestination(LoggerDestination):
         with self._lock:
             left = len(self._buffer)
             self._buffer.clear()
-        if left:
             self.dropped += left
+        if left:
             self._mark_handled(left)
             log.warning("%s: closing with %d entries that could not be sent (destination unreachable); "
                         "they are lost", type(self).__name__, left)
@@ -210,7 +210,8 @@ class QueuedLoggerDestination(LoggerDestination):
                 with self._lock:
                     batch = batch + list(self._buffer)
                     self._buffer.clear()
-            self.dropped += len(batch)
+            with self._lock:
+                self.dropped += len(batch)
         else:
             self.sent += len(batch)
         self._mark_handled(len(batch))
@@ -222,8 +223,8 @@ class QueuedLoggerDestination(LoggerDestination):
             over = len(self._buffer) - self.max_queue
             for _ in range(max(0, over)):
                 self._buffer.popleft()
+            self.dropped += max(0, over)
         if over > 0:
-            self.dropped += over
             self._mark_handled(over)
             self._warn_dropped()
 
