@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -72,12 +73,15 @@ class MlflowServer:
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
+            # The server runs in its own session with worker children: signal the whole group.
             try:
+                os.killpg(self.process.pid, signal.SIGTERM)
                 self.process.wait(timeout=20)
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(timeout=10)
+            except ProcessLookupError:
+                pass
         self.process = None
 
 
