@@ -213,3 +213,17 @@ def test_model_built_on_meta_device_is_materialized():
     trainer.fit()
     assert not any(p.is_meta for p in trainer.state.raw_model.parameters())
     assert torch.isfinite(trainer.state.batch_loss)
+
+
+@pytest.mark.parametrize("cls", ["DecoupledAdamW", "DecoupledSGDW"])
+def test_decoupled_weight_decay_follows_the_schedule(cls):
+    import smalti.core.optim as optim
+
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = getattr(optim, cls)([p], lr=0.1, weight_decay=0.5)
+    p.grad = torch.zeros(3)
+    opt.step()  # zero gradient: only the decay acts, 0.5 per step at the initial LR
+    torch.testing.assert_close(p.detach(), torch.full((3,), 0.5))
+    opt.param_groups[0]["lr"] = 0.05  # half the LR -> half the decay
+    opt.step()
+    torch.testing.assert_close(p.detach(), torch.full((3,), 0.375))
