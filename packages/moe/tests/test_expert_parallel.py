@@ -11,11 +11,14 @@ KW = dict(hidden_size=16, ffn_hidden_size=12, num_experts=4, top_k=2, mlp_type="
 
 @pytest.mark.world_size(2)
 def test_expert_parallel_matches_single_process():
+    """Experts split over the ``ep`` dimension of a device mesh; tokens travel by gloo all-to-all."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     rank = dist.get_rank()
     torch.manual_seed(0)
     full = MoE(**KW)  # the same weights on both ranks
     torch.manual_seed(0)
-    ep = MoE(expert_group=dist.group.WORLD, **KW)
+    ep = MoE(expert_group=init_device_mesh("cpu", (2,), mesh_dim_names=("ep",)), **KW)
     assert ep.num_local_experts == 2 and ep.w1.shape[0] == 2
     with torch.no_grad():
         ep.router.gate.weight.copy_(full.router.gate.weight)
@@ -27,19 +30,20 @@ def test_expert_parallel_matches_single_process():
     y, aux = ep(x)
     (y.square().sum() + aux).backward()
 
+    # One process with both ranks' tokens, trained on the mean of the two ranks' losses.
     ref_x = [inp.clone().requires_grad_() for inp in inputs]
     ref_out = [full(rx) for rx in ref_x]
-    sum(o.square().sum() + a for o, a in ref_out).backward()
+    (sum(o.square().sum() + a for o, a in ref_out) / 2).backward()
 
     torch.testing.assert_close(y, ref_out[rank][0], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(x.grad, ref_x[rank].grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(x.grad, 2 * ref_x[rank].grad, rtol=1e-5, atol=1e-6)  # this rank's own loss
     # This rank's experts saw both ranks' tokens: their gradient is the full layer's for those experts.
     torch.testing.assert_close(ep.w1.grad, full.w1.grad[2 * rank : 2 * rank + 2], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ep.w2.grad, full.w2.grad[2 * rank : 2 * rank + 2], rtol=1e-5, atol=1e-6)
-    # The router is replicated: its gradients, summed over ranks as data parallelism would, match.
+    # The router is replicated: its gradients, averaged over ranks as data parallelism does, match.
     router_grad = ep.router.gate.weight.grad.clone()
     dist.all_reduce(router_grad)
-    torch.testing.assert_close(router_grad, full.router.gate.weight.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(router_grad / 2, full.router.gate.weight.grad, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.world_size(2)

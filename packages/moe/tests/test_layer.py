@@ -37,6 +37,19 @@ def test_matches_per_token_loop(mlp_type, score_func):
     torch.testing.assert_close(y, per_token_loop(layer, x), rtol=1e-5, atol=1e-6)
 
 
+def test_gradients_match_per_token_loop():
+    layer = make(mlp_type="glu", activation="silu", num_experts=5, top_k=3, zloss_weight=1e-3)
+    loop = make(mlp_type="glu", activation="silu", num_experts=5, top_k=3, zloss_weight=1e-3)
+    x = torch.randn(21, 24)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y, aux = layer(xa)
+    (y.square().sum() + aux).backward()
+    (per_token_loop(loop, xb).square().sum() + loop.aux_loss(loop.router(xb))).backward()
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-4, atol=1e-6)
+    for (name, a), b in zip(layer.named_parameters(), loop.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_one_expert_equals_dense_ffn():
     layer = make(num_experts=1, top_k=1, mlp_type="glu", activation="silu")
     x = torch.randn(2, 9, 24)
@@ -141,3 +154,70 @@ def test_triton_backend_on_cpu_says_why_not(monkeypatch):
         pytest.skip("a GPU is present")
     with pytest.raises(MoEError, match="backend='triton' cannot run: .*(CUDA|not installed)"):
         make(backend="triton")
+
+
+def test_sigmoid_aux_free_selects_by_biased_score_but_weights_by_unbiased():
+    layer = make(num_experts=4, top_k=2, score_func="sigmoid", load_balancing="aux_free", normalize_expert_weights=1.0)
+    with torch.no_grad():
+        layer.router.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 10.0]))  # expert 3 always selected
+    x = torch.randn(16, 24)
+    routing = layer.router(x)
+    assert (routing.expert_ids == 3).any(-1).all()
+    scores = torch.sigmoid(layer.router.gate(x))
+    picked = scores.gather(-1, routing.expert_ids)
+    torch.testing.assert_close(routing.weights, picked / picked.sum(-1, keepdim=True))
+
+
+def test_jitter_only_in_training():
+    layer = make(router_jitter=0.5)
+    x = torch.randn(64, 24)
+    layer.eval()
+    torch.testing.assert_close(layer(x)[0], layer(x)[0])
+    layer.train()
+    torch.manual_seed(1)
+    ids_a = layer.router(x).expert_ids
+    torch.manual_seed(2)
+    ids_b = layer.router(x).expert_ids
+    assert not torch.equal(ids_a, ids_b)  # multiplicative noise of +-50% changes some choices
+
+
+def test_normalized_weights_sum_to_one_and_raw_softmax_weights_do_not():
+    x = torch.randn(10, 24)
+    assert torch.allclose(make(normalize_expert_weights=1.0).router(x).weights.sum(-1), torch.ones(10))
+    assert (make().router(x).weights.sum(-1) < 1).all()
+
+
+def test_shared_experts_are_added_to_the_routed_output():
+    layer = make(num_shared_experts=2)
+    x = torch.randn(11, 24)
+    routed_only = per_token_loop(layer, x)
+    torch.testing.assert_close(layer(x)[0], routed_only + layer.shared(x), rtol=1e-5, atol=1e-6)
+    assert layer.shared[0].out_features == 2 * layer.ffn_hidden_size
+
+
+def test_balancing_loss_scales_with_num_layers_and_parts_are_kept_per_layer():
+    one, four = make(zloss_weight=1e-3), make(zloss_weight=1e-3, num_layers=4)
+    four.load_state_dict(one.state_dict())
+    x = torch.randn(30, 24)
+    one(x), four(x)
+    lbl1, lbl4 = one.last_losses["load_balancing_loss"], four.last_losses["load_balancing_loss"]
+    torch.testing.assert_close(lbl4 * 4, lbl1)
+    torch.testing.assert_close(one.last_losses["router_z_loss"], four.last_losses["router_z_loss"])
+    other = make()
+    assert other.last_losses == {}  # nothing shared between layers
+
+
+def test_router_logits_stay_fp32_under_autocast_and_bf16_layer_runs():
+    layer = make()
+    x = torch.randn(12, 24)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        routing = layer.router(x)
+    assert routing.logits.dtype == torch.float32
+    torch.testing.assert_close(routing.logits, x @ layer.router.gate.weight.t())
+    bf16 = make(dtype=torch.bfloat16)
+    y, aux = bf16(x.bfloat16())
+    assert y.dtype == torch.bfloat16 and aux.dtype == torch.float32
+    ref = make()
+    ref.load_state_dict({k: v.float() for k, v in bf16.state_dict().items()})
+    want = ref(x.bfloat16().float())[0]
+    assert float((y.detach().float() - want.detach()).norm() / want.detach().norm()) < 3e-2  # bf16 rounding of two GEMMs and the combine

@@ -4,11 +4,17 @@ Steps: sort this rank's (token, slot) entries by expert; exchange per-expert cou
 differentiable all-to-all; run the local experts on what arrived; send the results back the same way;
 combine each token's k outputs with its routing weights. Gradients flow back through both all-to-alls, so
 each rank's expert weights get the gradient from every rank's tokens.
+
+As in MegaBlocks, the expert weights' gradients are scaled by ``1 / ep``: when the replicated parameters
+(router, shared experts, the rest of the model) are averaged over the same ranks by data parallelism,
+every gradient is then that of the mean of the ranks' losses, as in one process holding all the tokens.
+Expert weights differ per rank, so data parallelism must leave them out of its all-reduce
+(:meth:`smalti.moe.MoE.expert_parameters`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -20,14 +26,26 @@ if TYPE_CHECKING:
     from smalti.moe.layer import MoE
 
 
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, w: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
 def expert_parallel_forward(layer: MoE, tokens: torch.Tensor, expert_ids: torch.Tensor,
                             weights: torch.Tensor) -> torch.Tensor:
+    """The layer's expert computation with its experts spread over ``layer.expert_group``; token order kept."""
     group = layer.expert_group
     ep = dist.get_world_size(group)
     local = layer.num_local_experts
     k = expert_ids.shape[1]
     perm, counts, _ = ops.sort_by_expert(expert_ids, layer.num_experts, layer.backend)
-    send_rows = tokens.index_select(0, torch.div(perm, k, rounding_mode="floor"))
+    send_rows = ops.gather_rows(tokens, perm, k, layer.backend)
     # counts[e] for e in rank r's experts go to rank r; receive [ep, local] counts from every rank.
     recv_counts = torch.empty_like(counts)
     dist.all_to_all_single(recv_counts, counts.contiguous(), group=group)
@@ -42,7 +60,8 @@ def expert_parallel_forward(layer: MoE, tokens: torch.Tensor, expert_ids: torch.
         torch.arange(local, device=tokens.device).repeat(ep), recv_matrix.reshape(-1)
     ).unsqueeze(1)
     ones = torch.ones_like(local_ids, dtype=received.dtype)
-    computed = layer.experts_forward(received, local_ids, ones, layer.w1, layer.w2)
+    w1, w2 = _ScaleGrad.apply(layer.w1, 1.0 / ep), _ScaleGrad.apply(layer.w2, 1.0 / ep)
+    computed = layer.experts_forward(received, local_ids, ones, w1, w2)
     returned = all_to_all_single(
         torch.empty(sum(send_splits), tokens.shape[1], dtype=tokens.dtype, device=tokens.device),
         computed, output_split_sizes=send_splits, input_split_sizes=recv_splits, group=group,

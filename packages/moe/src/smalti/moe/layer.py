@@ -19,13 +19,33 @@ class MoE(nn.Module):
     """A token-choice MoE FFN. ``forward(x) -> (y, aux_loss)`` for ``x [..., hidden_size]``.
 
     Arguments follow MegaBlocks' names without the ``moe_`` prefix:
-    ``capacity_factor`` 0 or None is dropless; above 0 each expert takes at most
-    ``int(capacity_factor * top_k * T / num_experts)`` entries and later ones are dropped.
-    ``load_balancing``: ``aux_loss`` (MegaBlocks' loss times ``lbl_weight``), ``aux_free`` (a selection bias
-    updated from expert counts by :class:`smalti.moe.balancing.AuxFreeBiasUpdate`) or ``none``.
-    ``aux_loss`` returned is this layer's balancing loss plus its z-loss (``zloss_weight``); nothing is kept
-    in module-global state. ``expert_group``: a process group over which the experts are split (expert
-    parallelism); each rank then holds ``num_experts / group size`` of them.
+
+    * ``ffn_hidden_size``: each expert's hidden width; ``mlp_type`` ``mlp`` (up, activation, down) or
+      ``glu`` (``act(x W_gate) * x W_up``, SwiGLU with ``activation='silu'``); ``activation`` one of
+      ``gelu`` (tanh), ``gelu_exact``, ``silu``, ``relu``.
+    * Router: ``score_func`` ``softmax`` or ``sigmoid``; ``router_jitter`` eps multiplies the router's input
+      by U(1-eps, 1+eps) in training; ``normalize_expert_weights`` p renormalises the kept weights by their
+      p-norm (None keeps the raw scores).
+    * ``capacity_factor`` 0 or None is dropless; above 0 each expert takes at most
+      ``int(capacity_factor * top_k * T / num_experts)`` entries and later (token, slot) entries are dropped.
+    * ``num_shared_experts``: experts every token uses, added to the routed output (one dense FFN of
+      width ``num_shared_experts * ffn_hidden_size``).
+    * ``load_balancing``: ``aux_loss`` (MegaBlocks' loss times ``lbl_weight``), ``aux_free`` (DeepSeek-V3:
+      a selection bias updated from expert counts after each optimizer step, see
+      :mod:`smalti.moe.balancing`) or ``none``. ``zloss_weight`` adds the router z-loss.
+    * ``backend``: ``torch`` (reference kernels, any device) or ``triton`` (CUDA, or Triton's CPU
+      interpreter with ``TRITON_INTERPRET=1``); choosing ``triton`` where it cannot run raises
+      :class:`MoEError` saying why.
+
+    ``aux_loss`` returned is this layer's balancing loss plus its z-loss, both in training only;
+    ``num_layers`` (the model's MoE layer count) scales the balancing loss as MegaBlocks does, so the sum
+    over layers is its batched loss. Nothing is kept in module-global state; the last step's parts are in
+    :attr:`last_losses` (detached) for logging.
+
+    ``expert_group``: a process group, or a ``DeviceMesh`` whose ``ep_mesh_dim`` dimension is used, over
+    which the experts are split (expert parallelism); each rank then holds ``num_experts / group size``
+    of them (``w1``/``w2`` hold only the local experts) and tokens travel by all-to-all. Under expert
+    parallelism, capacity dropping applies to each rank's own tokens.
     """
 
     def __init__(
@@ -45,7 +65,9 @@ class MoE(nn.Module):
         lbl_weight: float = 0.1,
         zloss_weight: float = 0.0,
         backend: str = "torch",
+        num_layers: int = 1,
         expert_group: Any = None,
+        ep_mesh_dim: str = "ep",
         init_std: float = 0.02,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -57,6 +79,10 @@ class MoE(nn.Module):
             raise MoEError(f"activation={activation!r} must be one of {', '.join(ACTIVATIONS)}")
         if load_balancing not in ("aux_loss", "aux_free", "none"):
             raise MoEError(f"load_balancing={load_balancing!r} must be 'aux_loss', 'aux_free' or 'none'")
+        if capacity_factor is not None and capacity_factor < 0:
+            raise MoEError(f"capacity_factor={capacity_factor} must be >= 0 (0 or None: dropless)")
+        if num_layers < 1:
+            raise MoEError(f"num_layers={num_layers} must be the model's number of MoE layers (>= 1)")
         if backend not in ops.BACKENDS:
             raise MoEError(f"backend={backend!r} is not one of {', '.join(ops.BACKENDS)}")
         if backend == "triton":
@@ -69,7 +95,9 @@ class MoE(nn.Module):
         self.capacity_factor = capacity_factor or 0.0
         self.load_balancing, self.lbl_weight, self.zloss_weight = load_balancing, lbl_weight, zloss_weight
         self.backend = backend
-        self.expert_group = expert_group
+        self.num_layers = num_layers
+        self.expert_group = _resolve_group(expert_group, ep_mesh_dim)
+        expert_group = self.expert_group
         ep = _group_size(expert_group)
         if num_experts % ep:
             raise MoEError(f"num_experts={num_experts} does not divide over {ep} expert-parallel ranks")
@@ -88,6 +116,7 @@ class MoE(nn.Module):
         )
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, device=device), persistent=False)
         self.init_std = init_std
+        self.last_losses: dict[str, torch.Tensor] = {}
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -103,8 +132,11 @@ class MoE(nn.Module):
     # ------------------------------------------------------------------ forward
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Route ``x [..., hidden_size]`` to its experts; returns ``(y, aux_loss)`` with ``y`` shaped like ``x``."""
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
+        if self.backend == "triton":
+            ops.check_triton_input(tokens)
         routing = self.router(tokens)
         weights = self._apply_capacity(routing)
         if self.training and self.load_balancing == "aux_free":
@@ -122,17 +154,21 @@ class MoE(nn.Module):
 
     def experts_forward(self, tokens: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                         w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        """Dropless expert computation for ``tokens`` routed to ``expert_ids`` (local ids into ``w1``/``w2``)."""
-        k = expert_ids.shape[1]
+        """Dropless expert computation for ``tokens`` routed to ``expert_ids`` (local ids into ``w1``/``w2``).
+
+        ScatterMoE's dataflow: sort only the ids; the first GEMM reads token rows through the permutation
+        (sorted output), the second writes its rows back in (token, slot) order, and each token's k rows
+        are combined with its weights by a small batched matmul: no gathered copy of ``tokens``, no atomics.
+        """
         perm, _counts, offsets = ops.sort_by_expert(expert_ids, w1.shape[0], self.backend)
-        h = ops.gather_mm(tokens, w1, perm, offsets, k, self.backend)
+        h = ops.gather_mm(tokens, w1, perm, offsets, expert_ids.shape[1], self.backend)
         if self.mlp_type == "glu":
             gate, up = h.split(self.ffn_hidden_size, dim=-1)
-            h = ops.glu(gate.contiguous(), up.contiguous(), self.activation, self.backend)
+            h = ops.glu(gate, up, self.activation, self.backend)
         else:
             h = ACTIVATIONS[self.activation](h)
-        out = ops.grouped_mm(h, w2, offsets, self.backend)
-        return ops.scatter_rows(out, perm, weights, k, self.backend)
+        z = ops.mm_scatter(h, w2, perm, offsets, self.backend)
+        return ops.combine(z, weights)
 
     def _apply_capacity(self, routing: Routing) -> torch.Tensor:
         """Zero the weights of entries past an expert's capacity (later tokens first); dropless returns them as is."""
@@ -153,10 +189,16 @@ class MoE(nn.Module):
     def aux_loss(self, routing: Routing) -> torch.Tensor:
         """This layer's balancing loss (when ``load_balancing='aux_loss'``) plus its router z-loss."""
         loss = routing.logits.new_zeros(())
+        self.last_losses = {}
         if self.training and self.load_balancing == "aux_loss" and self.lbl_weight:
-            loss = loss + load_balancing_loss(routing.probs, routing.expert_ids, self.num_experts, self.lbl_weight)
+            lbl = load_balancing_loss(routing.probs, routing.expert_ids, self.num_experts, self.lbl_weight,
+                                      self.num_layers)
+            self.last_losses["load_balancing_loss"] = lbl.detach()
+            loss = loss + lbl
         if self.training and self.zloss_weight:
-            loss = loss + router_z_loss(routing.logits, self.zloss_weight)
+            zloss = router_z_loss(routing.logits, self.zloss_weight)
+            self.last_losses["router_z_loss"] = zloss.detach()
+            loss = loss + zloss
         return loss
 
     # ------------------------------------------------------------------ aux-free balancing
@@ -179,6 +221,23 @@ class _Activation(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ACTIVATIONS[self.name](x)
+
+
+def _resolve_group(group: Any, mesh_dim: str) -> Any:
+    """A process group from ``group``: ``None``, a process group, or a ``DeviceMesh`` (its ``mesh_dim``)."""
+    if group is None:
+        return None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, DeviceMesh):
+        names = group.mesh_dim_names or ()
+        if mesh_dim in names:
+            return group.get_group(mesh_dim)
+        if group.ndim == 1:
+            return group.get_group()
+        raise MoEError(f"expert_group is a {group.ndim}-D DeviceMesh with dims {names} and none is named "
+                       f"ep_mesh_dim={mesh_dim!r}; name the expert dimension or pass ep_mesh_dim")
+    return group
 
 
 def _group_size(group: Any) -> int:

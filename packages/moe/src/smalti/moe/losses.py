@@ -5,17 +5,19 @@ from __future__ import annotations
 import torch
 
 
-def load_balancing_loss(probs: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, weight: float) -> torch.Tensor:
-    """Switch/MegaBlocks load-balancing loss of one layer.
+def load_balancing_loss(probs: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, weight: float,
+                        num_layers: int = 1) -> torch.Tensor:
+    """Switch/MegaBlocks load-balancing loss of one layer, in fp32.
 
-    ``weight * E / (T * k) * sum_e c_e * mean_t p[t, e]`` where ``c_e`` counts the (token, slot)
-    assignments to expert ``e`` and ``p`` are the router's probabilities over all experts (not only the
-    top-k). Equals ``weight`` when routing is perfectly balanced.
+    ``weight * E / (L * T * k) * sum_e c_e * mean_t p[t, e]`` where ``c_e`` counts the (token, slot)
+    assignments to expert ``e``, ``p`` are the router's probabilities over all experts (not only the
+    top-k) and ``L`` is the model's number of MoE layers: summed over the layers this is MegaBlocks'
+    ``batched_load_balancing_loss``. Equals ``weight / L`` when routing is perfectly balanced.
     """
     tokens, k = expert_ids.shape
-    counts = torch.bincount(expert_ids.reshape(-1), minlength=num_experts).to(probs.dtype)
+    counts = torch.bincount(expert_ids.reshape(-1), minlength=num_experts).float()
     mean_probs = probs.float().mean(0)
-    return weight * num_experts / (tokens * k) * torch.dot(counts.float(), mean_probs)
+    return weight * num_experts / (num_layers * tokens * k) * torch.dot(counts, mean_probs)
 
 
 def router_z_loss(logits: torch.Tensor, weight: float) -> torch.Tensor:

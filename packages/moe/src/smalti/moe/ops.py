@@ -1,8 +1,16 @@
-"""The MoE computation wired through autograd, over a backend of kernels (``torch`` reference or ``triton``).
+"""The MoE computation wired through autograd over a backend of kernels (``torch`` reference or ``triton``).
 
-The ``torch`` backend relies on autograd through the reference ops. The ``triton`` backend uses
-``autograd.Function`` s whose backward passes call the Triton kernels too: grouped GEMM backward is a
-grouped GEMM with transposed weights (input gradient) and ``grouped_mm_wgrad`` (weight gradient).
+Every op is an ``autograd.Function`` whose backward calls the same backend's kernels, so the backward
+formulas are exercised (and gradchecked in float64) on the ``torch`` backend on any CPU:
+
+* ``gather_mm`` (``ys = x[perm // k] @ w[e]``): ``dx`` is ``mm_scatter(dys, w^T)`` summed over the k slots,
+  ``dw = wgrad(x[perm // k], dys)`` reading ``x`` in place;
+* ``mm_scatter`` (``z[perm] = h @ w[e]``): ``dh = gather_mm(dz, w^T)`` with ``k = 1``,
+  ``dw = wgrad(h, dz[perm])`` reading ``dz`` in place;
+* ``grouped_mm``: ``da = grouped_mm(dc, w^T)``, ``dw = wgrad(a, dc)``; transposed weights are strided
+  views, never copies;
+* ``scatter_rows`` (weighted combine) and ``gather_rows``;
+* ``glu``: fused ``act(gate) * up`` with the activation recomputed in backward.
 """
 
 from __future__ import annotations
@@ -29,15 +37,26 @@ def triton_unavailable_reason(device: torch.device | None = None) -> str | None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         return None
     if device is not None and device.type != "cuda":
-        return (f"Triton kernels need a CUDA device and the tensors are on {device}; use backend='torch' here "
-                "(or TRITON_INTERPRET=1 to run the kernels in Triton's slow CPU interpreter)")
+        return (f"Triton kernels need a CUDA device and the layer is on {device}; use backend='torch' here "
+                "(or set TRITON_INTERPRET=1 before importing triton to run the kernels in Triton's slow CPU "
+                "interpreter)")
     if not torch.cuda.is_available():
         return "Triton kernels need a CUDA GPU and none is present; use backend='torch'"
     return None
 
 
+def check_triton_input(x: torch.Tensor) -> None:
+    """Raise :class:`MoEError` when the Triton kernels cannot take ``x`` (device, or a dtype they do not support)."""
+    reason = triton_unavailable_reason(x.device)
+    if reason:
+        raise MoEError(f"backend='triton' cannot run: {reason}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise MoEError(f"backend='triton' takes float32, bfloat16 or float16 inputs, not {x.dtype}; "
+                       "use backend='torch' (e.g. for float64 gradient checks)")
+
+
 def kernels(backend: str) -> ModuleType:
-    """The module holding ``backend``'s kernels."""
+    """The module holding ``backend``'s kernels (:mod:`smalti.moe.reference` or :mod:`smalti.moe.triton_kernels`)."""
     if backend == "torch":
         return reference
     if backend == "triton":
@@ -48,9 +67,11 @@ def kernels(backend: str) -> ModuleType:
     raise MoEError(f"backend={backend!r} is not one of {', '.join(BACKENDS)}")
 
 
-class _GatherMM(torch.autograd.Function):
-    """``ys = gather(x, perm // k) @ w[expert]`` fused; backward: scatter of grouped ``dys @ w^T`` and wgrad."""
+def _t(w: torch.Tensor) -> torch.Tensor:
+    return w.transpose(1, 2)
 
+
+class _GatherMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x, w, perm, offsets, k, K) -> torch.Tensor:
         ctx.save_for_backward(x, w, perm, offsets)
@@ -62,10 +83,31 @@ class _GatherMM(torch.autograd.Function):
         x, w, perm, offsets = ctx.saved_tensors
         K, k = ctx.K, ctx.k
         dys = dys.contiguous()
-        dxs = K.grouped_mm(dys, w.transpose(1, 2).contiguous(), offsets)
-        dx = K.scatter_rows(dxs, perm, None, k)
-        dw = K.grouped_mm_wgrad(K.gather_rows(x, perm, k), dys, offsets)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx_entries = K.mm_scatter(dys, _t(w), perm, offsets)  # [T*k, D] in entry order
+            dx = dx_entries.view(-1, k, dx_entries.shape[-1]).sum(1) if k > 1 else dx_entries
+        if ctx.needs_input_grad[1]:
+            index = perm if k == 1 else torch.div(perm, k, rounding_mode="floor")
+            dw = K.grouped_mm_wgrad(x, dys, offsets, a_index=index)
         return dx, dw, None, None, None, None
+
+
+class _MMScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, h, w, perm, offsets, K) -> torch.Tensor:
+        ctx.save_for_backward(h, w, perm, offsets)
+        ctx.K = K
+        return K.mm_scatter(h, w, perm, offsets)
+
+    @staticmethod
+    def backward(ctx: Any, dz):
+        h, w, perm, offsets = ctx.saved_tensors
+        K = ctx.K
+        dz = dz.contiguous()
+        dh = K.gather_mm(dz, _t(w), perm, offsets, 1) if ctx.needs_input_grad[0] else None
+        dw = K.grouped_mm_wgrad(h, dz, offsets, dc_index=perm) if ctx.needs_input_grad[1] else None
+        return dh, dw, None, None, None
 
 
 class _GroupedMM(torch.autograd.Function):
@@ -80,7 +122,22 @@ class _GroupedMM(torch.autograd.Function):
         a, w, offsets = ctx.saved_tensors
         K = ctx.K
         dc = dc.contiguous()
-        return K.grouped_mm(dc, w.transpose(1, 2).contiguous(), offsets), K.grouped_mm_wgrad(a, dc, offsets), None, None
+        da = K.grouped_mm(dc, _t(w), offsets) if ctx.needs_input_grad[0] else None
+        dw = K.grouped_mm_wgrad(a, dc, offsets) if ctx.needs_input_grad[1] else None
+        return da, dw, None, None
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x, perm, k, K) -> torch.Tensor:
+        ctx.save_for_backward(perm)
+        ctx.k, ctx.K = k, K
+        return K.gather_rows(x, perm, k)
+
+    @staticmethod
+    def backward(ctx: Any, dxs):
+        (perm,) = ctx.saved_tensors
+        return ctx.K.scatter_rows(dxs.contiguous(), perm, None, ctx.k), None, None, None
 
 
 class _ScatterRows(torch.autograd.Function):
@@ -94,14 +151,17 @@ class _ScatterRows(torch.autograd.Function):
     def backward(ctx: Any, dy):
         ys, perm, weights = ctx.saved_tensors
         k, K = ctx.k, ctx.K
-        dy = dy.contiguous()
-        dy_rows = K.gather_rows(dy, perm, k)  # dy of each entry's token, in sorted order
+        dy_rows = K.gather_rows(dy.contiguous(), perm, k)  # each sorted row's token gradient
         flat_w = weights.reshape(-1).index_select(0, perm)
         dys = dy_rows * flat_w.unsqueeze(-1).to(dy_rows.dtype)
-        dw_sorted = (ys.float() * dy_rows.float()).sum(-1)
-        dweights = torch.empty_like(dw_sorted)
-        dweights[perm] = dw_sorted
-        return dys, None, dweights.view_as(weights).to(weights.dtype), None, None
+        dweights = None
+        if ctx.needs_input_grad[2]:
+            acc = torch.promote_types(ys.dtype, torch.float32)
+            dw_sorted = (ys.to(acc) * dy_rows.to(acc)).sum(-1)
+            dweights = torch.empty_like(dw_sorted)
+            dweights[perm] = dw_sorted
+            dweights = dweights.view_as(weights).to(weights.dtype)
+        return dys, None, dweights, None, None
 
 
 class _GLU(torch.autograd.Function):
@@ -118,36 +178,45 @@ class _GLU(torch.autograd.Function):
         return dg, du, None, None
 
 
-def gather_mm(x, w, perm, offsets, k, backend: str) -> torch.Tensor:
-    """Tokens' rows times their expert's weight, in expert-sorted order ``[N, M]``."""
-    K = kernels(backend)
-    if backend == "torch":
-        return K.gather_mm(x, w, perm, offsets, k)
-    return _GatherMM.apply(x.contiguous(), w, perm, offsets, k, K)
+def gather_mm(x, w, perm, offsets, k: int, backend: str) -> torch.Tensor:
+    """Token rows times their expert's weight, in expert-sorted order ``[N, M]`` (fused gather + GEMM)."""
+    return _GatherMM.apply(x, w, perm, offsets, k, kernels(backend))
+
+
+def mm_scatter(h, w, perm, offsets, backend: str) -> torch.Tensor:
+    """Sorted rows times their expert's weight, written back in entry order ``[N, M]`` (fused GEMM + scatter)."""
+    return _MMScatter.apply(h, w, perm, offsets, kernels(backend))
 
 
 def grouped_mm(a, w, offsets, backend: str) -> torch.Tensor:
     """Expert-sorted rows times their expert's weight."""
-    K = kernels(backend)
-    if backend == "torch":
-        return K.grouped_mm(a, w, offsets)
-    return _GroupedMM.apply(a.contiguous(), w, offsets, K)
+    return _GroupedMM.apply(a, w, offsets, kernels(backend))
 
 
-def scatter_rows(ys, perm, weights, k, backend: str) -> torch.Tensor:
-    """Weighted sum over each token's k expert outputs, in token order."""
-    K = kernels(backend)
-    if backend == "torch":
-        return K.scatter_rows(ys, perm, weights, k)
-    return _ScatterRows.apply(ys.contiguous(), perm, weights.contiguous(), k, K)
+def gather_rows(x, perm, k: int, backend: str) -> torch.Tensor:
+    """Token rows copied into expert-sorted order."""
+    return _GatherRows.apply(x, perm, k, kernels(backend))
+
+
+def scatter_rows(ys, perm, weights, k: int, backend: str) -> torch.Tensor:
+    """Weighted sum over each token's k expert outputs (given in sorted order), in token order."""
+    return _ScatterRows.apply(ys, perm, weights, k, kernels(backend))
+
+
+def combine(z: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``y[t] = sum_j weights[t, j] * z[t*k + j]`` for ``z`` in entry order: one ``(1 x k) @ (k x D)`` per token."""
+    tokens, k = weights.shape
+    if k == 1:
+        return z * weights.to(z.dtype)
+    return torch.bmm(weights.unsqueeze(1).to(z.dtype), z.view(tokens, k, -1)).squeeze(1)
 
 
 def glu(gate, up, activation: str, backend: str) -> torch.Tensor:
-    """``act(gate) * up``, fused on the Triton backend."""
+    """``act(gate) * up``; the Triton backend fuses it for silu, gelu (tanh) and relu."""
     K = kernels(backend)
-    if backend == "torch" or activation not in ("silu", "gelu", "relu"):
-        return reference.glu(gate, up, activation)
-    return _GLU.apply(gate.contiguous(), up.contiguous(), activation, K)
+    if backend == "triton" and activation not in ("silu", "gelu", "relu"):
+        K = reference
+    return _GLU.apply(gate, up, activation, K)
 
 
 def sort_by_expert(expert_ids, num_experts: int, backend: str):

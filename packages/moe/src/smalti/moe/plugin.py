@@ -1,6 +1,8 @@
-"""smalti-moe's entry point for smalti-core: config options and the aux-free bias update callback.
+"""smalti-moe's entry point for smalti-core: where its config options live.
 
-Import-light on purpose (no torch, no triton): every ``smalti`` process loads it.
+Import-light on purpose (no torch, no triton): every ``smalti`` process loads it. The aux-free bias
+update is a callback option (``callbacks=[moe_bias_update]``, :class:`smalti.moe.balancing.AuxFreeBiasUpdate`)
+built by Hydra only when chosen.
 """
 
 import pluggy
@@ -10,4 +12,5 @@ hookimpl = pluggy.HookimplMarker("smalti")
 
 @hookimpl
 def smalti_config_searchpath() -> str:
+    """The ``pkg://`` directory of smalti-moe's config group options."""
     return "pkg://smalti.moe.conf"

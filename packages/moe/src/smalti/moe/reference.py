@@ -1,9 +1,13 @@
 """Plain PyTorch versions of every MoE kernel: the CPU path and the oracle the Triton kernels are tested against.
 
 Shapes: ``T`` tokens, ``k`` experts per token, ``N = T * k`` (token, slot) entries, ``E`` experts, ``D``
-hidden size. Entry ``n`` is token ``n // k``, slot ``n % k``. Sorting is by expert, stable, so entries of
-one expert keep token order. Each function here has a Triton twin in :mod:`smalti.moe.triton_kernels`
-with the same signature; all are differentiable through ordinary autograd.
+hidden size. Entry ``n`` is token ``n // k``, slot ``n % k``; "entry order" is that flat order and "sorted
+order" groups the entries by expert (stable, so one expert's entries keep token order). ``perm[i]`` is the
+entry at sorted position ``i``; ``offsets[e]`` is the exclusive end of expert ``e``'s rows in sorted order.
+
+Each function here has a Triton twin in :mod:`smalti.moe.triton_kernels` with the same signature. They are
+forward kernels: :mod:`smalti.moe.ops` wires them into autograd with explicit backward passes that call the
+same backend's kernels.
 """
 
 from __future__ import annotations
@@ -13,16 +17,15 @@ import torch.nn.functional as F
 
 
 def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stable sort of the flat expert ids ``[N]``.
+    """Stable sort of the flat expert ids (``[T, k]`` or ``[N]``) and their histogram.
 
-    Returns ``perm`` (``perm[i]`` is the entry at sorted position ``i``), ``counts[E]`` and ``offsets[E]``
-    (exclusive end of each expert's run, i.e. the inclusive cumulative sum of ``counts``).
+    Returns ``perm [N]`` (int64), ``counts [E]`` (int64) and ``offsets [E]`` (the inclusive cumulative sum of
+    ``counts``: where each expert's run of sorted rows ends).
     """
     flat = expert_ids.reshape(-1)
     perm = torch.sort(flat, stable=True).indices
     counts = torch.bincount(flat, minlength=num_experts)
-    offsets = torch.cumsum(counts, 0)
-    return perm, counts, offsets
+    return perm, counts, torch.cumsum(counts, 0)
 
 
 def gather_rows(x: torch.Tensor, perm: torch.Tensor, k: int) -> torch.Tensor:
@@ -31,35 +34,82 @@ def gather_rows(x: torch.Tensor, perm: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def scatter_rows(ys: torch.Tensor, perm: torch.Tensor, weights: torch.Tensor | None, k: int) -> torch.Tensor:
-    """``y[t] = sum_j w[t, j] * ys[pos(t*k + j)]``: back to token order, weighted sum over the k slots.
+    """``y[t] = sum_j w[t, j] * ys[sorted position of entry t*k + j]``: back to token order, summed over k.
 
-    ``weights`` is ``[T, k]`` (or ``None`` for an unweighted sum). No scatter-add: the inverse permutation
-    puts rows back in entry order, then a reshape sums the k slots.
+    ``weights`` is ``[T, k]`` (``None``: unweighted sum). No scatter-add: the rows are put back in entry
+    order by the inverse permutation, then each token's k rows are summed in fp32.
     """
+    acc = torch.promote_types(ys.dtype, torch.float32)  # bf16/fp16 summed in fp32, fp64 kept
+    entries = ys.index_select(0, inverse_permutation(perm)).view(-1, k, ys.shape[-1]).to(acc)
+    if weights is not None:
+        entries = entries * weights.unsqueeze(-1).to(acc)
+    return entries.sum(1).to(ys.dtype)
+
+
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    """``inverse[perm[i]] = i``: the sorted position of each entry."""
     inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
-    entries = ys.index_select(0, inverse)  # entry order: [T*k, D]
-    entries = entries.view(-1, k, ys.shape[-1])
-    if weights is None:
-        return entries.sum(1)
-    return (entries * weights.unsqueeze(-1).to(entries.dtype)).sum(1)
+    inverse[perm] = torch.arange(perm.numel(), device=perm.device, dtype=perm.dtype)
+    return inverse
+
+
+def _expert_slices(offsets: torch.Tensor) -> list[tuple[int, int, int]]:
+    bounds = [0, *offsets.tolist()]
+    return [(e, s, t) for e, (s, t) in enumerate(zip(bounds, bounds[1:])) if t > s]
+
+
+def _grouped_sorted(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``a[rows of e] @ b[e]`` for the first ``offsets[-1]`` (sorted) rows of ``a``."""
+    rows = int(offsets[-1]) if offsets.numel() else 0
+    out = a.new_empty(rows, b.shape[-1])
+    for e, s, t in _expert_slices(offsets):
+        torch.mm(a[s:t], b[e], out=out[s:t])
+    return out
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``c[rows of e] = a[rows of e] @ b[e]`` for rows sorted by expert; ``a [N, K]``, ``b [E, K, M]`` -> ``[N, M]``."""
-    bounds = [0, *offsets.tolist()]
-    chunks = [a[s:e] @ b[i] for i, (s, e) in enumerate(zip(bounds, bounds[1:])) if e > s]
-    return torch.cat(chunks) if chunks else a.new_zeros(0, b.shape[-1])
+    """``c[rows of e] = a[rows of e] @ b[e]`` for rows sorted by expert: ``a [N, K]``, ``b [E, K, M]`` -> ``[N, M]``.
+
+    ``b`` may be a strided view (e.g. ``w.transpose(1, 2)`` for the input gradient). Rows past
+    ``offsets[-1]`` are left unwritten.
+    """
+    out = a.new_empty(a.shape[0], b.shape[-1])
+    for e, s, t in _expert_slices(offsets):
+        torch.mm(a[s:t], b[e], out=out[s:t])
+    return out
 
 
-def grouped_mm_wgrad(a: torch.Tensor, dc: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """The weight gradient of :func:`grouped_mm`: ``db[e] = a[rows of e]^T @ dc[rows of e]``, ``[E, K, M]``."""
+def gather_mm(x: torch.Tensor, w: torch.Tensor, perm: torch.Tensor, offsets: torch.Tensor, k: int) -> torch.Tensor:
+    """Gather + grouped GEMM (ScatterMoE's grouped output): ``ys[i] = x[perm[i] // k] @ w[expert of i]``, sorted order."""
+    return grouped_mm(gather_rows(x, perm, k), w, offsets)
+
+
+def mm_scatter(h: torch.Tensor, w: torch.Tensor, perm: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Grouped GEMM with scattered output: ``z[perm[i]] = h[i] @ w[expert of i]``, ``[N, M]`` in entry order.
+
+    Every entry row is written by exactly one sorted row, so no atomics are needed; rows of entries past
+    ``offsets[-1]`` are zero.
+    """
+    c = _grouped_sorted(h, w, offsets)
+    if c.shape[0] == perm.numel():
+        return c.index_select(0, inverse_permutation(perm))
+    return h.new_zeros(perm.numel(), w.shape[-1]).index_copy_(0, perm[: c.shape[0]], c)
+
+
+def grouped_mm_wgrad(a: torch.Tensor, dc: torch.Tensor, offsets: torch.Tensor, a_index: torch.Tensor | None = None,
+                     dc_index: torch.Tensor | None = None) -> torch.Tensor:
+    """Weight gradient of a grouped GEMM: ``db[e] = A[rows of e]^T @ DC[rows of e]``, ``[E, K, M]``.
+
+    Sorted row ``r`` of ``A`` is ``a[a_index[r]]`` (or ``a[r]``), of ``DC`` is ``dc[dc_index[r]]`` (or
+    ``dc[r]``): the fused paths read their operands in place instead of copying them into sorted order.
+    """
+    if a_index is not None:
+        a = a.index_select(0, a_index)
+    if dc_index is not None:
+        dc = dc.index_select(0, dc_index)
     out = a.new_zeros(offsets.numel(), a.shape[1], dc.shape[1])
-    start = 0
-    for e, end in enumerate(offsets.tolist()):
-        if end > start:
-            out[e] = a[start:end].t() @ dc[start:end]
-        start = end
+    for e, s, t in _expert_slices(offsets):
+        torch.mm(a[s:t].t(), dc[s:t], out=out[e])
     return out
 
 
@@ -72,10 +122,15 @@ ACTIVATIONS = {
 
 
 def glu(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
-    """The GLU activation ``act(gate) * up`` (SwiGLU for ``silu``)."""
+    """The GLU activation ``act(gate) * up`` (SwiGLU for ``silu``); ``gate``/``up`` may be column slices of one tensor."""
     return ACTIVATIONS[activation](gate) * up
 
 
-def gather_mm(x: torch.Tensor, w: torch.Tensor, perm: torch.Tensor, offsets: torch.Tensor, k: int) -> torch.Tensor:
-    """Fused gather + grouped GEMM (ScatterMoE's ``grouped_out``): ``ys[i] = x[perm[i] // k] @ w[expert of i]``."""
-    return grouped_mm(gather_rows(x, perm, k), w, offsets)
+def glu_backward(gate: torch.Tensor, up: torch.Tensor, dout: torch.Tensor, activation: str = "silu"
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`glu` with respect to ``gate`` and ``up``, recomputing the activation."""
+    with torch.enable_grad():
+        g = gate.detach().requires_grad_()
+        act = ACTIVATIONS[activation](g)
+        (dact,) = torch.autograd.grad(act, g, dout * up)
+    return dact, (dout * act).detach()

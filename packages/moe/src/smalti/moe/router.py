@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from smalti.moe.errors import MoEError
@@ -44,13 +46,22 @@ class Router(nn.Module):
         self.gate = nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=dtype)
         self.register_buffer("expert_bias", torch.zeros(num_experts, device=device) if use_bias else None, persistent=use_bias)
 
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Gate logits in at least fp32 (as torchtitan does), also under autocast: routing decisions and
+        the losses must not depend on bf16 rounding."""
+        weight = self.gate.weight
+        if x.dtype == torch.float64 and weight.dtype == torch.float64:
+            return F.linear(x, weight)
+        off = torch.autocast(x.device.type, enabled=False) if x.device.type in ("cuda", "cpu") else nullcontext()
+        with off:
+            return F.linear(x.float(), weight.float())
+
     def forward(self, x: torch.Tensor) -> Routing:
+        """Scores, top-k choice and weights for ``x [T, hidden_size]``."""
         if self.training and self.jitter_eps > 0:
             noise = torch.empty_like(x).uniform_(1.0 - self.jitter_eps, 1.0 + self.jitter_eps)
             x = x * noise
-        logits = self.gate(x)
-        if logits.dtype != torch.float64:
-            logits = logits.float()  # routing decisions in at least fp32
+        logits = self._logits(x)
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
         select = scores if self.expert_bias is None else scores + self.expert_bias
         expert_ids = select.topk(self.top_k, dim=-1).indices

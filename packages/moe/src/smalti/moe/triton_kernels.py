@@ -1,8 +1,17 @@
 """Triton kernels for the MoE layer, each with the signature of its twin in :mod:`smalti.moe.reference`.
 
-Written for both a GPU and Triton's CPU interpreter (``TRITON_INTERPRET=1``), which the tests use:
-one config per kernel (the interpreter cannot autotune several), tiles of at least 16, and an fp32 upcast
-before ``tl.dot`` when interpreting (the interpreter multiplies bf16 bit patterns as integers).
+Written for both a GPU and Triton's CPU interpreter (``TRITON_INTERPRET=1``, read by Triton when this
+module's kernels are decorated, i.e. at import), which the CPU tests use. Interpreter limits handled here:
+
+* one autotune config when interpreting (several fail at launch with "0 active drivers");
+* operands upcast to fp32 before ``tl.dot`` when interpreting (the interpreter multiplies bf16 bit
+  patterns as integers);
+* tiles of at least 16 in every ``tl.dot`` dimension (the GPU's minimum).
+
+Grouped GEMMs follow ScatterMoE: only integer indices are sorted; a GEMM reads its rows through an index
+(``perm // k``) and may write its output rows through one (``perm``), so no padded or gathered copy of
+the activations is made. Each GEMM program owns one tile of one expert's rows (a tile schedule built on
+the device from the expert offsets, no host sync), so no tile mixes experts.
 """
 
 from __future__ import annotations
@@ -14,75 +23,105 @@ import triton
 import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-_BLOCK_N = 128
-_BLOCK = 32
+
+_SORT_BLOCK = 128 if INTERPRET else 1024
+_COPY_BLOCK_M = 32 if INTERPRET else 64
+_COPY_BLOCK_D = 64 if INTERPRET else 128
 
 
-def _next_pow2(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))
+def _configs(gpu: list[dict], interpreted: dict) -> list[triton.Config]:
+    """Autotune configs: several on a GPU, exactly one under the interpreter."""
+    if INTERPRET:
+        return [triton.Config(interpreted, num_warps=4, num_stages=1)]
+    return [triton.Config({k: v for k, v in c.items() if k not in ("num_warps", "num_stages")},
+                          num_warps=c.get("num_warps", 4), num_stages=c.get("num_stages", 3)) for c in gpu]
+
+
+def _upcast(dtype: torch.dtype) -> bool:
+    """Whether ``tl.dot`` operands must be converted to fp32 first (interpreter, or fp32 kept exact)."""
+    return INTERPRET or dtype == torch.float32
 
 
 # ----------------------------------------------------------------------------------------------- sort
 
 
 @triton.jit
-def _sort_kernel(ids_ptr, perm_ptr, pos_ptr, counts_ptr, n, num_experts,
-                 BLOCK: tl.constexpr, EP: tl.constexpr):
+def _block_histogram_kernel(ids_ptr, block_counts_ptr, n, num_experts, BLOCK: tl.constexpr, EP: tl.constexpr):
+    b = tl.program_id(0)
+    offs = b * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    ids = tl.load(ids_ptr + offs, mask=mask, other=EP - 1)  # padding lands in a bin past the experts
+    hist = tl.histogram(ids, EP)
     experts = tl.arange(0, EP)
-    counts = tl.zeros([EP], dtype=tl.int32)
-    for start in range(0, n, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        ids = tl.load(ids_ptr + offs, mask=offs < n, other=-1)
-        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
-        counts += tl.sum(onehot, axis=0)
-    tl.store(counts_ptr + experts, counts, mask=experts < num_experts)
-    first = tl.cumsum(counts, axis=0) - counts  # where each expert's run starts
-    seen = tl.zeros([EP], dtype=tl.int32)
-    for start in range(0, n, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        valid = offs < n
-        ids = tl.load(ids_ptr + offs, mask=valid, other=-1)
-        onehot = (ids[:, None] == experts[None, :]).to(tl.int32)
-        rank = tl.cumsum(onehot, axis=0) - onehot  # earlier entries of the same expert in this block
-        pos = tl.sum(onehot * (first + seen)[None, :] + onehot * rank, axis=1)
-        tl.store(pos_ptr + offs, pos, mask=valid)
-        tl.store(perm_ptr + pos, offs, mask=valid)
-        seen += tl.sum(onehot, axis=0)
+    tl.store(block_counts_ptr + b * num_experts + experts, hist, mask=experts < num_experts)
+
+
+@triton.jit
+def _block_place_kernel(ids_ptr, perm_ptr, base_ptr, first_ptr, n, num_experts, BLOCK: tl.constexpr):
+    # Sort this block's entries by (expert, position) with one packed key, then send sorted entry i of
+    # expert e to base[b, e] + (i - first[b, e]): the block's share of e's rows, in entry order.
+    b = tl.program_id(0)
+    local = tl.arange(0, BLOCK)
+    offs = b * BLOCK + local
+    ids = tl.load(ids_ptr + offs, mask=offs < n, other=num_experts)
+    keys = tl.sort(ids * BLOCK + local)
+    expert = keys // BLOCK
+    src = keys - expert * BLOCK
+    valid = expert < num_experts
+    first = tl.load(first_ptr + b * num_experts + expert, mask=valid, other=0)
+    base = tl.load(base_ptr + b * num_experts + expert, mask=valid, other=0)
+    tl.store(perm_ptr + base + (local - first), (b * BLOCK + src).to(tl.int64), mask=valid)
 
 
 def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stable counting sort of expert ids in one Triton program; see :func:`reference.sort_by_expert`."""
+    """Stable sort by expert in two parallel passes (per-block histograms, then per-block placement).
+
+    The prefix sums between the passes are a few tiny torch ops on ``[blocks, E]``; see
+    :func:`smalti.moe.reference.sort_by_expert` for the outputs.
+    """
     flat = expert_ids.reshape(-1).to(torch.int32).contiguous()
-    n = flat.numel()
-    perm = torch.empty(n, dtype=torch.int32, device=flat.device)
-    pos = torch.empty_like(perm)
-    counts = torch.empty(num_experts, dtype=torch.int32, device=flat.device)
-    _sort_kernel[(1,)](flat, perm, pos, counts, n, num_experts, BLOCK=_BLOCK_N, EP=_next_pow2(num_experts))
-    return perm.long(), counts.long(), torch.cumsum(counts.long(), 0)
+    n, dev = flat.numel(), flat.device
+    blocks = max(1, triton.cdiv(n, _SORT_BLOCK))
+    block_counts = torch.zeros(blocks, num_experts, dtype=torch.int32, device=dev)
+    perm = torch.empty(n, dtype=torch.int64, device=dev)
+    ep = max(16, triton.next_power_of_2(num_experts + 1))
+    if n:
+        _block_histogram_kernel[(blocks,)](flat, block_counts, n, num_experts, BLOCK=_SORT_BLOCK, EP=ep)
+    counts = block_counts.sum(0, dtype=torch.int64)
+    offsets = torch.cumsum(counts, 0)
+    before = torch.cumsum(block_counts, 0, dtype=torch.int32) - block_counts  # earlier blocks' rows of e
+    base = (offsets - counts).to(torch.int32)[None, :] + before
+    first = torch.cumsum(block_counts, 1, dtype=torch.int32) - block_counts
+    if n:
+        _block_place_kernel[(blocks,)](flat, perm, base.contiguous(), first.contiguous(), n, num_experts,
+                                       BLOCK=_SORT_BLOCK)
+    return perm, counts, offsets
 
 
 # ----------------------------------------------------------------------------------------------- gather / scatter
 
 
 @triton.jit
-def _gather_kernel(x_ptr, idx_ptr, out_ptr, n, d, k, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _gather_kernel(x_ptr, idx_ptr, out_ptr, n, d, k, s_x, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     rmask = rows < n
     src = tl.load(idx_ptr + rows, mask=rmask, other=0) // k
     mask = rmask[:, None] & (cols[None, :] < d)
-    vals = tl.load(x_ptr + src[:, None] * d + cols[None, :], mask=mask, other=0.0)
-    tl.store(out_ptr + rows[:, None] * d + cols[None, :], vals, mask=mask)
+    vals = tl.load(x_ptr + src[:, None] * s_x + cols[None, :], mask=mask, other=0.0)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * d + cols[None, :], vals, mask=mask)
 
 
 def gather_rows(x: torch.Tensor, perm: torch.Tensor, k: int) -> torch.Tensor:
     """``xs[i] = x[perm[i] // k]``."""
-    x = x.contiguous()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     n, d = perm.numel(), x.shape[1]
     out = torch.empty(n, d, dtype=x.dtype, device=x.device)
-    if n:
-        grid = (triton.cdiv(n, _BLOCK), triton.cdiv(d, _BLOCK))
-        _gather_kernel[grid](x, perm.contiguous(), out, n, d, k, BLOCK_M=_BLOCK, BLOCK_D=_BLOCK)
+    if n and d:
+        grid = (triton.cdiv(n, _COPY_BLOCK_M), triton.cdiv(d, _COPY_BLOCK_D))
+        _gather_kernel[grid](x, perm.contiguous(), out, n, d, k, x.stride(0),
+                             BLOCK_M=_COPY_BLOCK_M, BLOCK_D=_COPY_BLOCK_D)
     return out
 
 
@@ -95,13 +134,14 @@ def _scatter_kernel(ys_ptr, inv_ptr, w_ptr, out_ptr, t, d, k, HAS_W: tl.constexp
     mask = tmask[:, None] & (cols[None, :] < d)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for j in range(0, k):
-        src = tl.load(inv_ptr + tokens * k + j, mask=tmask, other=0)
+        entry = tokens.to(tl.int64) * k + j
+        src = tl.load(inv_ptr + entry, mask=tmask, other=0)
         vals = tl.load(ys_ptr + src[:, None] * d + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_W:
-            w = tl.load(w_ptr + tokens * k + j, mask=tmask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + entry, mask=tmask, other=0.0).to(tl.float32)
             vals = vals * w[:, None]
         acc += vals
-    tl.store(out_ptr + tokens[:, None] * d + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + tokens[:, None].to(tl.int64) * d + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
@@ -113,122 +153,189 @@ def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
 
 def scatter_rows(ys: torch.Tensor, perm: torch.Tensor, weights: torch.Tensor | None, k: int) -> torch.Tensor:
     """Weighted sum over the k slots back in token order; each output row is written once (no atomics)."""
+    ys = ys.contiguous()
     n, d = ys.shape
     t = n // k
     out = torch.empty(t, d, dtype=ys.dtype, device=ys.device)
-    if t:
+    if t and d:
         w = weights.contiguous() if weights is not None else ys
-        grid = (triton.cdiv(t, _BLOCK), triton.cdiv(d, _BLOCK))
-        _scatter_kernel[grid](ys.contiguous(), inverse_permutation(perm), w, out, t, d, k,
-                              HAS_W=weights is not None, BLOCK_M=_BLOCK, BLOCK_D=_BLOCK)
+        grid = (triton.cdiv(t, _COPY_BLOCK_M), triton.cdiv(d, _COPY_BLOCK_D))
+        _scatter_kernel[grid](ys, inverse_permutation(perm), w, out, t, d, k, HAS_W=weights is not None,
+                              BLOCK_M=_COPY_BLOCK_M, BLOCK_D=_COPY_BLOCK_D)
     return out
 
 
 # ----------------------------------------------------------------------------------------------- grouped GEMM
 
+_GMM_BLOCK_M = 16 if INTERPRET else 128
 
+
+@triton.autotune(
+    configs=_configs(
+        [dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+         dict(BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
+         dict(BLOCK_N=128, BLOCK_K=32, num_warps=4, num_stages=4),
+         dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)],
+        dict(BLOCK_N=32, BLOCK_K=32),
+    ),
+    key=["kdim", "m", "BLOCK_M", "A_GATHER", "C_SCATTER"],
+)
 @triton.jit
-def _grouped_mm_kernel(a_ptr, b_ptr, c_ptr, row_expert_ptr, src_ptr, n, kdim, m, gather_k,
-                       GATHER: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+def _grouped_mm_kernel(a_ptr, b_ptr, c_ptr, a_idx_ptr, c_idx_ptr, tile_expert_ptr, tile_row_ptr, ends_ptr,
+                       kdim, m, s_am, s_be, s_bk, s_bn, s_cm,
+                       A_GATHER: tl.constexpr, C_SCATTER: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    tile = tl.program_id(0)
+    expert = tl.load(tile_expert_ptr + tile)
+    row0 = tl.load(tile_row_ptr + tile)
+    active = expert >= 0
+    e = tl.maximum(expert, 0).to(tl.int64)
+    end = tl.where(active, tl.load(ends_ptr + e), row0)  # a spare tile owns no rows
+    rows = row0 + tl.arange(0, BLOCK_M)
+    rmask = rows < end
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < n
     cmask = cols < m
-    row_e = tl.load(row_expert_ptr + rows, mask=rmask, other=-1)
-    if GATHER:
-        src = tl.load(src_ptr + rows, mask=rmask, other=0) // gather_k
+    if A_GATHER:
+        src = tl.load(a_idx_ptr + rows, mask=rmask, other=0)
     else:
         src = rows
-    e_lo = tl.min(tl.where(rmask, row_e, 2147483647), axis=0)
-    e_hi = tl.max(row_e, axis=0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for e in range(e_lo, e_hi + 1):
-        in_e = rmask & (row_e == e)
-        for k0 in range(0, kdim, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            kmask = ks < kdim
-            a = tl.load(a_ptr + src[:, None] * kdim + ks[None, :], mask=in_e[:, None] & kmask[None, :], other=0.0)
-            b = tl.load(b_ptr + e * kdim * m + ks[:, None] * m + cols[None, :],
-                        mask=kmask[:, None] & cmask[None, :], other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            if IEEE:
-                acc += tl.dot(a, b, input_precision="ieee")
-            else:
-                acc += tl.dot(a, b)
-    tl.store(c_ptr + rows[:, None] * m + cols[None, :], acc.to(c_ptr.dtype.element_ty),
+    for k0 in range(0, tl.where(active, kdim, 0), BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < kdim
+        a = tl.load(a_ptr + src[:, None] * s_am + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(b_ptr + e * s_be + ks[:, None] * s_bk + cols[None, :] * s_bn,
+                    mask=kmask[:, None] & cmask[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if IEEE:
+            acc += tl.dot(a, b, input_precision="ieee")
+        else:
+            acc += tl.dot(a, b)
+    if C_SCATTER:
+        dst = tl.load(c_idx_ptr + rows, mask=rmask, other=0)
+    else:
+        dst = rows
+    tl.store(c_ptr + dst[:, None] * s_cm + cols[None, :], acc.to(c_ptr.dtype.element_ty),
              mask=rmask[:, None] & cmask[None, :])
 
 
-def _row_experts(offsets: torch.Tensor, n: int) -> torch.Tensor:
+def _tile_schedule(offsets: torch.Tensor, rows_bound: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tile ``i``: expert ``tile_expert[i]`` (-1 for a spare tile) and first sorted row ``tile_row[i]``.
+
+    The number of tiles is an upper bound (``cdiv(rows, BLOCK_M) + E``) so the launch needs no host sync.
+    """
+    num_experts = offsets.numel()
     counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
-    return torch.repeat_interleave(torch.arange(offsets.numel(), device=offsets.device, dtype=torch.int32), counts,
-                                   output_size=n)
+    tiles = (counts + block_m - 1) // block_m
+    tile_end = torch.cumsum(tiles, 0)
+    idx = torch.arange(triton.cdiv(rows_bound, block_m) + num_experts, device=offsets.device, dtype=offsets.dtype)
+    expert = torch.searchsorted(tile_end, idx, right=True)
+    safe = expert.clamp(max=num_experts - 1)
+    row = (offsets - counts)[safe] + (idx - (tile_end - tiles)[safe]) * block_m
+    return torch.where(expert < num_experts, expert, -1).to(torch.int32), row.to(torch.int64)
 
 
-def _launch_grouped(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, n: int, src: torch.Tensor | None,
-                    gather_k: int) -> torch.Tensor:
-    kdim, m = b.shape[1], b.shape[2]
-    out = torch.empty(n, m, dtype=a.dtype, device=a.device)
-    if n == 0:
+def _grouped(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, out_rows: int, a_index: torch.Tensor | None,
+             c_index: torch.Tensor | None) -> torch.Tensor:
+    if a.stride(-1) != 1:
+        a = a.contiguous()
+    kdim, m = w.shape[1], w.shape[2]
+    scatter = c_index is not None
+    out = (torch.zeros if scatter else torch.empty)(out_rows, m, dtype=a.dtype, device=a.device)
+    rows_bound = a_index.numel() if a_index is not None else (c_index.numel() if scatter else a.shape[0])
+    if rows_bound == 0 or m == 0 or offsets.numel() == 0:
         return out
-    grid = (triton.cdiv(n, _BLOCK), triton.cdiv(m, _BLOCK))
-    upcast = INTERPRET or a.dtype == torch.float32
+    offsets = offsets.to(torch.int64).contiguous()
+    tile_expert, tile_row = _tile_schedule(offsets, rows_bound, _GMM_BLOCK_M)
+    grid = lambda meta: (tile_expert.numel(), triton.cdiv(m, meta["BLOCK_N"]))  # noqa: E731
     _grouped_mm_kernel[grid](
-        a.contiguous(), b.contiguous(), out, _row_experts(offsets, n), src if src is not None else out, n, kdim, m,
-        gather_k, GATHER=src is not None, UPCAST=upcast, IEEE=a.dtype == torch.float32,
-        BLOCK_M=_BLOCK, BLOCK_N=_BLOCK, BLOCK_K=_BLOCK,
+        a, w, out, a_index if a_index is not None else tile_row, c_index if scatter else tile_row,
+        tile_expert, tile_row, offsets, kdim, m, a.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
+        A_GATHER=a_index is not None, C_SCATTER=scatter, UPCAST=_upcast(a.dtype), IEEE=a.dtype == torch.float32,
+        BLOCK_M=_GMM_BLOCK_M,
     )
     return out
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``c[rows of e] = a[rows of e] @ b[e]``; a tile spanning several experts loops over them, masked."""
-    return _launch_grouped(a, b, offsets, a.shape[0], None, 1)
+    """``c[rows of e] = a[rows of e] @ b[e]``; ``b`` may be strided (e.g. ``w.transpose(1, 2)``, no copy)."""
+    return _grouped(a, b, offsets, a.shape[0], None, None)
 
 
 def gather_mm(x: torch.Tensor, w: torch.Tensor, perm: torch.Tensor, offsets: torch.Tensor, k: int) -> torch.Tensor:
     """Fused gather + grouped GEMM: rows of ``x`` are read through ``perm // k``; no gathered copy of ``x``."""
-    return _launch_grouped(x, w, offsets, perm.numel(), perm.contiguous(), k)
+    index = perm if k == 1 else torch.div(perm, k, rounding_mode="floor")
+    return _grouped(x, w, offsets, perm.numel(), index.contiguous(), None)
 
 
+def mm_scatter(h: torch.Tensor, w: torch.Tensor, perm: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Fused grouped GEMM + scatter: sorted row ``i`` is written to entry row ``perm[i]`` (unique: no atomics)."""
+    return _grouped(h, w, offsets, perm.numel(), None, perm.contiguous())
+
+
+@triton.autotune(
+    configs=_configs(
+        [dict(BLOCK_K=128, BLOCK_N=128, BLOCK_R=32, num_warps=8, num_stages=3),
+         dict(BLOCK_K=64, BLOCK_N=128, BLOCK_R=64, num_warps=4, num_stages=3),
+         dict(BLOCK_K=64, BLOCK_N=64, BLOCK_R=64, num_warps=4, num_stages=4)],
+        dict(BLOCK_K=32, BLOCK_N=32, BLOCK_R=32),
+    ),
+    key=["kdim", "m", "A_GATHER", "DC_GATHER"],
+)
 @triton.jit
-def _wgrad_kernel(a_ptr, dc_ptr, offsets_ptr, db_ptr, kdim, m, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+def _wgrad_kernel(a_ptr, dc_ptr, db_ptr, a_idx_ptr, dc_idx_ptr, ends_ptr, kdim, m, s_am, s_dcm,
+                  A_GATHER: tl.constexpr, DC_GATHER: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
                   BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    e = tl.program_id(0)
+    e = tl.program_id(0).to(tl.int64)
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
-    end = tl.load(offsets_ptr + e)
-    start = tl.load(offsets_ptr + e - 1, mask=e > 0, other=0)
+    end = tl.load(ends_ptr + e)
+    start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
     kmask = ks < kdim
     cmask = cols < m
     acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
     for r0 in range(start, end, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
         rmask = rows < end
-        a = tl.load(a_ptr + rows[:, None] * kdim + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        dc = tl.load(dc_ptr + rows[:, None] * m + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
+        if A_GATHER:
+            a_src = tl.load(a_idx_ptr + rows, mask=rmask, other=0)
+        else:
+            a_src = rows
+        if DC_GATHER:
+            dc_src = tl.load(dc_idx_ptr + rows, mask=rmask, other=0)
+        else:
+            dc_src = rows
+        a_t = tl.load(a_ptr + a_src[None, :] * s_am + ks[:, None], mask=kmask[:, None] & rmask[None, :], other=0.0)
+        dc = tl.load(dc_ptr + dc_src[:, None] * s_dcm + cols[None, :], mask=rmask[:, None] & cmask[None, :], other=0.0)
         if UPCAST:
-            a = a.to(tl.float32)
+            a_t = a_t.to(tl.float32)
             dc = dc.to(tl.float32)
         if IEEE:
-            acc += tl.dot(tl.trans(a), dc, input_precision="ieee")
+            acc += tl.dot(a_t, dc, input_precision="ieee")
         else:
-            acc += tl.dot(tl.trans(a), dc)
+            acc += tl.dot(a_t, dc)
     tl.store(db_ptr + e * kdim * m + ks[:, None] * m + cols[None, :], acc.to(db_ptr.dtype.element_ty),
              mask=kmask[:, None] & cmask[None, :])
 
 
-def grouped_mm_wgrad(a: torch.Tensor, dc: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``db[e] = a[rows of e]^T @ dc[rows of e]``; one program per (expert, K tile, M tile)."""
+def grouped_mm_wgrad(a: torch.Tensor, dc: torch.Tensor, offsets: torch.Tensor, a_index: torch.Tensor | None = None,
+                     dc_index: torch.Tensor | None = None) -> torch.Tensor:
+    """``db[e] = A[rows of e]^T @ DC[rows of e]`` with optional row indices; one program per (expert, K, M tile)."""
+    a, dc = a.contiguous(), dc.contiguous()
     num_experts, kdim, m = offsets.numel(), a.shape[1], dc.shape[1]
     db = torch.empty(num_experts, kdim, m, dtype=a.dtype, device=a.device)
-    grid = (num_experts, triton.cdiv(kdim, _BLOCK), triton.cdiv(m, _BLOCK))
-    _wgrad_kernel[grid](a.contiguous(), dc.contiguous(), offsets.contiguous(), db, kdim, m,
-                        UPCAST=INTERPRET or a.dtype == torch.float32, IEEE=a.dtype == torch.float32,
-                        BLOCK_K=_BLOCK, BLOCK_N=_BLOCK, BLOCK_R=_BLOCK)
+    if not (num_experts and kdim and m):
+        return db
+    offsets = offsets.to(torch.int64).contiguous()
+    grid = lambda meta: (num_experts, triton.cdiv(kdim, meta["BLOCK_K"]), triton.cdiv(m, meta["BLOCK_N"]))  # noqa: E731
+    _wgrad_kernel[grid](
+        a, dc, db, a_index.contiguous() if a_index is not None else offsets,
+        dc_index.contiguous() if dc_index is not None else offsets, offsets, kdim, m, a.stride(0), dc.stride(0),
+        A_GATHER=a_index is not None, DC_GATHER=dc_index is not None, UPCAST=_upcast(a.dtype),
+        IEEE=a.dtype == torch.float32,
+    )
     return db
 
 
@@ -239,7 +346,7 @@ def grouped_mm_wgrad(a: torch.Tensor, dc: torch.Tensor, offsets: torch.Tensor) -
 def _act(g, ACT: tl.constexpr):
     if ACT == 0:  # silu
         return g * tl.sigmoid(g)
-    elif ACT == 1:  # gelu, tanh approximation
+    elif ACT == 1:  # gelu, tanh approximation: tanh(z) = 2 sigmoid(2z) - 1
         inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)
         return 0.5 * g * (1.0 + (2.0 * tl.sigmoid(2.0 * inner) - 1.0))
     else:  # relu
@@ -260,26 +367,25 @@ def _act_grad(g, ACT: tl.constexpr):
 
 
 @triton.jit
-def _glu_fwd(g_ptr, u_ptr, out_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, (_act(g, ACT) * u).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _glu_bwd(g_ptr, u_ptr, dout_ptr, dg_ptr, du_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    dout = tl.load(dout_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(dg_ptr + offs, (dout * u * _act_grad(g, ACT)).to(dg_ptr.dtype.element_ty), mask=mask)
-    tl.store(du_ptr + offs, (dout * _act(g, ACT)).to(du_ptr.dtype.element_ty), mask=mask)
+def _glu_kernel(g_ptr, u_ptr, dout_ptr, out_ptr, dg_ptr, du_ptr, rows, cols, s_g, s_u,
+                ACT: tl.constexpr, BACKWARD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (r < rows)[:, None] & (c < cols)[None, :]
+    r64 = r[:, None].to(tl.int64)
+    g = tl.load(g_ptr + r64 * s_g + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + r64 * s_u + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    dense = r64 * cols + c[None, :]
+    if BACKWARD:
+        dout = tl.load(dout_ptr + dense, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dg_ptr + dense, (dout * u * _act_grad(g, ACT)).to(dg_ptr.dtype.element_ty), mask=mask)
+        tl.store(du_ptr + dense, (dout * _act(g, ACT)).to(du_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + dense, (_act(g, ACT) * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 _ACT_CODES = {"silu": 0, "gelu": 1, "relu": 2}
+_GLU_BLOCK_R, _GLU_BLOCK_C = 16, 128
 
 
 def _act_code(activation: str) -> int:
@@ -288,22 +394,31 @@ def _act_code(activation: str) -> int:
     return _ACT_CODES[activation]
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def glu(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
-    """Fused ``act(gate) * up``."""
-    out = torch.empty_like(gate)
-    n = gate.numel()
-    if n:
-        _glu_fwd[(triton.cdiv(n, 1024),)](gate.contiguous(), up.contiguous(), out, n, ACT=_act_code(activation),
-                                          BLOCK=1024)
+    """Fused ``act(gate) * up``; ``gate``/``up`` may be column slices of one ``[N, 2F]`` tensor (no copy)."""
+    gate, up = _rows(gate), _rows(up)
+    rows, cols = gate.shape
+    out = torch.empty(rows, cols, dtype=gate.dtype, device=gate.device)
+    if out.numel():
+        grid = (triton.cdiv(rows, _GLU_BLOCK_R), triton.cdiv(cols, _GLU_BLOCK_C))
+        _glu_kernel[grid](gate, up, out, out, out, out, rows, cols, gate.stride(0), up.stride(0),
+                          ACT=_act_code(activation), BACKWARD=False, BLOCK_R=_GLU_BLOCK_R, BLOCK_C=_GLU_BLOCK_C)
     return out
 
 
 def glu_backward(gate: torch.Tensor, up: torch.Tensor, dout: torch.Tensor, activation: str = "silu"
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of :func:`glu` with respect to ``gate`` and ``up``, recomputing the activation."""
-    dg, du = torch.empty_like(gate), torch.empty_like(up)
-    n = gate.numel()
-    if n:
-        _glu_bwd[(triton.cdiv(n, 1024),)](gate.contiguous(), up.contiguous(), dout.contiguous(), dg, du, n,
-                                          ACT=_act_code(activation), BLOCK=1024)
+    gate, up, dout = _rows(gate), _rows(up), dout.contiguous()
+    rows, cols = gate.shape
+    dg = torch.empty(rows, cols, dtype=gate.dtype, device=gate.device)
+    du = torch.empty_like(dg)
+    if dg.numel():
+        grid = (triton.cdiv(rows, _GLU_BLOCK_R), triton.cdiv(cols, _GLU_BLOCK_C))
+        _glu_kernel[grid](gate, up, dout, dg, dg, du, rows, cols, gate.stride(0), up.stride(0),
+                          ACT=_act_code(activation), BACKWARD=True, BLOCK_R=_GLU_BLOCK_R, BLOCK_C=_GLU_BLOCK_C)
     return dg, du
