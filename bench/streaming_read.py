@@ -6,13 +6,16 @@ from a loopback S3 endpoint (moto) with an empty cache. mosaicml-streaming runs 
 environment, created by this script under ``.bench-venvs/`` (it pins numpy<2.2). Prints samples/s, MB/s,
 the ratio smalti / mosaic and the time to the first batch.
 
-    python bench/streaming_read.py [--samples 20000] [--skip-s3]
+    python bench/streaming_read.py [--samples 200000] [--skip-s3] [--repeats 1]
+
+The issue's figure is 200k samples (~800 MB); ``--samples 20000`` runs in about a minute on a small machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -73,12 +76,23 @@ def write_data(path: Path, samples: int) -> int:
     return sum(p.stat().st_size for p in path.iterdir())
 
 
-def read(python: str, kind: str, remote: str | None, local: Path, env: dict[str, str]) -> dict[str, float]:
-    out = subprocess.run([python, "-c", READER, kind, remote or "-", str(local)], capture_output=True, text=True,
-                         env={**os.environ, **env}, timeout=3600)
-    if out.returncode != 0:
-        raise RuntimeError(f"{kind} reader failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def read(python: str, kind: str, remote: str | None, local: Path, env: dict[str, str],
+         repeats: int = 1, source: Path | None = None) -> dict[str, float]:
+    """One epoch in a fresh process, ``repeats`` times from the same starting cache; the fastest run."""
+    best = None
+    for _ in range(repeats):
+        shutil.rmtree(local, ignore_errors=True)
+        if source is not None:
+            shutil.copytree(source, local)
+        out = subprocess.run([python, "-c", READER, kind, remote or "-", str(local)], capture_output=True,
+                             text=True, env={**os.environ, **env}, timeout=3600)
+        if out.returncode != 0:
+            raise RuntimeError(f"{kind} reader failed:\n{out.stderr[-3000:]}")
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+        if best is None or result["seconds"] < best["seconds"]:
+            best = result
+    assert best is not None
+    return best
 
 
 def report(title: str, ours: dict[str, float], theirs: dict[str, float], mb_per_sample: float) -> None:
@@ -91,9 +105,11 @@ def report(title: str, ours: dict[str, float], theirs: dict[str, float], mb_per_
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--samples", type=int, default=20000)
+    parser.add_argument("--samples", type=int, default=200_000, help="dataset size (scale down on small machines)")
     parser.add_argument("--skip-s3", action="store_true")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per library and source; the best is reported")
     args = parser.parse_args()
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's request log
     mosaic = str(ensure_mosaic_venv())
     work = Path(tempfile.mkdtemp(prefix="bench-streaming-"))
     try:
@@ -101,12 +117,10 @@ def main() -> None:
         size = write_data(data, args.samples)
         mb_per_sample = SEQ * 2 / 1e6
         print(f"dataset: {args.samples} samples x {SEQ} uint16 tokens, {size / 1e6:.0f} MB zstd, in {data}")
-        # Local: each library reads the same directory (decompressed shards are created on the first read,
-        # so each library gets its own copy of the zipped shards).
-        for kind in ("smalti", "mosaic"):
-            shutil.copytree(data, work / f"local-{kind}")
-        ours = read(sys.executable, "smalti", None, work / "local-smalti", {})
-        theirs = read(mosaic, "mosaic", None, work / "local-mosaic", {})
+        # Local: each run starts from a fresh copy of the zipped shards (both libraries decompress them
+        # beside the zips on first read).
+        ours = read(sys.executable, "smalti", None, work / "local-smalti", {}, args.repeats, data)
+        theirs = read(mosaic, "mosaic", None, work / "local-mosaic", {}, args.repeats, data)
         report("local disk, full shuffled epoch (py1e, batch 32, 2 workers)", ours, theirs, mb_per_sample)
         if args.skip_s3:
             return
@@ -121,8 +135,8 @@ def main() -> None:
                 client.upload_file(str(path), "bench", f"ds/{path.name}")
             env = {k: os.environ[k] for k in ("S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
                                               "AWS_DEFAULT_REGION")}
-            ours = read(sys.executable, "smalti", "s3://bench/ds", work / "s3-smalti", env)
-            theirs = read(mosaic, "mosaic", "s3://bench/ds", work / "s3-mosaic", env)
+            ours = read(sys.executable, "smalti", "s3://bench/ds", work / "s3-smalti", env, args.repeats)
+            theirs = read(mosaic, "mosaic", "s3://bench/ds", work / "s3-mosaic", env, args.repeats)
             report("loopback S3 (moto), empty cache", ours, theirs, mb_per_sample)
         finally:
             server.stop()

@@ -3,6 +3,7 @@
 import http.client
 import threading
 import time
+from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlparse
 
@@ -32,13 +33,23 @@ def dataset_dir(tmp_path):
 
 
 class FaultyProxy:
-    """Forwards HTTP to an S3 endpoint; every ``fail_every``-th shard GET answers 500, others may be delayed."""
+    """Forwards HTTP to an S3 endpoint, injecting faults into shard GETs.
 
-    def __init__(self, target: str, fail_every: int = 2, delay_s: float = 0.0) -> None:
+    Every ``fail_every``-th shard GET answers 500; every ``stall_every``-th one first stalls ``stall_s``
+    seconds (longer than the client's time-out, to force a retry); the others are delayed ``delay_s``.
+    ``gets`` counts the shard GETs per path.
+    """
+
+    def __init__(self, target: str, fail_every: int = 0, delay_s: float = 0.0, stall_every: int = 0,
+                 stall_s: float = 0.0) -> None:
         self.target = urlparse(target)
         self.fail_every, self.delay_s = fail_every, delay_s
+        self.stall_every, self.stall_s = stall_every, stall_s
         self.requests = 0
         self.failures = 0
+        self.stalls = 0
+        self.gets: Counter[str] = Counter()
+        self._lock = threading.Lock()
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -47,15 +58,20 @@ class FaultyProxy:
 
             def _forward(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                is_shard = self.command == "GET" and ".mds" in self.path
-                if is_shard:
-                    proxy.requests += 1
-                    if proxy.fail_every and proxy.requests % proxy.fail_every == 1:
+                if self.command == "GET" and ".mds" in self.path:
+                    with proxy._lock:
+                        proxy.requests += 1
+                        n = proxy.requests
+                        proxy.gets[self.path.split("?")[0]] += 1
+                    if proxy.fail_every and n % proxy.fail_every == 1:
                         proxy.failures += 1
                         self.send_response(500)
                         self.send_header("Content-Length", "0")
                         self.end_headers()
                         return
+                    if proxy.stall_every and n % proxy.stall_every == 1:
+                        proxy.stalls += 1
+                        time.sleep(proxy.stall_s)
                     time.sleep(proxy.delay_s)
                 conn = http.client.HTTPConnection(proxy.target.hostname, proxy.target.port, timeout=30)
                 headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
@@ -74,7 +90,13 @@ class FaultyProxy:
 
             do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+
+            def handle_error(self, request, client_address):
+                pass  # a client that gave up on a stalled answer closed its socket: expected here
+
+        self.server = Server(("127.0.0.1", 0), Handler)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -85,8 +107,34 @@ class FaultyProxy:
 
 
 @pytest.fixture
-def faulty_s3(s3_server, monkeypatch):
-    proxy = FaultyProxy(s3_server.endpoint_url, fail_every=2, delay_s=0.02)
-    monkeypatch.setenv("S3_ENDPOINT_URL", proxy.url)
-    yield proxy
-    proxy.stop()
+def s3_proxy(s3_server, monkeypatch):
+    """``s3_proxy(**faults)`` puts a :class:`FaultyProxy` in front of the loopback S3 server for this test."""
+    proxies = []
+
+    def start(**faults):
+        proxy = FaultyProxy(s3_server.endpoint_url, **faults)
+        proxies.append(proxy)
+        monkeypatch.setenv("S3_ENDPOINT_URL", proxy.url)
+        return proxy
+
+    yield start
+    for proxy in proxies:
+        proxy.stop()
+
+
+@pytest.fixture
+def faulty_s3(s3_proxy):
+    return s3_proxy(fail_every=2, delay_s=0.02)
+
+
+@pytest.fixture
+def upload_dataset(s3_server, s3_bucket):
+    """``upload_dataset(local_dir, prefix)`` copies a dataset to the test bucket; returns its ``s3://`` URL."""
+
+    def upload(path, prefix="ds"):
+        client = s3_server.client()
+        for file in path.iterdir():
+            client.upload_file(str(file), s3_bucket, f"{prefix}/{file.name}")
+        return f"s3://{s3_bucket}/{prefix}"
+
+    return upload

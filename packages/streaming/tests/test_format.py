@@ -4,6 +4,7 @@ import decimal
 import gzip
 import json
 import shutil
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -127,3 +128,59 @@ def test_merge_index_keeps_subdirectory_basenames(tmp_path):
     entries = load_index(tmp_path / "index.json")
     assert [e["raw_data"]["basename"] for e in entries] == ["p0/shard.00000.mds", "p1/shard.00000.mds"]
     assert [s["id"] for s in read_shard_samples(tmp_path)] == [0, 1, 2, 10, 11, 12]
+
+
+def test_image_encodings_round_trip_in_mosaic_layout(tmp_path):
+    Image = pytest.importorskip("PIL.Image")
+    from smalti.streaming.encodings import encode
+
+    pixels = np.arange(5 * 3 * 3, dtype=np.uint8).reshape(3, 5, 3) * 5
+    img = Image.fromarray(pixels, "RGB")
+    img.save(tmp_path / "photo.jpg", quality=90)
+    photo = Image.open(tmp_path / "photo.jpg")
+    jpeg_bytes = (tmp_path / "photo.jpg").read_bytes()
+    columns = {"p": "pil", "j": "jpeg", "n": "png", "lp": "list[pil]", "lj": "list[jpeg]", "ln": "list[png]",
+               "ja": "jpeg_array"}
+    with MDSWriter(tmp_path / "img", columns) as writer:
+        writer.write({"p": img, "j": photo, "n": img, "lp": [img, img], "lj": [photo], "ln": [img, img, img],
+                      "ja": [jpeg_bytes, jpeg_bytes]})
+    (sample,) = read_shard_samples(tmp_path / "img")
+    for key in ("p", "n"):
+        assert np.array_equal(np.asarray(sample[key]), pixels)
+    assert [np.array_equal(np.asarray(i), pixels) for i in sample["lp"] + sample["ln"]] == [True] * 5
+    assert np.array_equal(np.asarray(sample["j"]), np.asarray(photo))  # the file's own bytes, not re-encoded
+    assert [i.size for i in sample["lj"] + sample["ja"]] == [(5, 3)] * 3
+    assert encode("pil", img)[:15] == struct.pack("<III", 5, 3, 3) + b"RGB"
+    assert encode("jpeg", photo) == jpeg_bytes
+    assert encode("list[png]", [img, img])[:8] == struct.pack("<II", 0, 2)
+    assert encode("jpeg_array", [jpeg_bytes]) == struct.pack("<II", 1, len(jpeg_bytes)) + jpeg_bytes
+
+
+def test_bad_writer_arguments_name_the_value(tmp_path):
+    with pytest.raises(StreamingError, match="level 30 is not valid for zstd"):
+        MDSWriter(tmp_path / "a", {"x": "int"}, compression="zstd:30")
+    with pytest.raises(StreamingError, match="'lz4'"):
+        MDSWriter(tmp_path / "b", {"x": "int"}, compression="lz4")
+    with pytest.raises(StreamingError, match="unique and sorted"):
+        MDSWriter(tmp_path / "c", {"x": "int"}, hashes=["sha1", "md5"])
+    with pytest.raises(StreamingError, match="'nope' is not supported"):
+        MDSWriter(tmp_path / "d", {"x": "int"}, hashes=["nope"])
+    with pytest.raises(StreamingError, match="unknown encoding 'float128'"):
+        MDSWriter(tmp_path / "e", {"x": "float128"})
+    with MDSWriter(tmp_path / "f", {"x": "ndarray:uint16:4"}) as writer:
+        with pytest.raises(StreamingError, match="dtype int64 given"):
+            writer.write({"x": np.arange(4)})
+        with pytest.raises(StreamingError, match="missing column 'x'"):
+            writer.write({"y": 1})
+        writer.write({"x": [1, 2, 3, 4]})
+    assert read_shard_samples(tmp_path / "f").__next__()["x"].tolist() == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("compression", ["zstd:1", "zstd:19", "gz:1", "bz2:1", "br:0", "br:5", "snappy"])
+def test_compression_levels_round_trip(tmp_path, compression):
+    with MDSWriter(tmp_path / "ds", {"t": "str"}, compression=compression, hashes=["xxh128"], size_limit=300) as w:
+        for i in range(40):
+            w.write({"t": f"row {i} " * 5})
+    entries = load_index(tmp_path / "ds" / "index.json")
+    assert len(entries) > 1 and all(e["compression"] == compression for e in entries)
+    assert [s["t"] for s in read_shard_samples(tmp_path / "ds")] == [f"row {i} " * 5 for i in range(40)]

@@ -5,13 +5,18 @@ __version__ = "0.1.0"
 from smalti.streaming.errors import DownloadError, ShardCorruptError, StreamingError  # noqa: E402
 from smalti.streaming.mds import MDSWriter, ShardReader, load_index, merge_index, read_shard_samples  # noqa: E402
 
-__all__ = ["DownloadError", "MDSWriter", "ShardCorruptError", "ShardReader", "StreamingDataset", "Stream",
-           "StreamingError", "load_index", "merge_index", "read_shard_samples"]
+__all__ = ["DownloadError", "MDSWriter", "ShardCorruptError", "ShardReader", "Stream", "StreamingDataLoader",
+           "StreamingDataset", "StreamingError", "load_index", "merge_index", "read_shard_samples"]
 
 
 def __getattr__(name: str):
+    """Import torch only when the dataset classes are used: the format and CLI work without it."""
     if name in ("StreamingDataset", "Stream"):
         from smalti.streaming import dataset
 
         return getattr(dataset, name)
+    if name == "StreamingDataLoader":
+        from smalti.streaming.loader import StreamingDataLoader
+
+        return StreamingDataLoader
     raise AttributeError(name)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
-from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,9 +14,17 @@ from typing import Any
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
+from smalti.streaming.cache import ShardCache
 from smalti.streaming.errors import StreamingError
-from smalti.streaming.mds import INDEX, ShardReader, decompress_shard, load_index, verify_file
-from smalti.streaming.order import pad_to_batches, rank_batches, select_samples, shuffle_order, stream_counts
+from smalti.streaming.mds import INDEX, load_index, parse_size
+from smalti.streaming.order import (
+    group_by_node,
+    pad_to_batches,
+    select_samples,
+    sequential_order,
+    shuffle_order,
+    stream_counts,
+)
 from smalti.streaming.storage import download_file
 
 log = logging.getLogger(__name__)
@@ -73,12 +81,16 @@ class Stream:
         return str(self.remote or self.local)
 
 
-def _world() -> tuple[int, int]:
+def _world() -> tuple[int, int, int, int]:
+    """``(rank, world size, local rank, local world size)`` from the process group or torchrun's environment."""
     import torch.distributed as dist
 
+    env = os.environ
     if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+    return rank, world, int(env.get("LOCAL_RANK", 0)), int(env.get("LOCAL_WORLD_SIZE", 1))
 
 
 class StreamingDataset(IterableDataset):
@@ -86,7 +98,9 @@ class StreamingDataset(IterableDataset):
 
     Each rank reads ``batch_size`` samples of every global batch; the global batches depend only on the
     seed, ``num_canonical_nodes`` and ``batch_size * data-parallel ranks`` (see :mod:`smalti.streaming.order`).
-    Call :meth:`set_epoch` before each epoch (smalti's trainer does). :meth:`state_dict` /
+    ``rank``/``world_size`` default to the process group or torchrun's environment. Call :meth:`set_epoch`
+    before each epoch (smalti's trainer does; iterating in-process or through
+    :class:`~smalti.streaming.StreamingDataLoader` also advances it). :meth:`state_dict` /
     :meth:`load_state_dict` resume mid-epoch without replaying it.
     """
 
@@ -123,19 +137,28 @@ class StreamingDataset(IterableDataset):
             streams = [Stream(remote=remote, local=local, split=split)]
         elif remote is not None or local is not None:
             raise StreamingError("give either streams or remote/local, not both")
+        streams = [Stream(**dict(s)) if isinstance(s, Mapping) else s for s in streams]  # mappings from YAML
         if batching_method not in BATCHING_METHODS:
             raise StreamingError(f"batching_method={batching_method!r} is not one of {', '.join(BATCHING_METHODS)}")
         if partition_algo not in ("orig", "relaxed"):
-            raise StreamingError(f"partition_algo={partition_algo!r} must be 'orig' or 'relaxed'")
+            raise StreamingError(f"partition_algo={partition_algo!r} must be 'orig' or 'relaxed' (both give the "
+                                 "same topology-independent global batches here)")
         self.streams = streams
-        env_rank, env_world = _world()
+        env_rank, env_world, local_rank, local_world = _world()
+        explicit = rank is not None or world_size is not None
         self.rank = env_rank if rank is None else rank
         self.world_size = env_world if world_size is None else world_size
+        # Processes that share this node's cache directory split the downloads (see smalti.streaming.cache).
+        self.local_rank, self.local_world = (0, 1) if explicit else (local_rank, local_world)
+        if not 0 <= self.rank < self.world_size:
+            raise StreamingError(f"rank={self.rank} is not in a world of {self.world_size}")
         self.replication = replication or 1
         if self.world_size % self.replication:
             raise StreamingError(f"replication={self.replication} must divide the world size {self.world_size}")
         self.dp_world = self.world_size // self.replication
         self.dp_rank = self.rank // self.replication
+        if batch_size is not None and batch_size < 1:
+            raise StreamingError(f"batch_size={batch_size} must be a positive number of samples per rank")
         self.batch_size = batch_size or 1
         self.shuffle, self.shuffle_algo, self.shuffle_seed = shuffle, shuffle_algo, shuffle_seed
         self.shuffle_block_size = shuffle_block_size
@@ -148,35 +171,31 @@ class StreamingDataset(IterableDataset):
         self.allow_unsafe_types = allow_unsafe_types
         self.proportion_schedule = self._check_schedule(proportion_schedule or [], len(streams))
         self.epoch = 0
-        self._resume: tuple[int, int] | None = None
-        self._yielded = 0
-        self._shards: list[tuple[int, dict[str, Any]]] = []  # (stream index, index entry)
+        self._resume: tuple[int, int] | None = None  # (epoch, global samples already consumed in it)
+        self._consumed = 0  # samples this process handed out in the current epoch (this rank's share)
+        self._counted_by_loader = False
+        self._order_cache: dict[tuple[Any, ...], np.ndarray] = {}
+        shards: list[tuple[int, dict[str, Any]]] = []  # (stream index, index entry)
         self._stream_shards: list[list[int]] = []
         for si, stream in enumerate(streams):
             ids = []
             for entry in self._load_stream_index(stream):
-                ids.append(len(self._shards))
-                self._shards.append((si, entry))
+                ids.append(len(shards))
+                shards.append((si, entry))
             self._stream_shards.append(ids)
-        sizes = np.array([entry["samples"] for _, entry in self._shards], dtype=np.int64)
+        self._shards = shards
+        sizes = np.array([entry["samples"] for _, entry in shards], dtype=np.int64)
         self._shard_starts = np.concatenate([[0], np.cumsum(sizes)])
         self.num_samples = int(self._shard_starts[-1])
         if self.num_samples == 0:
             raise StreamingError(f"streams {[s.name for s in streams]} hold no samples")
-        from smalti.streaming.mds import parse_size
-
         self.cache_limit = parse_size(cache_limit) if cache_limit is not None else None
         if self.cache_limit is not None:
-            largest = max((e["raw_data"]["bytes"] + ((e.get("zip_data") or {}).get("bytes") or 0))
-                          for _, e in self._shards)
+            largest = max((e["raw_data"]["bytes"] + ((e.get("zip_data") or {}).get("bytes") or 0)) for _, e in shards)
             if self.cache_limit < largest:
                 raise StreamingError(f"cache_limit={self.cache_limit} bytes is smaller than the largest shard "
                                      f"({largest} bytes with its zip); raise cache_limit")
-        self._lock = threading.Lock()
-        self._shard_locks: dict[int, threading.Lock] = {}
-        self._readers: OrderedDict[int, ShardReader] = OrderedDict()
-        self._access: dict[int, int] = {}
-        self._clock = 0
+        self.cache = ShardCache(streams, shards, self.cache_limit, download_retry, download_timeout, validate_hash)
 
     @staticmethod
     def _check_schedule(schedule: list[dict[str, Any]], num_streams: int) -> list[tuple[int, list[float]]]:
@@ -214,114 +233,63 @@ class StreamingDataset(IterableDataset):
             raise StreamingError(f"stream {stream.name}: no {INDEX} at {local} and no remote to fetch it from")
         entries = load_index(local)
         for entry in entries:
-            for key in ("column_encodings",):
-                for enc in entry[key]:
-                    if enc == "pkl" and not self.allow_unsafe_types:
-                        raise StreamingError(f"stream {stream.name} has a 'pkl' column, which can run code when "
-                                             "read; pass allow_unsafe_types=True if you trust it")
+            if "pkl" in entry["column_encodings"] and not self.allow_unsafe_types:
+                raise StreamingError(f"stream {stream.name} has a 'pkl' column, which can run code when read; "
+                                     "pass allow_unsafe_types=True if you trust it")
         return entries
 
-    def _ensure_local(self, shard: int) -> Path:
-        """Download (and decompress, and check) shard ``shard`` if it is not in the local cache; return its path."""
-        si, entry = self._shards[shard]
-        stream = self.streams[si]
-        root = stream.local_dir()
-        raw = root / entry["raw_data"]["basename"]
-        with self._lock:
-            lock = self._shard_locks.setdefault(shard, threading.Lock())
-        with lock:
-            self._clock += 1
-            self._access[shard] = self._clock
-            if raw.exists():
-                return raw
-            zip_info = entry.get("zip_data")
-            name = (zip_info or entry["raw_data"])["basename"]
-            if not (root / name).exists():
-                remote = stream.remote_path(name)
-                if remote is None:
-                    raise StreamingError(f"shard {root / name} of stream {stream.name} is missing and there is no remote")
-                download_file(remote, root / name, self.download_retry, self.download_timeout)
-            if zip_info:
-                decompress_shard(root, entry, stream.name, self.validate_hash)
-                if stream.remote is not None:
-                    (root / zip_info["basename"]).unlink(missing_ok=True)
-            elif self.validate_hash:
-                verify_file(raw, entry["raw_data"], stream.name)
-        self._evict()
-        return raw
-
-    def _evict(self) -> None:
-        """Delete least recently used downloaded shards until the cache is under ``cache_limit``."""
-        if self.cache_limit is None:
-            return
-        with self._lock:
-            present = []
-            for shard, (si, entry) in enumerate(self._shards):
-                stream = self.streams[si]
-                path = stream.local_dir() / entry["raw_data"]["basename"]
-                if stream.remote is not None and path.exists():  # a local-only shard is never evicted
-                    present.append((self._access.get(shard, 0), shard, path))
-            used = sum(p.stat().st_size for _, _, p in present)
-            for _, shard, path in sorted(present):
-                if used <= self.cache_limit:
-                    break
-                size = path.stat().st_size
-                path.unlink(missing_ok=True)
-                self._readers.pop(shard, None)
-                used -= size
-
-    def _reader(self, shard: int) -> ShardReader:
-        reader = self._readers.get(shard)
-        if reader is None:
-            path = self._ensure_local(shard)
-            try:
-                reader = ShardReader(path, self._shards[shard][1], self.streams[self._shards[shard][0]].name)
-            except FileNotFoundError:  # evicted by another worker in between: fetch again
-                reader = ShardReader(self._ensure_local(shard), self._shards[shard][1])
-            self._readers[shard] = reader
-            while len(self._readers) > 4:
-                self._readers.popitem(last=False)
-        else:
-            self._readers.move_to_end(shard)
-        return reader
-
-    def _locate(self, sample: int) -> tuple[int, int]:
-        shard = int(np.searchsorted(self._shard_starts, sample, side="right")) - 1
-        return shard, sample - int(self._shard_starts[shard])
+    def _locate(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Shard and offset in it of each global sample id."""
+        shards = np.searchsorted(self._shard_starts, samples, side="right") - 1
+        return shards, samples - self._shard_starts[shards]
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         """Sample ``index`` of the whole dataset (all streams, in shard order)."""
         if not 0 <= index < self.num_samples:
             raise IndexError(f"sample {index} is out of range for {self.num_samples} samples")
-        shard, offset = self._locate(index)
-        return self._reader(shard)[offset]
+        shards, offsets = self._locate(np.array([index]))
+        return self.cache.reader(int(shards[0]))[int(offsets[0])]
 
     # ------------------------------------------------------------------ epochs
 
     def set_epoch(self, epoch: int) -> None:
         """Use epoch ``epoch``'s order from the next iteration on."""
+        if epoch != self.epoch:
+            self._consumed = 0
         self.epoch = epoch
 
     def _shard_ids(self, shards: list[int]) -> list[np.ndarray]:
         return [np.arange(self._shard_starts[s], self._shard_starts[s + 1]) for s in shards]
 
     def epoch_order(self, epoch: int) -> np.ndarray:
-        """The global sample order of ``epoch``, padded to whole global batches."""
+        """The global sample order of ``epoch``, padded to whole global batches (a pure function of the settings)."""
         global_batch = self.batch_size * self.dp_world
+        key = (epoch, global_batch, self.batching_method, self.shuffle, self.shuffle_algo, self.shuffle_seed,
+               self.shuffle_block_size, self.num_canonical_nodes, self.epoch_size)
+        order = self._order_cache.get(key)
+        if order is None:
+            order = self._compute_order(epoch, global_batch)
+            order.setflags(write=False)
+            self._order_cache = {key: order}
+        return order
+
+    def _compute_order(self, epoch: int, global_batch: int) -> np.ndarray:
         sizes = [sum(self._shards[s][1]["samples"] for s in ids) for ids in self._stream_shards]
         counts = stream_counts(sizes, self.weights_for_epoch(epoch), self.epoch_size, self.shuffle_seed + epoch)
         per_stream = [select_samples(self._shard_ids(ids), n, self.shuffle_seed + 1000 * si, epoch)
                       for si, (ids, n) in enumerate(zip(self._stream_shards, counts))]
 
-        def order_of(shards: list[np.ndarray]) -> np.ndarray:
+        def order_of(shards: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
             if not self.shuffle:
-                return np.concatenate(shards) if shards else np.zeros(0, dtype=np.int64)
+                return sequential_order(shards, self.num_canonical_nodes)
             return shuffle_order(shards, self.shuffle_algo, self.shuffle_seed, epoch, self.num_canonical_nodes,
                                  self.shuffle_block_size)
 
         if self.batching_method == "random" or len(self.streams) == 1:
-            return pad_to_batches(order_of([s for shards in per_stream for s in shards]), global_batch)
-        orders = [order_of(shards) for shards in per_stream]
+            order, nodes = order_of([s for shards in per_stream for s in shards])
+            padded = pad_to_batches(order, global_batch)
+            return group_by_node(padded, pad_to_batches(nodes, global_batch), global_batch)
+        orders = [order_of(shards)[0] for shards in per_stream]
         rng = np.random.default_rng(self.shuffle_seed + epoch)
         if self.batching_method == "stratified":
             share = np.array([len(o) for o in orders], dtype=np.float64)
@@ -338,47 +306,74 @@ class StreamingDataset(IterableDataset):
         usable = len(chunks) - len(chunks) % (global_batch // chunk)
         return np.concatenate(chunks[:usable]) if usable else np.zeros(0, dtype=np.int64)
 
+    def _remaining_grid(self, epoch: int) -> np.ndarray:
+        """The epoch's global batches still to come, one row each; ``-1`` pads a partial last batch."""
+        global_batch = self.batch_size * self.dp_world
+        order = self.epoch_order(epoch)
+        drop = self._resume[1] if self._resume and self._resume[0] == epoch else 0
+        if drop:
+            order = order[drop:]
+            order = np.concatenate([order, np.full((-len(order)) % global_batch, -1, dtype=np.int64)])
+        return order.reshape(-1, global_batch)
+
     def __len__(self) -> int:
         """Samples this rank yields per epoch (including the padding of the last global batch)."""
         return len(self.epoch_order(self.epoch)) // self.dp_world
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[dict[str, Any]]:
         worker = get_worker_info()
         worker_id, num_workers = (worker.id, worker.num_workers) if worker else (0, 1)
         epoch = self.epoch
-        order = self.epoch_order(epoch)
-        drop = self._resume[1] if self._resume and self._resume[0] == epoch else 0
-        global_batch = self.batch_size * self.dp_world
-        order = order[drop - drop % global_batch :] if drop else order
-        batches = rank_batches(order, self.batch_size, self.dp_rank, self.dp_world, worker_id, num_workers)
-        flat = np.concatenate(batches) if batches else np.zeros(0, dtype=np.int64)
-        self._yielded = 0
-        prefetch = ThreadPoolExecutor(max_workers=2) if self.predownload else None
-        try:
-            ahead = 0
-            for i, sample in enumerate(flat.tolist()):
-                if prefetch is not None and i >= ahead:
-                    upcoming = {self._locate(s)[0] for s in flat[i : i + self.predownload].tolist()}
-                    for shard in upcoming:
-                        prefetch.submit(self._ensure_local, shard)
-                    ahead = i + max(1, self.predownload // 2)
-                item = self[sample]
-                self._yielded += 1
-                yield item
-        finally:
-            if prefetch is not None:
-                prefetch.shutdown(wait=True, cancel_futures=True)
+        grid = self._remaining_grid(epoch)
+        b = self.batch_size
+        # This worker yields the rank's batches worker_id, worker_id + num_workers, ... (global batch steps).
+        steps = np.arange(worker_id, len(grid), num_workers)
+        mine = grid[steps, self.dp_rank * b : (self.dp_rank + 1) * b]
+        step_of = np.repeat(steps, b)
+        flat = mine.reshape(-1)
+        keep = flat >= 0
+        flat, step_of = flat[keep], step_of[keep]
+        shard_of, offset_of = self._locate(flat)
+        plan = _FetchPlan(self, grid, worker_id, num_workers)
         if worker is None:
-            self.epoch = epoch + 1
+            self._consumed = 0
+        try:
+            for shard, offset, step in zip(shard_of.tolist(), offset_of.tolist(), step_of.tolist()):
+                plan.progress = step
+                item = self.cache.reader(shard, plan.defer(shard))[offset]
+                if not self._counted_by_loader:
+                    self._consumed += 1
+                yield item
+            plan.finish()
+        finally:
+            plan.stop()
+        if worker is None and self.epoch == epoch:
+            self._end_epoch(epoch)
+
+    def _end_epoch(self, epoch: int) -> None:
+        self.epoch = epoch + 1
+        self._consumed = 0
+        if self._resume and self._resume[0] <= epoch:
+            self._resume = None
 
     # ------------------------------------------------------------------ resumption
 
     def state_dict(self, num_samples: int | None = None, from_beginning: bool = True) -> dict[str, Any]:
-        """Where the epoch is: ``num_samples`` global samples consumed (default: what this process yielded × ranks)."""
+        """Where the epoch is, for :meth:`load_state_dict`.
+
+        ``num_samples`` is the global sample count consumed in this epoch (over all data-parallel ranks,
+        replicas counted once), from the epoch's beginning or, with ``from_beginning=False``, from the last
+        resumption point. Without it, the samples this process handed out so far are used (times the
+        data-parallel ranks): exact when iterating in-process or through ``StreamingDataLoader``.
+        """
+        resumed = self._resume[1] if self._resume and self._resume[0] == self.epoch else 0
         if num_samples is None:
-            num_samples = self._yielded * self.dp_world
-        if not from_beginning and self._resume and self._resume[0] == self.epoch:
-            num_samples += self._resume[1]
+            if self._consumed == 0 and not self._counted_by_loader:
+                log.debug("state_dict() without num_samples counts only samples iterated in this process; "
+                          "with DataLoader workers use StreamingDataLoader or pass num_samples")
+            num_samples = resumed + self._consumed * self.dp_world
+        elif not from_beginning:
+            num_samples += resumed
         return {"epoch": self.epoch, "sample_in_epoch": int(num_samples),
                 "num_canonical_nodes": self.num_canonical_nodes, "shuffle_seed": self.shuffle_seed}
 
@@ -392,4 +387,73 @@ class StreamingDataset(IterableDataset):
                 f"{self.shuffle_seed}: the sample order would differ"
             )
         self.epoch = int(state["epoch"])
+        self._consumed = 0
         self._resume = (self.epoch, int(state["sample_in_epoch"]))
+
+
+class _FetchPlan:
+    """Which process of this node fetches which shard, and a thread that fetches this process's share ahead.
+
+    Every process of the node (local ranks x DataLoader workers) computes the same list of shards in the
+    order the node first needs them and owns every ``participants``-th one. An owner fetches its shards up to
+    ``predownload`` samples ahead of where it is; the others wait for them (see :mod:`smalti.streaming.cache`).
+    """
+
+    def __init__(self, ds: StreamingDataset, grid: np.ndarray, worker_id: int, num_workers: int) -> None:
+        self.ds = ds
+        self.progress = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.owner: dict[int, int] = {}
+        if ds.predownload <= 0 or len(grid) == 0:
+            return
+        b = ds.batch_size
+        first_rank = ds.rank // ds.local_world * ds.local_world
+        lo = first_rank // ds.replication
+        hi = (first_rank + ds.local_world - 1) // ds.replication + 1
+        node = grid[:, lo * b : hi * b]
+        cols = node.shape[1]
+        flat = node.reshape(-1)
+        valid = np.flatnonzero(flat >= 0)
+        shards, _ = ds._locate(flat[valid])
+        unique, first = np.unique(shards, return_index=True)
+        by_need = np.argsort(first, kind="stable")
+        need_shards, need_steps = unique[by_need], valid[first[by_need]] // cols
+        participants = ds.local_world * num_workers
+        me = ds.local_rank * num_workers + worker_id
+        owners = np.arange(len(need_shards)) % participants
+        self.owner = dict(zip(need_shards.tolist(), owners.tolist()))
+        self.me = me
+        lookahead = max(1, math.ceil(ds.predownload / b)) * num_workers
+        todo = [(int(step), int(shard)) for shard, step, owner in zip(need_shards, need_steps, owners)
+                if owner == me]
+        self.deferring = participants > 1
+        self._thread = threading.Thread(target=self._run, args=(todo, lookahead), daemon=True,
+                                        name="smalti-streaming-prefetch")
+        self._thread.start()
+
+    def defer(self, shard: int) -> bool:
+        return bool(self.owner) and self.deferring and self.owner.get(shard, self.me) != self.me
+
+    def _run(self, todo: list[tuple[int, int]], lookahead: int) -> None:
+        for step, shard in todo:
+            while step > self.progress + lookahead:
+                if self._stop.wait(0.005):
+                    return
+            if self._stop.is_set():
+                return
+            try:
+                self.ds.cache.ensure(shard)
+            except Exception as exc:  # the reader meets it again, and raises it, when it needs the shard
+                log.debug("prefetch of shard %d failed: %r", shard, exc)
+
+    def finish(self) -> None:
+        """The iteration ended normally: let the thread fetch what peers still expect from this process."""
+        if self._thread is not None:
+            self.progress = 1 << 62
+            self._thread.join()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()

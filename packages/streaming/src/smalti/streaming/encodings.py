@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import pickle
 import struct
+from collections.abc import Callable
 from decimal import Decimal
 from io import BytesIO
 from typing import Any
@@ -77,7 +79,7 @@ def encode(encoding: str, value: Any) -> bytes:
     if encoding == "str":
         return value.encode("utf-8")
     if encoding == "json":
-        return json.dumps(value).encode("utf-8")
+        return json.dumps(value.tolist() if isinstance(value, np.ndarray) else value).encode("utf-8")
     if encoding == "pkl":
         return pickle.dumps(value)
     if encoding in ("str_int", "str_float", "str_decimal"):
@@ -85,6 +87,23 @@ def encode(encoding: str, value: Any) -> bytes:
     if encoding.startswith("ndarray"):
         return _encode_ndarray(encoding, value)
     return _encode_image(encoding, value)
+
+
+@functools.lru_cache(maxsize=256)
+def decoder(encoding: str) -> Callable[[bytes | memoryview], Any]:
+    """A function decoding ``encoding``'s bytes, with the encoding parsed once (for the read loop)."""
+    if encoding in FIXED:
+        dtype = np.dtype(FIXED[encoding])
+        return lambda data: np.frombuffer(data, dtype=dtype, count=1)[0]
+    if encoding.startswith("ndarray"):
+        dtype, shape = _ndarray_spec(encoding)
+        if dtype is not None and shape is not None:
+            np_dtype = np.dtype(dtype)
+            return lambda data: np.frombuffer(data, dtype=np_dtype).reshape(shape).copy()
+    if encoding in ("bytes", "str", "json", "str_int", "str_float", "str_decimal", "pkl") or \
+            encoding.startswith("ndarray"):
+        return lambda data: decode(encoding, data if isinstance(data, bytes) else bytes(data))
+    return lambda data: decode(encoding, bytes(data))
 
 
 def decode(encoding: str, data: bytes) -> Any:
@@ -114,16 +133,20 @@ def decode(encoding: str, data: bytes) -> Any:
 
 def _encode_ndarray(encoding: str, value: Any) -> bytes:
     dtype, shape = _ndarray_spec(encoding)
-    arr = np.asarray(value)
+    if isinstance(value, np.ndarray):
+        arr = value
+        if dtype is not None and arr.dtype != np.dtype(dtype):  # never cast silently: values could change
+            raise StreamingError(f"encoding {encoding!r}: array of dtype {arr.dtype} given; convert it first")
+    else:
+        arr = np.asarray(value, dtype=dtype)
     if arr.ndim == 0 or arr.size == 0 or arr.ndim > 63:
         raise StreamingError(f"encoding {encoding!r}: arrays must have 1 to 63 dimensions and some elements")
     head = b""
     if dtype is None:
         if arr.dtype.name not in _DTYPE_CODES:
-            raise StreamingError(f"encoding {encoding!r}: dtype {arr.dtype} is not storable")
+            raise StreamingError(f"encoding {encoding!r}: dtype {arr.dtype} is not storable; use one of "
+                                 f"{', '.join(_DTYPE_CODES)}")
         head += bytes([_DTYPE_CODES[arr.dtype.name]])
-    else:
-        arr = arr.astype(dtype, copy=False)
     if shape is None:
         width = next(i for i, w in enumerate(_WIDTHS) if max(arr.shape) <= np.iinfo(w).max)
         head += bytes([(arr.ndim << 2) | width]) + np.asarray(arr.shape, dtype=_WIDTHS[width]).tobytes()
@@ -151,6 +174,12 @@ def _encode_image(encoding: str, value: Any) -> bytes:
     if encoding == "pil":
         mode = value.mode.encode()
         return struct.pack("<III", value.width, value.height, len(mode)) + mode + value.tobytes()
+    if encoding == "jpeg" and getattr(value, "format", None) == "JPEG" and getattr(value, "filename", None):
+        try:  # an image opened from a JPEG file is stored as that file's bytes, not re-encoded
+            with open(value.filename, "rb") as f:
+                return f.read()
+        except OSError:
+            pass
     if encoding in ("jpeg", "png"):
         buf = BytesIO()
         value.save(buf, format="JPEG" if encoding == "jpeg" else "PNG")
@@ -159,7 +188,8 @@ def _encode_image(encoding: str, value: Any) -> bytes:
         items = [_encode_image(encoding[5:-1], v) for v in value]
         return struct.pack(f"<II{len(items)}I", 0, len(items), *map(len, items)) + b"".join(items)
     if encoding in ("jpeg_array", "jpegarray"):
-        items = [_encode_image("jpeg", v) for v in value]
+        items = [bytes(v) if isinstance(v, bytes | bytearray | memoryview) else _encode_image("jpeg", v)
+                 for v in value]
         return struct.pack(f"<I{len(items)}I", len(items), *map(len, items)) + b"".join(items)
     raise StreamingError(f"unknown encoding {encoding!r}")
 

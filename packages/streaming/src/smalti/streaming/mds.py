@@ -46,10 +46,26 @@ def parse_size(value: int | str | None) -> int | None:
     return int(value)
 
 
+def _file_mode() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+FILE_MODE = _file_mode()  # what open() would give; mkstemp's 0600 would hide shared datasets from other users
+
+
+def temp_file(path: Path) -> tuple[int, str]:
+    """An open temporary file beside ``path`` (``.<name>.<random>.tmp``) with the usual permissions."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.fchmod(fd, FILE_MODE)
+    return fd, tmp
+
+
 def atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` to a temporary name beside ``path`` and rename it: never a half-written ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = temp_file(path)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -213,41 +229,66 @@ class ShardReader:
         self.names = entry["column_names"]
         self.sizes = entry["column_sizes"]
         self.variable = [i for i, s in enumerate(self.sizes) if s is None]
+        self._decoders = [encodings.decoder(enc) for enc in self.encodings]
+        self._view = memoryview(self.data)
 
     def __len__(self) -> int:
         return self.entry["samples"]
 
     def raw_sample(self, i: int) -> bytes:
-        return self.data[self.offsets[i] : self.offsets[i + 1]]
+        """The encoded bytes of sample ``i``."""
+        return bytes(self.data[self.offsets[i] : self.offsets[i + 1]])
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        data = self.raw_sample(i)
-        lengths = struct.unpack_from(f"<{len(self.variable)}I", data, 0)
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} is out of range for shard {self.path} ({len(self)} samples)")
+        begin, end = int(self.offsets[i]), int(self.offsets[i + 1])
+        if not (0 < begin <= end <= len(self.data)):
+            raise ShardCorruptError(f"shard {self.path} of stream {self.stream or self.path.parent}: sample {i} "
+                                    f"spans bytes {begin}..{end} of {len(self.data)}")
+        data = self._view[begin:end]
         sizes = list(self.sizes)
-        for col, length in zip(self.variable, lengths):
-            sizes[col] = length
+        if self.variable:
+            lengths = struct.unpack_from(f"<{len(self.variable)}I", data, 0)
+            for col, length in zip(self.variable, lengths):
+                sizes[col] = length
         pos = 4 * len(self.variable)
         sample = {}
-        for name, enc, size in zip(self.names, self.encodings, sizes):
-            sample[name] = encodings.decode(enc, data[pos : pos + size])
+        for name, decode, size in zip(self.names, self._decoders, sizes):
+            sample[name] = decode(data[pos : pos + size])
             pos += size
+        if pos != len(data):
+            raise ShardCorruptError(f"shard {self.path} of stream {self.stream or self.path.parent}: sample {i} "
+                                    f"holds {len(data)} bytes, its columns {pos}")
         return sample
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return (self[i] for i in range(len(self)))
 
 
-def verify_file(path: Path, info: dict[str, Any], stream: str = "") -> None:
-    """Check a shard file's size and every hash the index lists; raise naming the shard and stream."""
-    data = path.read_bytes()
-    if len(data) != info["bytes"]:
-        raise ShardCorruptError(f"shard {path} of stream {stream or path.parent} is {len(data)} bytes, the index "
-                                f"says {info['bytes']}: truncated or replaced")
-    for algo, expected in info.get("hashes", {}).items():
-        got = digest(algo, data)
-        if got != expected:
-            raise ShardCorruptError(f"shard {path} of stream {stream or path.parent}: {algo} is {got}, the index "
-                                    f"says {expected}")
+def verify_file(path: Path, info: dict[str, Any], stream: str = "", shown_as: Path | None = None) -> None:
+    """Check a shard file's size and every hash the index lists; raise naming the shard and stream.
+
+    ``shown_as`` is the name to report when ``path`` is a temporary copy of that shard.
+    """
+    name = shown_as or path
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size != info["bytes"]:
+            raise ShardCorruptError(f"shard {name} of stream {stream or name.parent} is {size} bytes, the index "
+                                    f"says {info['bytes']}: truncated or replaced")
+        if not info.get("hashes"):
+            return
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+    try:
+        for algo, expected in info["hashes"].items():
+            got = digest(algo, data)
+            if got != expected:
+                raise ShardCorruptError(f"shard {name} of stream {stream or name.parent}: {algo} is {got}, the "
+                                        f"index says {expected}")
+    finally:
+        if isinstance(data, mmap.mmap):
+            data.close()
 
 
 def decompress_shard(root: Path, entry: dict[str, Any], stream: str = "", validate_hash: bool = True) -> Path:

@@ -9,6 +9,10 @@ rank ``r`` takes the ``r``-th slice of ``batch_size`` of each global batch, and 
 batches therefore depend only on the seed, the canonical nodes and the global batch size, never on how many
 nodes, ranks per node or workers share them. The order is padded with its own first samples to a whole
 number of global batches: that is the only repetition within an epoch.
+
+Inside each global batch, samples are grouped by canonical node. Ranks are numbered node by node, so when
+the physical node count divides the canonical node count, a physical node reads only the shards of its own
+canonical nodes: its cache and its downloads stay a fraction of the dataset.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ def default_block_size(num_canonical_nodes: int) -> int:
 
 
 def shuffle_order(shards: list[np.ndarray], algo: str, seed: int, epoch: int, num_canonical_nodes: int,
-                  block_size: int | None = None) -> np.ndarray:
+                  block_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Shuffle the sample ids of ``shards`` (one id array per shard, in shard order) for ``epoch``.
 
     ``naive`` permutes globally. The others keep shards together for cache locality: shards are ordered
@@ -34,16 +38,16 @@ def shuffle_order(shards: list[np.ndarray], algo: str, seed: int, epoch: int, nu
     epoch reorders the spans inside every piece, then shuffles samples locally: inside each span
     (``py1s``), inside whole shards and again inside spans (``py2s``), inside blocks of random size around
     ``block_size`` (``py1br``), or by a random shift of up to ``block_size / 2`` positions (``py1e``).
-    The pieces are then interleaved sample by sample.
+    The pieces are then interleaved sample by sample. Returns the order and each entry's canonical node.
     """
     if algo not in SHUFFLES:
         raise StreamingError(f"shuffle_algo={algo!r} is not one of {', '.join(SHUFFLES)}")
     if not shards:
-        return np.zeros(0, dtype=np.int64)
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     ids = np.concatenate(shards).astype(np.int64)
     epoch_rng = np.random.default_rng(seed + epoch)
     if algo == "naive":
-        return ids[epoch_rng.permutation(len(ids))]
+        return ids[epoch_rng.permutation(len(ids))], np.zeros(len(ids), dtype=np.int64)
     block = block_size or default_block_size(num_canonical_nodes)
     run_rng = np.random.default_rng(seed)
     shard_ids = [np.asarray(s, dtype=np.int64) for s in shards]
@@ -81,16 +85,27 @@ def _shuffle_blocks(node: np.ndarray, block: int, rng: np.random.Generator) -> n
     return np.concatenate(out) if out else node
 
 
-def interleave(nodes: list[np.ndarray]) -> np.ndarray:
-    """Take one sample from each canonical node in turn (nodes differ in length by at most one)."""
+def interleave(nodes: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Take one sample from each canonical node in turn; return the order and each entry's node."""
     if not nodes:
-        return np.zeros(0, dtype=np.int64)
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     longest = max(len(n) for n in nodes)
     grid = np.full((len(nodes), longest), -1, dtype=np.int64)
     for i, n in enumerate(nodes):
         grid[i, : len(n)] = n
+    labels = np.broadcast_to(np.arange(len(nodes))[:, None], grid.shape).T.reshape(-1)
     flat = grid.T.reshape(-1)
-    return flat[flat >= 0]
+    keep = flat >= 0
+    return flat[keep], labels[keep]
+
+
+def sequential_order(shards: list[np.ndarray], num_canonical_nodes: int) -> tuple[np.ndarray, np.ndarray]:
+    """The unshuffled order: the samples cut into ``num_canonical_nodes`` contiguous pieces, interleaved."""
+    if not shards:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    flat = np.concatenate(shards).astype(np.int64)
+    cuts = np.linspace(0, len(flat), num_canonical_nodes + 1).round().astype(np.int64)
+    return interleave([flat[lo:hi] for lo, hi in zip(cuts[:-1], cuts[1:])])
 
 
 def pad_to_batches(order: np.ndarray, global_batch: int) -> np.ndarray:
@@ -101,6 +116,14 @@ def pad_to_batches(order: np.ndarray, global_batch: int) -> np.ndarray:
     if missing:
         order = np.concatenate([order, np.resize(order, missing)])
     return order
+
+
+def group_by_node(order: np.ndarray, nodes: np.ndarray, global_batch: int) -> np.ndarray:
+    """Within each global batch of ``order``, put the samples of canonical node 0 first, then node 1, ..."""
+    if len(order) == 0:
+        return order
+    key = np.arange(len(order)) // global_batch * (int(nodes.max()) + 1) + nodes
+    return order[np.argsort(key, kind="stable")]
 
 
 def rank_batches(order: np.ndarray, batch_size: int, dp_rank: int, dp_world: int, worker: int = 0,

@@ -10,13 +10,13 @@ import logging
 import os
 import random
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from smalti.streaming.errors import DownloadError
+from smalti.streaming.mds import temp_file
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,8 @@ def register_backend(scheme: str, download: Downloader, upload: Callable[[Path, 
 
 
 def _s3_client(timeout: float = 60.0):
-    key = (os.environ.get("S3_ENDPOINT_URL"), timeout)
+    """A boto3 S3 client for this thread and process (a forked worker must not reuse its parent's connections)."""
+    key = (os.getpid(), os.environ.get("S3_ENDPOINT_URL"), timeout)
     cache = getattr(_local, "clients", None)
     if cache is None:
         cache = _local.clients = {}
@@ -43,7 +44,7 @@ def _s3_client(timeout: float = 60.0):
         from botocore.config import Config
 
         cache[key] = boto3.session.Session().client(
-            "s3", endpoint_url=key[0] or None,
+            "s3", endpoint_url=key[1] or None,
             config=Config(connect_timeout=timeout, read_timeout=timeout, retries={"max_attempts": 1}),
         )
     return cache[key]
@@ -73,8 +74,13 @@ def _scheme(url: str) -> str | None:
     return url.split("://", 1)[0] if "://" in url else None
 
 
-def download_file(remote: str, local: Path, retries: int = 2, timeout: float = 60.0) -> Path:
-    """Fetch ``remote`` (URL or local path) to ``local``, atomically, with ``retries`` retries and backoff."""
+def download_file(remote: str, local: Path, retries: int = 2, timeout: float = 60.0,
+                  check: Callable[[Path], None] | None = None) -> Path:
+    """Fetch ``remote`` (URL or local path) to ``local``, atomically, with ``retries`` retries and backoff.
+
+    ``check(tmp_path)`` runs on the complete temporary file before it is renamed to ``local``; if it raises,
+    the download is retried, and its error is raised when no retry is left.
+    """
     local.parent.mkdir(parents=True, exist_ok=True)
     scheme = _scheme(remote)
     if scheme is not None and scheme not in _BACKENDS:
@@ -82,28 +88,38 @@ def download_file(remote: str, local: Path, retries: int = 2, timeout: float = 6
                             "register one with smalti.streaming.storage.register_backend")
     last: Exception | None = None
     for attempt in range(retries + 1):
-        fd, tmp = tempfile.mkstemp(prefix=f".{local.name}.", suffix=".tmp", dir=local.parent)
+        if attempt:
+            delay = 2 ** (attempt - 1) * 0.25 + random.uniform(0, 0.25)
+            log.warning("download of %s failed (%r); retry %d/%d in %.2f s", remote, last, attempt, retries, delay)
+            time.sleep(delay)
+        fd, name = temp_file(local)
         os.close(fd)
+        tmp = Path(name)
         try:
-            if scheme is None:
-                shutil.copyfile(remote, tmp)
-            else:
-                _BACKENDS[scheme](remote, Path(tmp), timeout)
+            try:
+                if scheme is None:
+                    shutil.copyfile(remote, tmp)
+                else:
+                    _BACKENDS[scheme](remote, tmp, timeout)
+            except FileNotFoundError as exc:
+                raise DownloadError(f"{remote} does not exist") from exc
+            except Exception as exc:
+                if _is_missing(exc):
+                    raise DownloadError(f"{remote} does not exist") from exc
+                last = exc
+                continue
+            if check is not None:
+                try:
+                    check(tmp)
+                except Exception as exc:
+                    if attempt == retries:
+                        raise
+                    last = exc
+                    continue
             os.replace(tmp, local)
             return local
-        except FileNotFoundError as exc:
-            Path(tmp).unlink(missing_ok=True)
-            raise DownloadError(f"{remote} does not exist") from exc
-        except Exception as exc:
-            Path(tmp).unlink(missing_ok=True)
-            last = exc
-            if _is_missing(exc):
-                raise DownloadError(f"{remote} does not exist") from exc
-            if attempt < retries:
-                delay = 2**attempt * 0.25 + random.uniform(0, 0.25)
-                log.warning("download of %s failed (%r); retry %d/%d in %.2f s", remote, exc, attempt + 1,
-                            retries, delay)
-                time.sleep(delay)
+        finally:
+            tmp.unlink(missing_ok=True)
     raise DownloadError(f"could not download {remote} after {retries + 1} attempts: {last!r}") from last
 
 

@@ -1,0 +1,200 @@
+"""The local shard cache of a dataset: fetch (download, decompress, check) shards on demand, evict by LRU.
+
+Several processes (DataLoader workers, local ranks) share one cache directory and coordinate without shared
+memory or lock files. Every process computes the same plan, so each shard has one *owner* that fetches it;
+another process that needs the shard first waits for the owner's result to appear (files only ever appear
+complete, by rename). It waits only while the owner shows progress (its temporary files keep changing);
+after ``peer_grace_s`` without progress it fetches the shard itself, so a dead or slow peer costs time, never
+correctness.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from smalti.streaming.errors import StreamingError
+from smalti.streaming.mds import ShardReader, decompress_shard, verify_file
+from smalti.streaming.storage import download_file
+
+if TYPE_CHECKING:
+    from smalti.streaming.dataset import Stream
+
+log = logging.getLogger(__name__)
+
+MAX_OPEN_READERS = 64
+
+
+class ShardCache:
+    """Local copies of the shards of ``streams``; ``shards`` lists ``(stream index, index entry)``."""
+
+    def __init__(self, streams: list[Stream], shards: list[tuple[int, dict[str, Any]]], cache_limit: int | None,
+                 download_retry: int, download_timeout: float, validate_hash: bool,
+                 peer_grace_s: float = 2.0) -> None:
+        self.streams, self.shards = streams, shards
+        self.cache_limit = cache_limit
+        self.download_retry, self.download_timeout = download_retry, download_timeout
+        self.validate_hash = validate_hash
+        self.peer_grace_s = peer_grace_s
+        self._lock = threading.Lock()
+        self._shard_locks: dict[int, threading.Lock] = {}
+        self._checked: set[int] = set()
+        self._readers: OrderedDict[int, ShardReader] = OrderedDict()
+        self._access: dict[int, int] = {}
+        self._clock = 0
+
+    def __getstate__(self) -> dict[str, Any]:  # DataLoader workers get a fresh cache state, not our locks
+        state = self.__dict__.copy()
+        state.update(_lock=None, _shard_locks={}, _readers=OrderedDict())
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def raw_path(self, shard: int) -> Path:
+        si, entry = self.shards[shard]
+        return self.streams[si].local_dir() / entry["raw_data"]["basename"]
+
+    def is_local(self, shard: int) -> bool:
+        return self.raw_path(shard).exists()
+
+    def _touch(self, shard: int) -> None:
+        with self._lock:
+            self._clock += 1
+            self._access[shard] = self._clock
+
+    def ensure(self, shard: int, defer_to_peer: bool = False) -> Path:
+        """The path of shard ``shard``'s raw file, fetching it first if needed.
+
+        With ``defer_to_peer``, another process is expected to fetch it: wait for that while it progresses.
+        """
+        raw = self.raw_path(shard)
+        self._touch(shard)
+        if raw.exists() and shard in self._checked:
+            return raw
+        with self._lock:
+            lock = self._shard_locks.setdefault(shard, threading.Lock())
+        with lock:
+            if not raw.exists() and defer_to_peer:
+                self._wait_for_peer(shard)
+            self._fetch(shard)
+        self._evict()
+        return raw
+
+    def _activity(self, shard: int) -> float | None:
+        """When a peer last showed progress on ``shard``: the newest mtime of its temporary or zip files."""
+        si, entry = self.shards[shard]
+        raw = self.raw_path(shard)
+        candidates = list(raw.parent.glob(f".{raw.name}*")) if raw.parent.exists() else []
+        if entry.get("zip_data"):
+            candidates.append(raw.parent / entry["zip_data"]["basename"])
+        newest = None
+        for path in candidates:
+            try:
+                mtime = path.stat().st_mtime
+            except FileNotFoundError:
+                continue
+            newest = mtime if newest is None else max(newest, mtime)
+        return newest
+
+    def _wait_for_peer(self, shard: int) -> None:
+        raw = self.raw_path(shard)
+        started = time.time()
+        delay = 0.002
+        while not raw.exists():
+            last = max(started, self._activity(shard) or 0.0)
+            if time.time() - last > self.peer_grace_s:
+                log.debug("no peer progress on %s for %.1f s; fetching it here", raw, self.peer_grace_s)
+                return
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def _fetch(self, shard: int) -> None:
+        si, entry = self.shards[shard]
+        stream = self.streams[si]
+        root = stream.local_dir()
+        raw = root / entry["raw_data"]["basename"]
+        zip_info = entry.get("zip_data")
+        if raw.exists():
+            if shard not in self._checked and not zip_info and stream.remote is None and self.validate_hash:
+                verify_file(raw, entry["raw_data"], stream.name)  # local data was never checked on the way in
+            self._checked.add(shard)
+            return
+        info = zip_info or entry["raw_data"]
+        fetched = root / info["basename"]
+        downloaded = False
+        if not fetched.exists():
+            remote = stream.remote_path(info["basename"])
+            if remote is None:
+                raise StreamingError(f"shard {fetched} of stream {stream.name} is missing and there is no remote")
+
+            def check(tmp: Path) -> None:  # before the file becomes visible under its real name
+                verify_file(tmp, info, stream.name, shown_as=fetched)
+
+            download_file(remote, fetched, self.download_retry, self.download_timeout,
+                          check if self.validate_hash else None)
+            downloaded = True
+        if zip_info:
+            try:
+                decompress_shard(root, entry, stream.name, self.validate_hash and not downloaded)
+            except FileNotFoundError:  # a peer finished it and removed the zip in between
+                if not raw.exists():
+                    raise
+            if stream.remote is not None:
+                fetched.unlink(missing_ok=True)
+        self._checked.add(shard)
+
+    def _evict(self) -> None:
+        """Delete least recently used downloaded shards until the cache is under ``cache_limit``."""
+        if self.cache_limit is None:
+            return
+        with self._lock:
+            present = []
+            for shard, (si, entry) in enumerate(self.shards):
+                stream = self.streams[si]
+                path = stream.local_dir() / entry["raw_data"]["basename"]
+                if stream.remote is None:  # a shard that exists only here is never evicted
+                    continue
+                try:
+                    size = path.stat().st_size
+                except FileNotFoundError:
+                    continue
+                present.append((self._access.get(shard, 0), shard, path, size))
+            used = sum(p[3] for p in present)
+            for _, shard, path, size in sorted(present):
+                if used <= self.cache_limit:
+                    break
+                path.unlink(missing_ok=True)
+                self._readers.pop(shard, None)
+                self._checked.discard(shard)
+                used -= size
+
+    def reader(self, shard: int, defer_to_peer: bool = False) -> ShardReader:
+        """An open reader of shard ``shard`` (fetched if needed); readers are kept open, most recent first."""
+        reader = self._readers.get(shard)
+        if reader is not None:
+            self._readers.move_to_end(shard)
+            self._clock += 1
+            self._access[shard] = self._clock
+            return reader
+        si, entry = self.shards[shard]
+        name = self.streams[si].name
+        for _ in range(3):
+            path = self.ensure(shard, defer_to_peer)
+            try:
+                reader = ShardReader(path, entry, name)
+                break
+            except FileNotFoundError:  # evicted by another process in between: fetch it again
+                self._checked.discard(shard)
+        else:
+            raise StreamingError(f"shard {self.raw_path(shard)} of stream {name} keeps disappearing from the "
+                                 "cache; raise cache_limit")
+        self._readers[shard] = reader
+        while len(self._readers) > MAX_OPEN_READERS:
+            self._readers.popitem(last=False)
+        return reader

@@ -1,0 +1,83 @@
+"""StreamingDataset against a real S3 endpoint on loopback (moto's server), with faults injected by a proxy."""
+
+import time
+
+import pytest
+from torch.utils.data import DataLoader
+
+from smalti.streaming import ShardCorruptError, StreamingDataset, StreamingError
+
+
+def ids(ds, **loader_kw):
+    return [int(i) for batch in DataLoader(ds, batch_size=ds.batch_size, **loader_kw) for i in batch["id"]]
+
+
+def local_order(path):
+    return ids(StreamingDataset(local=str(path), batch_size=8, shuffle=True))
+
+
+def test_s3_remote_with_cache_limit(dataset_dir, upload_dataset, tmp_path):
+    remote = upload_dataset(dataset_dir)
+    largest = max(p.stat().st_size for p in dataset_dir.iterdir())
+    with pytest.raises(StreamingError, match="cache_limit"):
+        StreamingDataset(remote=remote, local=str(tmp_path / "c0"), batch_size=8, cache_limit=100)
+    ds = StreamingDataset(remote=remote, local=str(tmp_path / "cache"), batch_size=8, shuffle=True,
+                          cache_limit=6 * largest)
+    got = ids(ds)
+    assert set(got) == set(range(1003))
+    cached = sum(p.stat().st_size for p in (tmp_path / "cache").glob("shard.*"))
+    assert cached <= 6 * largest
+    assert got == local_order(dataset_dir)
+
+
+def test_s3_errors_and_slow_responses_still_give_exact_epoch(dataset_dir, upload_dataset, faulty_s3, tmp_path):
+    remote = upload_dataset(dataset_dir)
+    ds = StreamingDataset(remote=remote, local=str(tmp_path / "cache"), batch_size=8, shuffle=True, download_retry=3)
+    got = ids(ds)
+    assert faulty_s3.failures > 0
+    assert got == local_order(dataset_dir)
+
+
+def test_stalled_download_times_out_and_is_retried(make_dataset, upload_dataset, s3_proxy, tmp_path):
+    data = make_dataset(tmp_path / "data", n=200)
+    remote = upload_dataset(data)
+    proxy = s3_proxy(stall_every=1000, stall_s=4.0)  # the first shard GET hangs past the time-out
+    start = time.monotonic()
+    ds = StreamingDataset(remote=remote, local=str(tmp_path / "cache"), batch_size=8, shuffle=True,
+                          download_timeout=1.0, download_retry=2)
+    got = ids(ds)
+    assert proxy.stalls == 1
+    assert got == local_order(data)
+    assert time.monotonic() - start < 4.0  # gave up on the stalled answer instead of waiting for it
+
+
+def test_workers_download_each_shard_once(dataset_dir, upload_dataset, s3_proxy, tmp_path):
+    remote = upload_dataset(dataset_dir)
+    proxy = s3_proxy()
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    # A download killed in an earlier run left its temporary file behind: it must not stall this one.
+    stale = cache / ".shard.00000.mds.zstd.abc123.tmp"
+    stale.write_bytes(b"partial")
+    old = time.time() - 3600
+    import os
+
+    os.utime(stale, (old, old))
+    ds = StreamingDataset(remote=remote, local=str(cache), batch_size=8, shuffle=True, num_canonical_nodes=2)
+    got = ids(ds, num_workers=2)
+    assert set(got) == set(range(1003)) and len(got) == 1008
+    assert len(proxy.gets) == len(list(dataset_dir.glob("shard.*")))
+    assert set(proxy.gets.values()) == {1}, proxy.gets  # the two workers split the downloads
+
+
+def test_corrupt_remote_shard_names_shard_and_stream(dataset_dir, upload_dataset, s3_server, s3_bucket, tmp_path):
+    shard = sorted(dataset_dir.glob("shard.*"))[3]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    remote = upload_dataset(dataset_dir)
+    ds = StreamingDataset(remote=remote, local=str(tmp_path / "cache"), batch_size=8, download_retry=1)
+    with pytest.raises(ShardCorruptError, match=rf"{shard.name}.*{remote}.*xxh64"):
+        ids(ds)
+    assert not (tmp_path / "cache" / shard.name).exists()  # never visible as if it were good
+    assert not (tmp_path / "cache" / shard.name.removesuffix(".zstd")).exists()
