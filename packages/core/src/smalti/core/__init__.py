@@ -1,27 +1,41 @@
-"""smalti-core: the trainer, its state and time units, and the plugin system every smalti package builds on."""
+"""smalti-core: the trainer, its state and time units, and the plugin system every smalti package builds on.
+
+The names below are imported on first use, so that ``import smalti.core.errors`` (which every plugin's
+error classes derive from) does not pull in torch: plugin entry points stay cheap to discover.
+"""
+
+from importlib import import_module
+from typing import Any
 
 __version__ = "0.1.0"
 
-from smalti.core.errors import ConfigError, PluginError, SmaltiError, TrainingError  # noqa: E402
-from smalti.core.evaluator import Evaluator  # noqa: E402
-from smalti.core.plugins import Algorithm, Callback, LoggerDestination, hookimpl  # noqa: E402
-from smalti.core.state import State  # noqa: E402
-from smalti.core.time import Time, Timestamp, TimeUnit  # noqa: E402
-from smalti.core.trainer import Trainer  # noqa: E402
+_EXPORTS = {
+    "Algorithm": "smalti.core.plugins",
+    "Callback": "smalti.core.plugins",
+    "ConfigError": "smalti.core.errors",
+    "Evaluator": "smalti.core.evaluator",
+    "LoggerDestination": "smalti.core.plugins",
+    "PluginError": "smalti.core.errors",
+    "SmaltiError": "smalti.core.errors",
+    "State": "smalti.core.state",
+    "Time": "smalti.core.time",
+    "TimeUnit": "smalti.core.time",
+    "Timestamp": "smalti.core.time",
+    "Trainer": "smalti.core.trainer",
+    "TrainingError": "smalti.core.errors",
+    "hookimpl": "smalti.core.plugins",
+}
 
-__all__ = [
-    "Algorithm",
-    "Callback",
-    "ConfigError",
-    "Evaluator",
-    "LoggerDestination",
-    "PluginError",
-    "SmaltiError",
-    "State",
-    "Time",
-    "TimeUnit",
-    "Timestamp",
-    "Trainer",
-    "TrainingError",
-    "hookimpl",
-]
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'smalti.core' has no attribute {name!r}")
+    value = getattr(import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -10,31 +10,43 @@ from smalti.core.plugins import Callback
 
 
 class NaNGuard(Callback):
-    """Checks the batch loss (already averaged over ranks, so every rank decides alike) before the optimizer step.
+    """Checks the batch loss right before the optimizer step.
 
-    ``action="stop"`` raises :class:`TrainingError` naming the batch; ``action="skip"`` skips the step (the
-    weights stay as they were) and counts it in ``nan_guard/skipped_batches``; after ``max_skips`` skipped
-    batches in a row it stops anyway.
+    The trainer averages ``state.batch_loss`` over ranks, so a NaN or infinity on any rank reaches every
+    rank and all of them take the same decision. ``action="stop"`` raises :class:`TrainingError` naming
+    the batch and the value; ``action="skip"`` sets ``state.skip_optimizer_step`` (the weights and the
+    optimizer state stay as they were), counts the batch in ``nan_guard/skipped_batches``, and still stops
+    after ``max_skips`` skipped batches in a row.
     """
 
     def __init__(self, action: str = "stop", max_skips: int = 10) -> None:
         if action not in ("stop", "skip"):
             raise ConfigError(f"callbacks.nan_guard.action={action!r} must be 'stop' or 'skip'")
+        if max_skips < 0:
+            raise ConfigError(f"callbacks.nan_guard.max_skips={max_skips} must be >= 0")
         self.action = action
         self.max_skips = max_skips
         self.skipped = 0
         self._in_a_row = 0
 
     def on_before_optimizer_step(self, state: Any, logger: Any) -> None:
-        loss = float(state.batch_loss)
+        value = state.batch_loss if state.batch_loss is not None else state.loss
+        loss = float(value)
         if math.isfinite(loss):
             self._in_a_row = 0
             return
-        where = f"batch {state.timestamp.batch + 1} (epoch {state.timestamp.epoch}, batch {state.timestamp.batch_in_epoch + 1} in epoch)"
-        if self.action == "stop" or self._in_a_row >= self.max_skips:
+        ts = state.timestamp
+        where = f"batch {ts.batch + 1} (epoch {ts.epoch}, batch {ts.batch_in_epoch + 1} of the epoch)"
+        if self.action == "stop":
             raise TrainingError(
-                f"loss/train/total is {loss} at {where}; lower the learning rate, check the data, or set "
-                "callbacks.nan_guard.action=skip to skip such batches"
+                f"loss/train/total is {loss} at {where}; lower the learning rate, add gradient clipping, check "
+                "the data, or set callbacks.nan_guard.action=skip to skip such batches"
+            )
+        if self._in_a_row >= self.max_skips:
+            raise TrainingError(
+                f"loss/train/total is {loss} at {where}, after {self._in_a_row} skipped batches in a row "
+                f"(callbacks.nan_guard.max_skips={self.max_skips}); the run is diverging: lower the learning rate "
+                "or resume from an earlier checkpoint"
             )
         state.skip_optimizer_step = True
         self.skipped += 1
@@ -45,4 +57,4 @@ class NaNGuard(Callback):
         return {"skipped": self.skipped}
 
     def load_plugin_state_dict(self, plugin_state: dict[str, Any]) -> None:
-        self.skipped = plugin_state["skipped"]
+        self.skipped = int(plugin_state["skipped"])

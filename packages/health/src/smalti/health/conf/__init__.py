@@ -1,0 +1,1 @@
+"""Config options smalti-health adds to ``smalti-train`` (group ``health``)."""

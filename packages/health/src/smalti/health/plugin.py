@@ -1,0 +1,13 @@
+"""smalti-health's entry-point module: discovery hooks only, import-light (no torch at import)."""
+
+from __future__ import annotations
+
+import pluggy
+
+hookimpl = pluggy.HookimplMarker("smalti")
+
+
+@hookimpl
+def smalti_config_searchpath() -> str:
+    """Add the ``health`` config group's options (watchdog, straggler, mfu_alarm, gpu_monitor, all)."""
+    return "pkg://smalti.health.conf"
