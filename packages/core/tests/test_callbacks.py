@@ -211,8 +211,6 @@ def test_nan_guard_skip_still_stops_a_run_that_keeps_diverging():
         fit(callbacks={"poison": PoisonAt(2, 3, 4, 5), "nan_guard": NaNGuard("skip", max_skips=2)})
 
 
-@pytest.mark.xfail(strict=True, reason="trainer: GradScaler.update() is not called on a skipped step, so the next "
-                                       "unscale_() raises; remove this mark when trainer.py updates the scaler")
 def test_nan_guard_skip_with_fp16_grad_scaler_keeps_training():
     guard = NaNGuard("skip")
     sink = fit("4ba", callbacks={"poison": PoisonAt(2), "nan_guard": guard}, precision="amp_fp16")
@@ -265,8 +263,6 @@ def test_early_stopping_stops_a_run_after_patience():
     assert steps[-1] == 6  # evals at 2 (sets the best), 4 and 6: two rounds without improvement
 
 
-@pytest.mark.xfail(strict=True, reason="trainer: should_stop is asked only after batches, not after the epoch-end "
-                                       "eval; remove this mark when trainer.py asks it after on_epoch_checkpoint")
 def test_early_stopping_on_epoch_evals_stops_at_the_epoch_end():
     torch.manual_seed(0)
     trainer = Trainer(MLPRegressor(), build_dataloader(SyntheticRegression(64), 16), "10ep", eval_interval="1ep",

@@ -344,6 +344,8 @@ class Trainer:
             self.eval()
         state.checkpoint_requested = bool(self.hook.should_checkpoint(state=state, event=Event.EPOCH_END))
         self._event(Event.EPOCH_CHECKPOINT)
+        if self.hook.should_stop(state=state):  # an epoch-end eval can be what decides it
+            state.stop_requested = True
 
     def _prepare_epoch(self, loader: Any) -> None:
         """Tell the sampler the epoch, and skip what was already trained when resuming mid-epoch."""
@@ -412,8 +414,9 @@ class Trainer:
                     state.grad_scaler.step(opt)
                 else:
                     opt.step()
-            if state.grad_scaler is not None:
-                state.grad_scaler.update()
+        if state.grad_scaler is not None:
+            # Also after a skipped step: the scale must still back off, and unscale_ needs a fresh update.
+            state.grad_scaler.update()
         for sched in state.schedulers:
             sched.step()
         self._event(Event.AFTER_OPTIMIZER_STEP)
