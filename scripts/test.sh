@@ -17,11 +17,11 @@ for pkg in $(.venv/bin/python scripts/packages.py all); do
   # shellcheck disable=SC2046
   "$venv/bin/python" -m pip install -q --no-build-isolation $(.venv/bin/python scripts/packages.py closure "$pkg")
   echo "=== packages/$pkg (alone: $($venv/bin/python -m pip list 2>/dev/null | grep -c '^smalti-') smalti distributions) ==="
-  "$venv/bin/python" -m pytest "packages/$pkg" -q -p no:randomly || failed+=("$pkg")
+  "$venv/bin/python" -m pytest "packages/$pkg" -q -p no:randomly --durations=8 || failed+=("$pkg")
 done
 if compgen -G "tests/test_*.py" > /dev/null; then
   echo "=== tests/ (all packages) ==="
-  .venv/bin/python -m pytest tests -q || failed+=("tests")
+  .venv/bin/python -m pytest tests -q --durations=8 || failed+=("tests")
 fi
 if [ ${#failed[@]} -gt 0 ]; then
   echo "FAILED: ${failed[*]}"

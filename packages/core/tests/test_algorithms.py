@@ -12,23 +12,12 @@ from smalti.core.callbacks import NaNGuard
 from smalti.core.data import build_dataloader
 from smalti.core.errors import ConfigError, TrainingError
 from smalti.core.examples import MLPRegressor, SyntheticRegression
-from smalti.core.plugins import LoggerDestination
-
-
-class Collect(LoggerDestination):
-    def __init__(self):
-        self.rows = []
-
-    def log_metrics(self, metrics, step):
-        self.rows.append((step, dict(metrics)))
-
-    def values(self, key):
-        return [m[key] for _, m in self.rows if key in m]
+from smalti.testing import MetricsRecorder
 
 
 def fit(duration="6ba", callbacks=None, algorithms=None, model=None, evals=False, lr=1e-2, **kw):
     torch.manual_seed(0)
-    sink = Collect()
+    sink = MetricsRecorder()
     Trainer(model or MLPRegressor(), build_dataloader(SyntheticRegression(128), 16), duration,
             optimizers=lambda p: torch.optim.SGD(p, lr=lr), callbacks=callbacks, algorithms=algorithms,
             loggers={"sink": sink}, eval_interval="2ba" if evals else None,
@@ -271,7 +260,7 @@ def test_clipping_and_ema_on_fsdp2_sharded_parameters():
     torch.manual_seed(0)
     model = MLPRegressor()
     initial = averaged(model)
-    watch, sink, ema = Watch(), Collect(), EMA(half_life=None, smoothing=0.5)
+    watch, sink, ema = Watch(), MetricsRecorder(), EMA(half_life=None, smoothing=0.5)
     Trainer(model, loader, "3ba", optimizers=lambda p: torch.optim.SGD(p, lr=0.5), parallelism=FSDP(),
             algorithms=[GradientClipping("norm", 0.05), ema], callbacks=[watch], loggers={"sink": sink}).fit()
 

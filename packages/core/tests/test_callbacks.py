@@ -23,21 +23,10 @@ from smalti.core.callbacks.speed_monitor import matmul_precision
 from smalti.core.data import build_dataloader
 from smalti.core.errors import ConfigError
 from smalti.core.examples import MLPRegressor, SyntheticRegression
-from smalti.core.plugins import LoggerDestination
 from smalti.core.time import Timestamp
+from smalti.testing import MetricsRecorder
 
 CONF = Path(speed_monitor_module.__file__).parents[1] / "conf"
-
-
-class Collect(LoggerDestination):
-    def __init__(self):
-        self.rows = []
-
-    def log_metrics(self, metrics, step):
-        self.rows.append((step, dict(metrics)))
-
-    def values(self, key):
-        return [m[key] for _, m in self.rows if key in m]
 
 
 class Logged:
@@ -52,7 +41,7 @@ class Logged:
 
 def fit(duration="6ba", callbacks=None, algorithms=None, model=None, evals=False, lr=1e-2, **kw):
     torch.manual_seed(0)
-    sink = Collect()
+    sink = MetricsRecorder()
     Trainer(model or MLPRegressor(), build_dataloader(SyntheticRegression(128), 16), duration,
             optimizers=lambda p: torch.optim.SGD(p, lr=lr), callbacks=callbacks, algorithms=algorithms,
             loggers={"sink": sink}, eval_interval="2ba" if evals else None,

@@ -4,9 +4,10 @@ Loaded as a pytest plugin through the ``pytest11`` entry point, so every package
 and the ``world_size`` marker without importing each other's conftest files.
 """
 
+from smalti.testing.metrics import MetricsRecorder
 from smalti.testing.ports import free_port
 from smalti.testing.torchrun import run_torchrun
 
 __version__ = "0.1.0"
 
-__all__ = ["free_port", "run_torchrun"]
+__all__ = ["MetricsRecorder", "free_port", "run_torchrun"]
