@@ -134,3 +134,15 @@ def test_moe_ffn_adds_its_aux_loss():
     ce = torch.nn.functional.cross_entropy(out["logits"][:, :-1].reshape(-1, 97), ids[:, 1:].reshape(-1))
     torch.testing.assert_close(model.loss(out, {"input_ids": ids}), ce + out["aux_loss"])
     assert model.n_active_params < model.n_params
+
+
+def test_moe_balancing_loss_is_scaled_by_the_layer_count():
+    pytest.importorskip("smalti.moe")
+    weight = 0.1
+    model = _model(n_layers=4, ffn_type="moe", moe={"num_experts": 4, "top_k": 2, "loss_weight": weight})
+    assert [b.ffn.moe.num_layers for b in model.blocks] == [4] * 4
+    out = model({"input_ids": torch.randint(0, 97, (4, 32))})
+    parts = [b.ffn.moe.last_losses["load_balancing_loss"] for b in model.blocks]
+    torch.testing.assert_close(out["aux_loss"], torch.stack(parts).sum())
+    # MegaBlocks' batched loss: about `weight` for a near-balanced router, not n_layers * weight.
+    assert 0.9 * weight < float(out["aux_loss"]) < 2 * weight

@@ -53,3 +53,13 @@ def test_experiment_composes_and_builds(name):
     loss = model.loss(out, batch)
     assert torch.isfinite(loss)
     assert cfg.data.eval is None or len(instantiate(cfg.data.eval)) > 0
+
+
+def test_sequence_parallel_option_replicates_streaming_data():
+    from smalti.llm.parallelism import SequenceParallelFSDP
+
+    cfg = _compose(["experiment=mpt_125m", "parallelism=fsdp_sp", "parallelism.sp=4", "callbacks=[]", "logger=[]"])
+    parallelism = instantiate(cfg.parallelism)
+    assert isinstance(parallelism, SequenceParallelFSDP) and parallelism.sp == 4
+    assert cfg.data.train.replication == 4 and cfg.data.eval.replication == 4
+    assert _compose(["experiment=mpt_125m", "callbacks=[]", "logger=[]"]).data.train.replication is None

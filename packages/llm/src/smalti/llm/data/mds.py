@@ -5,6 +5,7 @@ smalti-streaming is imported only when one of these is built, so the rest of sma
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -58,13 +59,20 @@ def TextMDS(  # noqa: N802 - a factory standing in for a class in configs
     """
     streaming = _streaming()
 
+    def convert(sample: dict[str, Any]) -> dict[str, torch.Tensor]:
+        if "tokens" not in sample:
+            raise DataError(f"MDS sample has no 'tokens' column (has {sorted(sample)}); prepare with "
+                            "`smalti-llm data prepare --mode pretrain`")
+        return {"input_ids": _to_ids(sample["tokens"], max_seq_len)}
+
     class _TextStreamingDataset(streaming.StreamingDataset):
+        # Both ways in: indexing, and iteration (which reads shards directly, not through __getitem__).
         def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
-            sample = super().__getitem__(idx)
-            if "tokens" not in sample:
-                raise DataError(f"MDS sample has no 'tokens' column (has {sorted(sample)}); prepare with "
-                                "`smalti-llm data prepare --mode pretrain`")
-            return {"input_ids": _to_ids(sample["tokens"], max_seq_len)}
+            return convert(super().__getitem__(idx))
+
+        def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+            for sample in super().__iter__():
+                yield convert(sample)
 
     args = {"local": local, "remote": remote, "split": split, "shuffle": shuffle, "shuffle_seed": shuffle_seed}
     args.update(kwargs)

@@ -1,5 +1,5 @@
 """Causal self-attention through PyTorch SDPA: grouped-query heads, optional QK-norm, RoPE or ALiBi,
-and sequence-id masking for packed documents."""
+sequence-id masking for packed documents, and Ulysses sequence parallelism."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from torch import nn
 
 from smalti.llm.model.norms import make_norm
 from smalti.llm.model.position import Rotary, alibi_bias, apply_rotary
+from smalti.llm.model.sequence_parallel import SequenceParallelGroup, heads_to_sequence, sequence_to_heads
 
 
 def build_attention_mask(
@@ -65,7 +66,15 @@ class Attention(nn.Module):
         self.q_norm = make_norm(norm_type, self.head_dim, norm_eps, bias, device) if qk_norm else None
         self.k_norm = make_norm(norm_type, self.head_dim, norm_eps, bias, device) if qk_norm else None
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None = None, sp: SequenceParallelGroup | None = None
+    ) -> torch.Tensor:
+        """Attend over ``x [B, T, d_model]``.
+
+        With ``sp``, ``x`` is this rank's chunk of ``T / sp.size`` positions; queries, keys and values are
+        exchanged so that each rank attends over the whole sequence with ``n_heads / sp.size`` heads, and
+        ``mask`` covers the whole sequence and (for ALiBi) only those heads.
+        """
         b, t, _ = x.shape
         qkv = self.wqkv(x)
         if self.clip_qkv is not None:
@@ -77,10 +86,18 @@ class Attention(nn.Module):
         v = v.view(b, t, self.n_kv_heads, hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.rotary is not None:
-            cos, sin = self.rotary.tables(q.shape[2], 0, q.device, q.dtype)
+            offset = sp.rank * t if sp is not None else 0  # this chunk's first position in the sequence
+            cos, sin = self.rotary.tables(t, offset, q.device, q.dtype)
+            cos, sin = cos[:, None], sin[:, None]  # broadcast over heads: [T, 1, D]
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if sp is not None:
+            if self.n_kv_heads % sp.size:
+                # Too few key/value heads to split: give every query head its own copy.
+                groups = self.n_heads // self.n_kv_heads
+                k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+            q, k, v = sequence_to_heads(q, sp), sequence_to_heads(k, sp), sequence_to_heads(v, sp)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if mask is not None and mask.dtype != torch.bool:
             mask = mask.to(q.dtype)
         out = F.scaled_dot_product_attention(
@@ -88,4 +105,6 @@ class Attention(nn.Module):
             enable_gqa=q.shape[1] != k.shape[1],
         )
         out = out.transpose(1, 2)
+        if sp is not None:
+            out = heads_to_sequence(out, sp)
         return self.out_proj(out.reshape(b, t, -1))

@@ -88,5 +88,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` of shape ``[B, H, T, D]`` (half-split convention, the one Hugging Face Llama uses)."""
+    """Rotate ``x`` (half-split convention, the one Hugging Face Llama uses); ``cos``/``sin`` broadcast against
+    it (``[T, D]`` for ``[B, H, T, D]``, ``[T, 1, D]`` for ``[B, T, H, D]``)."""
     return x * cos + _rotate_half(x) * sin

@@ -3,11 +3,16 @@
 Batches are dicts: ``input_ids [B, T]``; optional ``labels [B, T]`` (default: ``input_ids``; ``-100`` is
 ignored), ``sequence_id [B, T]`` (packed documents do not attend to each other) and ``attention_mask``
 (right padding; only used to count tokens). Position ``t`` predicts label ``t + 1``.
+
+Under sequence parallelism (:meth:`LLM.enable_sequence_parallel`) every rank of the ``sp`` group gets the
+same whole batch and computes the positions of its own chunk; see
+:mod:`smalti.llm.model.sequence_parallel`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from typing import Any
 
@@ -23,6 +28,9 @@ from smalti.llm.model.ffn import make_ffn
 from smalti.llm.model.metrics import LanguageCrossEntropy, LanguagePerplexity, TokenAccuracy
 from smalti.llm.model.norms import make_norm
 from smalti.llm.model.position import Rotary, alibi_slopes
+from smalti.llm.model.sequence_parallel import SequenceParallelGroup
+
+log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
 POSITIONS = ("alibi", "rope", "learned", "none")
@@ -39,18 +47,22 @@ class Block(nn.Module):
         self.ffn = ffn
         self.checkpointing: str | None = None  # "block", "attention" or "ffn"
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None = None, sp: SequenceParallelGroup | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.checkpointing == "block" and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, mask, use_reentrant=False)
-        return self._forward(x, mask)
+            return checkpoint(self._forward, x, mask, sp, use_reentrant=False)
+        return self._forward(x, mask, sp)
 
-    def _forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None, sp: SequenceParallelGroup | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         recompute = torch.is_grad_enabled()
         h = self.norm_1(x)
         if self.checkpointing == "attention" and recompute:
-            x = x + checkpoint(self.attn, h, mask, use_reentrant=False)
+            x = x + checkpoint(self.attn, h, mask, sp, use_reentrant=False)
         else:
-            x = x + self.attn(h, mask)
+            x = x + self.attn(h, mask, sp)
         h = self.norm_2(x)
         if self.checkpointing == "ffn" and recompute:
             y, aux = checkpoint(self.ffn, h, use_reentrant=False)
@@ -120,6 +132,9 @@ class LLM(nn.Module):
         if position == "rope" and (d_model // n_heads) % 2:
             raise ModelConfigError(f"position=rope needs an even head size; d_model/n_heads = {d_model // n_heads}")
         activation = activation or ("silu" if ffn_type == "glu" else "gelu")
+        # Every block's FFN is an MoE: each layer scales its balancing loss by the layer count, so that their
+        # sum is MegaBlocks' batched loss rather than n_layers times it.
+        layer_moe = {"num_layers": n_layers, **moe} if ffn_type == "moe" and moe else moe
         hidden = int(ffn_hidden_size) if ffn_hidden_size else int(expansion_ratio * d_model)
         self.config = {
             "d_model": d_model, "n_heads": n_heads, "n_layers": n_layers, "vocab_size": vocab_size,
@@ -145,7 +160,7 @@ class LLM(nn.Module):
                 Block(
                     Attention(d_model, n_heads, n_kv_heads, bias, qk_norm, norm_type, norm_eps, rotary, softmax_scale,
                               clip_qkv),
-                    make_ffn(ffn_type, d_model, hidden, activation, bias, moe),
+                    make_ffn(ffn_type, d_model, hidden, activation, bias, layer_moe),
                     make_norm(norm_type, d_model, norm_eps, bias),
                     make_norm(norm_type, d_model, norm_eps, bias),
                 )
@@ -154,6 +169,7 @@ class LLM(nn.Module):
             self.norm_f = make_norm(norm_type, d_model, norm_eps, bias)
             self.lm_head = None if tie_embeddings else nn.Linear(d_model, vocab_size, bias=False)
         self.set_activation_checkpointing(activation_checkpointing)
+        self.sp: SequenceParallelGroup | None = None
         self.n_params = sum(p.numel() for p in self.parameters())
         self.n_active_params = self._active_params()
         if device is None or device.type != "meta":
@@ -198,6 +214,35 @@ class LLM(nn.Module):
             elif module is not self and hasattr(module, "reset_parameters") and not list(module.children()):
                 module.reset_parameters()
 
+    def enable_sequence_parallel(self, group: Any) -> None:
+        """Split every sequence over the ranks of ``group`` (Ulysses), or switch it off with ``None``.
+
+        Every rank of ``group`` must be given the same batches (the ``sp`` parallelism and the streaming
+        dataset's ``replication`` see to that). ``n_heads`` must divide by the group size; key/value heads
+        that do not are copied per query head. Only training forwards are split: in eval mode (evaluation,
+        ICL, generation) and for sequence lengths that do not divide by the group size, every rank runs the
+        whole sequence.
+        """
+        if group is None:
+            self.sp = None
+            return
+        sp = group if isinstance(group, SequenceParallelGroup) else SequenceParallelGroup.from_group(group)
+        if self.n_heads % sp.size:
+            raise ModelConfigError(
+                f"model.n_heads={self.n_heads} does not divide over parallelism.sp={sp.size} sequence-parallel "
+                "ranks; choose an sp that divides the head count"
+            )
+        self.sp = sp if sp.size > 1 else None
+
+    def _active_sp(self, seq_len: int) -> SequenceParallelGroup | None:
+        sp = self.sp
+        if sp is None or not self.training:
+            return None  # evaluation, ICL and generation want every position's logits on every rank
+        if seq_len % sp.size:
+            log.debug("sequence length %d does not divide over %d sp ranks: running it whole", seq_len, sp.size)
+            return None
+        return sp
+
     def fsdp_blocks(self) -> list[nn.Module]:
         """The units FSDP2 shards one by one: the transformer blocks."""
         return list(self.blocks)
@@ -209,12 +254,22 @@ class LLM(nn.Module):
 
     # ------------------------------------------------------------------ forward and loss
 
-    def _mask(self, batch: dict[str, torch.Tensor], seq_len: int, device: torch.device) -> torch.Tensor | None:
+    def _mask(
+        self, batch: dict[str, torch.Tensor], seq_len: int, device: torch.device, sp: SequenceParallelGroup | None
+    ) -> torch.Tensor | None:
         sequence_id = batch.get("sequence_id") if self.attn_uses_sequence_id else None
-        return build_attention_mask(seq_len, device, sequence_id, self._alibi_slopes)
+        slopes = self._alibi_slopes
+        if slopes is not None and sp is not None:
+            start, stop = sp.heads(self.n_heads)
+            slopes = slopes[start:stop]
+        return build_attention_mask(seq_len, device, sequence_id, slopes)
 
-    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Logits ``[B, T, vocab]`` under ``"logits"``, plus ``"aux_loss"`` (summed over layers) for MoE FFNs."""
+    def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Logits ``[B, T, vocab]`` under ``"logits"``, plus ``"aux_loss"`` (summed over layers) for MoE FFNs.
+
+        Under sequence parallelism the logits are this rank's chunk ``[B, T/sp, vocab]`` and
+        ``"sequence_slice"`` holds ``(start, stop, sp)`` for :meth:`loss` and the metrics.
+        """
         ids = batch["input_ids"]
         seq_len = ids.shape[1]
         if seq_len > self.max_seq_len:
@@ -222,18 +277,22 @@ class LLM(nn.Module):
                 f"batch sequence length {seq_len} exceeds model.max_seq_len={self.max_seq_len}; raise max_seq_len "
                 "or shorten the data's max_seq_len"
             )
-        x = self.wte(ids)
+        sp = self._active_sp(seq_len)
+        start, stop = sp.chunk(seq_len) if sp is not None else (0, seq_len)
+        x = self.wte(ids[:, start:stop])
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(seq_len, device=ids.device))
-        mask = self._mask(batch, seq_len, ids.device)
+            x = x + self.wpe(torch.arange(start, stop, device=ids.device))
+        mask = self._mask(batch, seq_len, ids.device, sp)
         aux_losses = []
         for block in self.blocks:
-            x, aux = block(x, mask)
+            x, aux = block(x, mask, sp)
             if aux is not None:
                 aux_losses.append(aux)
         x = self.norm_f(x)
         logits = F.linear(x, self.output_weight)
-        out = {"logits": logits}
+        out: dict[str, Any] = {"logits": logits}
+        if sp is not None:
+            out["sequence_slice"] = (start, stop, sp.size)
         if aux_losses:
             out["aux_loss"] = torch.stack([a.float() for a in aux_losses]).sum()
         return out
@@ -243,13 +302,34 @@ class LLM(nn.Module):
         labels = batch.get("labels", batch["input_ids"])
         return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
 
-    def loss(self, outputs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Mean next-token cross-entropy over target tokens, plus the MoE auxiliary loss when present."""
-        logits = outputs["logits"]
+    def _local_targets(self, outputs: dict[str, Any], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The targets of the positions ``outputs`` holds logits for (this rank's chunk under sp)."""
         targets = self.targets(batch)
-        loss = F.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX
-        )
+        piece = outputs.get("sequence_slice")
+        return targets[:, piece[0] : piece[1]] if piece is not None else targets
+
+    def loss(self, outputs: dict[str, Any], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Mean next-token cross-entropy over target tokens, plus the MoE auxiliary loss when present.
+
+        Under sequence parallelism each rank returns ``sp * (its chunk's summed cross-entropy) / (target
+        tokens of the whole batch)``: averaged over the ``sp`` ranks (as the loss and the gradients are, by
+        data parallelism over every rank) that is the whole sequences' mean.
+        """
+        logits = outputs["logits"]
+        piece = outputs.get("sequence_slice")
+        if piece is None:
+            loss = F.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]), self.targets(batch).reshape(-1),
+                ignore_index=IGNORE_INDEX,
+            )
+        else:
+            count = (self.targets(batch) != IGNORE_INDEX).sum().clamp(min=1)
+            local = self._local_targets(outputs, batch)
+            total = F.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]), local.reshape(-1), ignore_index=IGNORE_INDEX,
+                reduction="sum",
+            )
+            loss = total * piece[2] / count
         if "aux_loss" in outputs:
             loss = loss + outputs["aux_loss"]
         return loss
@@ -266,7 +346,7 @@ class LLM(nn.Module):
 
     def update_metric(self, batch: dict[str, torch.Tensor], outputs: dict[str, torch.Tensor], metric: Any) -> None:
         """Update one metric from a batch and the model's outputs, weighted by the number of target tokens."""
-        targets = self.targets(batch)
+        targets = self._local_targets(outputs, batch)
         valid = targets != IGNORE_INDEX
         count = int(valid.sum())
         if count == 0:
@@ -282,19 +362,28 @@ class LLM(nn.Module):
             metric.update(ce, weight=count)
 
     def num_tokens(self, batch: dict[str, torch.Tensor]) -> int:
-        """Tokens in the batch, not counting right padding."""
+        """Tokens this rank trains on, not counting right padding (its chunk's under sequence parallelism, so
+        that the sum over all ranks counts each token once)."""
+        ids = batch["input_ids"]
         mask = batch.get("attention_mask")
-        return int(mask.sum()) if mask is not None else int(batch["input_ids"].numel())
+        sp = self._active_sp(ids.shape[1])
+        if sp is not None:
+            start, stop = sp.chunk(ids.shape[1])
+            return int(mask[:, start:stop].sum()) if mask is not None else int(ids[:, start:stop].numel())
+        return int(mask.sum()) if mask is not None else int(ids.numel())
 
     def flops_per_batch(self, batch: dict[str, torch.Tensor]) -> float:
         """Training FLOPs of one batch by LLM Foundry's formula (forward + backward = 3x forward)::
 
             3 * (2 * n_active_params * T + n_layers * 4 * d_model * T^2) * B
+
+        Under sequence parallelism each rank does ``1 / sp`` of that.
         """
         bs, seq_len = batch["input_ids"].shape[:2]
         params_flops = 2 * self.n_active_params * seq_len
         attn_flops = self.n_layers * 2 * 2 * self.d_model * seq_len**2
-        return float(3 * (params_flops + attn_flops) * bs)
+        sp = self._active_sp(seq_len)
+        return float(3 * (params_flops + attn_flops) * bs) / (sp.size if sp is not None else 1)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
