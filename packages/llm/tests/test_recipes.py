@@ -41,6 +41,8 @@ def test_experiment_composes_and_builds(name):
     model = instantiate(cfg.model)
     assert model.max_seq_len == cfg.model.max_seq_len
     instantiate(cfg.optimizer)  # a factory; FSDP needs one
+    callbacks = {name: instantiate(node) for name, node in cfg.callbacks.items()}
+    assert type(callbacks["mlflow_model"]).__name__ == "MLflowModelRegistry"  # registers when logger=mlflow
     instantiate(cfg.scheduler)
     if name in BIG:
         assert next(model.parameters()).is_meta

@@ -1,0 +1,116 @@
+"""A trained model as a self-contained folder: Hugging Face Llama when the model is one, else smalti's own.
+
+* Llama-shaped models (RoPE, RMSNorm, SwiGLU, no QK-norm) are written with :func:`smalti.llm.hf.export_hf`:
+  ``transformers`` loads the folder offline.
+* Any other :class:`~smalti.llm.LLM` (MPT-style, ALiBi, MoE, ...) is written as ``smalti_llm.json`` (the
+  model's constructor arguments) plus ``model.safetensors`` under smalti's parameter names.
+
+Either way a ``tokenizer.json`` can sit beside the weights, and :func:`load_model_folder` reads both layouts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from smalti.llm.errors import ConversionError
+from smalti.llm.model.transformer import LLM
+
+NATIVE_CONFIG = "smalti_llm.json"
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``model`` as whole CPU tensors, also when FSDP2 shards them.
+
+    Collective under FSDP: every rank must call it (only rank 0 gets the tensors; the others get ``{}``).
+    """
+    if not any(hasattr(t, "full_tensor") for t in model.state_dict().values()):
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def build_with_weights(config: dict[str, Any], state: dict[str, torch.Tensor], source: str = "the weights") -> LLM:
+    """An :class:`LLM` on the CPU built from its ``config`` and filled with ``state`` (no random init first)."""
+    model = LLM(**config, init_device="meta")
+    model.to_empty(device="cpu")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ConversionError(f"{source} do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name not in state:  # non-persistent (e.g. MoE token counters): start from zero
+                buf.zero_()
+    return model.eval()
+
+
+def plain_copy(model: LLM, state: dict[str, torch.Tensor] | None = None) -> LLM:
+    """An unsharded CPU copy of ``model`` (with ``state`` as its weights: default ``model``'s own)."""
+    return build_with_weights(model.config, state if state is not None else full_state_dict(model))
+
+
+def is_llama(model: LLM) -> bool:
+    """Whether ``model`` has Llama's shape (so that the folder can be a Hugging Face Llama one)."""
+    from smalti.llm.hf import _check_exportable
+
+    try:
+        _check_exportable(model)
+    except ConversionError:
+        return False
+    return True
+
+
+def save_model_folder(model: LLM, folder: str | os.PathLike, tokenizer: Any = "default", dtype: str = "float32") -> Path:
+    """Write ``model`` (unsharded; see :func:`plain_copy`) to ``folder``; returns the folder.
+
+    ``tokenizer``: a name or path for :func:`smalti.llm.tokenizer.load_tokenizer` whose ``tokenizer.json`` is
+    copied beside the weights, or ``None``.
+    """
+    from smalti.llm.hf import export_hf
+
+    if is_llama(model):
+        return export_hf(model, folder, dtype=dtype, tokenizer=tokenizer)
+    from safetensors.torch import save_file
+
+    from smalti.llm.hf import _DTYPES
+
+    if dtype not in _DTYPES:
+        raise ConversionError(f"dtype={dtype!r} is not one of {', '.join(_DTYPES)}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to(_DTYPES[dtype]).contiguous().cpu().clone() for k, v in model.state_dict().items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = {"format": "smalti-llm", "dtype": dtype, "model": model.config}
+    (folder / NATIVE_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    if tokenizer is not None:
+        from smalti.llm.tokenizer import BPETokenizer, load_tokenizer
+
+        tok = load_tokenizer(tokenizer)
+        if isinstance(tok, BPETokenizer):
+            shutil.copyfile(tok.path, folder / "tokenizer.json")
+    return folder
+
+
+def load_model_folder(folder: str | os.PathLike) -> LLM:
+    """Read a folder written by :func:`save_model_folder` (either layout), or any local Hugging Face Llama folder."""
+    folder = Path(folder)
+    native = folder / NATIVE_CONFIG
+    if not native.is_file():
+        from smalti.llm.hf import import_hf
+
+        return import_hf(folder)
+    from safetensors.torch import load_file
+
+    try:
+        config = json.loads(native.read_text())["model"]
+    except (json.JSONDecodeError, KeyError) as exc:
+        raise ConversionError(f"{native} is not a smalti-llm model config: {exc}") from exc
+    state = {k: v.float() for k, v in load_file(str(folder / "model.safetensors")).items()}
+    return build_with_weights(config, state, str(folder / "model.safetensors"))

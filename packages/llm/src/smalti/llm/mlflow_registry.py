@@ -1,0 +1,107 @@
+"""Register the trained model in MLflow's model registry when the MLflow logger is on.
+
+At the end of training the model is written as a folder (:func:`smalti.llm.export.save_model_folder`: a
+Hugging Face Llama folder for Llama-shaped models, smalti's own layout otherwise, with the tokenizer), logged
+as an artifact of the MLflow logger's run, and registered as a new version of a registered model whose
+source is that artifact. Without an MLflow logger in the run it does nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from smalti.core import Callback, distributed
+
+log = logging.getLogger(__name__)
+
+
+def find_mlflow_logger(state: Any) -> Any:
+    """The run's :class:`smalti.core.loggers.mlflow.MLflowLogger`, or ``None`` when the run has none."""
+    manager = getattr(state, "plugin_manager", None)
+    if manager is None:
+        return None
+    try:
+        from smalti.core.loggers.mlflow import MLflowLogger
+    except ImportError:  # pragma: no cover - core always ships it
+        return None
+    for plugin in manager.get_plugins():
+        if isinstance(plugin, MLflowLogger):
+            return plugin
+    return None
+
+
+class MLflowModelRegistry(Callback):
+    """At fit end, log the model to the MLflow logger's run and register it as a model version.
+
+    Args:
+        registered_model_name: the registered model (created when missing); default: the run name.
+        artifact_path: where in the run's artifacts the model folder goes.
+        tokenizer: name or path of the tokenizer copied beside the weights (``None``: none).
+        dtype: weights' dtype in the folder (``float32``, ``bfloat16``, ``float16``).
+        wait_s: how long to wait for the logger to have created its run (it does so in the background).
+    """
+
+    def __init__(self, registered_model_name: str | None = None, artifact_path: str = "model",
+                 tokenizer: str | None = "default", dtype: str = "float32", wait_s: float = 60.0) -> None:
+        self.registered_model_name = registered_model_name
+        self.artifact_path = artifact_path
+        self.tokenizer = tokenizer
+        self.dtype = dtype
+        self.wait_s = wait_s
+        #: The registered ``(name, version)`` once done (rank 0).
+        self.registered: tuple[str, str] | None = None
+
+    def on_fit_end(self, state: Any) -> None:
+        mlflow_logger = find_mlflow_logger(state)
+        if mlflow_logger is None:
+            return
+        from smalti.llm.export import full_state_dict, plain_copy
+        from smalti.llm.model.transformer import LLM
+
+        model = state.raw_model
+        if not isinstance(model, LLM):
+            log.warning("MLflowModelRegistry: the model is a %s, not a smalti-llm LLM; not registered",
+                        type(model).__name__)
+            return
+        weights = full_state_dict(model)  # collective under FSDP: every rank takes part
+        if distributed.get_rank() != 0:
+            return
+        run_id = self._wait_for_run(mlflow_logger)
+        if run_id is None:
+            log.warning("MLflowModelRegistry: the MLflow logger has no run after %.0f s (server unreachable?); "
+                        "the model was not registered", self.wait_s)
+            return
+        name = self.registered_model_name or state.run_name
+        self.registered = self.register(plain_copy(model, weights), mlflow_logger.tracking_uri, run_id, name)
+        log.info("registered model %r version %s in MLflow (run %s)", name, self.registered[1], run_id)
+
+    def _wait_for_run(self, mlflow_logger: Any) -> str | None:
+        deadline = time.monotonic() + self.wait_s
+        mlflow_logger.flush(timeout=self.wait_s)
+        while mlflow_logger.run_id is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return mlflow_logger.run_id
+
+    def register(self, model: Any, tracking_uri: str | None, run_id: str, name: str) -> tuple[str, str]:
+        """Log ``model`` under ``artifact_path`` of run ``run_id`` and register it as a version of ``name``."""
+        from mlflow import MlflowClient
+        from mlflow.exceptions import MlflowException
+
+        from smalti.llm.export import save_model_folder
+
+        client = MlflowClient(tracking_uri=tracking_uri)
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = save_model_folder(model, Path(tmp) / "model", tokenizer=self.tokenizer, dtype=self.dtype)
+            client.log_artifacts(run_id, str(folder), artifact_path=self.artifact_path)
+        try:
+            client.create_registered_model(name)
+        except MlflowException as exc:
+            if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        source = f"{client.get_run(run_id).info.artifact_uri}/{self.artifact_path}"
+        version = client.create_model_version(name, source=source, run_id=run_id)
+        return name, str(version.version)

@@ -1,0 +1,69 @@
+"""With the MLflow logger on, the trained model lands in a real MLflow server's model registry and reads back."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from smalti.llm import LLM
+
+LLAMA = dict(d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, vocab_size=2048, max_seq_len=32, ffn_hidden_size=64,
+             position="rope", norm_type="rmsnorm", ffn_type="glu", tie_embeddings=False)
+MPT = dict(d_model=32, n_heads=4, n_layers=2, vocab_size=2048, max_seq_len=32, position="alibi",
+           norm_type="low_precision_layernorm")
+
+
+def _train(model: LLM, callbacks: dict, loggers: dict, run_name: str) -> None:
+    from smalti.core import Trainer
+    from smalti.llm.data.text import TokenizedText
+
+    loader = torch.utils.data.DataLoader(TokenizedText(max_seq_len=32), batch_size=4, shuffle=False)
+    Trainer(model, loader, "2ba", optimizers=functools.partial(torch.optim.AdamW, lr=1e-2), callbacks=callbacks,
+            loggers=loggers, eval_interval=None, run_name=run_name).fit()
+
+
+@pytest.mark.parametrize("shape", ["llama", "mpt"])
+def test_trained_model_is_registered_and_reads_back(mlflow_server, tmp_path, shape):
+    from mlflow import MlflowClient
+    from mlflow.artifacts import download_artifacts
+
+    from smalti.core.loggers import MLflowLogger
+    from smalti.llm.export import load_model_folder
+    from smalti.llm.mlflow_registry import MLflowModelRegistry
+
+    torch.manual_seed(0)
+    model = LLM(**(LLAMA if shape == "llama" else MPT))
+    logger = MLflowLogger(tracking_uri=mlflow_server.tracking_uri, experiment_name="smalti-llm-registry")
+    registry = MLflowModelRegistry(registered_model_name=f"tiny-{shape}")
+    _train(model, {"registry": registry}, {"mlflow": logger}, run_name=f"registry-{shape}")
+
+    client = MlflowClient(tracking_uri=mlflow_server.tracking_uri)
+    versions = client.search_model_versions(f"name='tiny-{shape}'")
+    assert [(v.version, v.run_id) for v in versions] == [("1", logger.run_id)]
+    assert registry.registered == (f"tiny-{shape}", "1")
+    folder = download_artifacts(artifact_uri=versions[0].source, dst_path=str(tmp_path / "download"),
+                                tracking_uri=mlflow_server.tracking_uri)
+    back = load_model_folder(folder)
+    ids = torch.randint(0, 2048, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(back({"input_ids": ids})["logits"], model.eval()({"input_ids": ids})["logits"])
+    files = {p.split("/")[-1] for p in (a.path for a in client.list_artifacts(logger.run_id, "model"))}
+    expected = {"config.json", "model.safetensors", "tokenizer.json"} if shape == "llama" else {
+        "smalti_llm.json", "model.safetensors", "tokenizer.json"}
+    assert expected <= files
+    if shape == "llama":  # the registered folder is a Hugging Face one
+        transformers = pytest.importorskip("transformers")
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(hf(ids).logits, back({"input_ids": ids})["logits"], atol=1e-4, rtol=1e-4)
+
+
+def test_without_the_mlflow_logger_nothing_is_registered():
+    from smalti.llm.mlflow_registry import MLflowModelRegistry
+
+    registry = MLflowModelRegistry()
+    torch.manual_seed(0)
+    _train(LLM(**MPT), {"registry": registry}, {}, run_name="no-mlflow")
+    assert registry.registered is None
