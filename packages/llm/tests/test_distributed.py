@@ -60,3 +60,12 @@ def test_fsdp_two_ranks_match_one_rank():
     for name, value in model.state_dict().items():
         full = value.full_tensor() if hasattr(value, "full_tensor") else value
         torch.testing.assert_close(full, expected_weights[name], rtol=1e-4, atol=1e-5)
+
+    # What the MLflow registry exports: the whole model gathered from the shards (collective), on rank 0.
+    from smalti.llm.export import full_state_dict, plain_copy
+
+    gathered = full_state_dict(model)
+    if rank == 0:
+        copy = plain_copy(model, gathered)
+        for name, value in copy.state_dict().items():
+            torch.testing.assert_close(value, expected_weights[name], rtol=1e-4, atol=1e-5)
