@@ -146,3 +146,15 @@ def test_moe_balancing_loss_is_scaled_by_the_layer_count():
     torch.testing.assert_close(out["aux_loss"], torch.stack(parts).sum())
     # MegaBlocks' batched loss: about `weight` for a near-balanced router, not n_layers * weight.
     assert 0.9 * weight < float(out["aux_loss"].detach()) < 2 * weight
+
+
+def test_meta_device_moe_gets_every_weight_initialised():
+    pytest.importorskip("smalti.moe")
+    model = LLM(**TINY, ffn_type="moe", moe={"num_experts": 4, "top_k": 2}, init_device="meta")
+    model.to_empty(device="cpu")
+    for p in model.parameters():
+        torch.nn.init.constant_(p, float("nan"))
+    model.init_weights()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    w1 = model.blocks[0].ffn.moe.w1
+    assert 0.01 < float(w1.detach().std()) < 0.03  # normal(0, init_std=0.02), not left as it was

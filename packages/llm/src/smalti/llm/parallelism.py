@@ -60,9 +60,7 @@ class SequenceParallelFSDP(FSDP):
         if not distributed.is_initialized():
             distributed.init_process_group(self.backend, self.timeout_s)
         world = self._check_world()
-        if self.sp > 1:
-            if not distributed.is_initialized():
-                raise ConfigError(f"parallelism.sp={self.sp} needs {self.sp} ranks or more; launch with torchrun")
+        if self.sp > 1:  # world % sp == 0 here, so a process group is running
             enable = getattr(model, "enable_sequence_parallel", None)
             if not callable(enable):
                 raise ConfigError(

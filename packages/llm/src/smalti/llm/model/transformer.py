@@ -211,7 +211,10 @@ class LLM(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, 0.0, self.init_std)
-            elif module is not self and hasattr(module, "reset_parameters") and not list(module.children()):
+            elif module is not self and hasattr(module, "reset_parameters") and (
+                not list(module.children()) or list(module.parameters(recurse=False))
+            ):
+                # Leaf modules (norms), and modules holding parameters of their own such as an MoE's experts.
                 module.reset_parameters()
 
     def enable_sequence_parallel(self, group: Any) -> None:
