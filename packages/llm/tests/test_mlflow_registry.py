@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ def _train(model: LLM, callbacks: dict, loggers: dict, run_name: str) -> None:
 
 
 @pytest.mark.parametrize("shape", ["llama", "mpt"])
-def test_trained_model_is_registered_and_reads_back(mlflow_server, tmp_path, shape):
+def test_trained_model_is_registered_and_reads_back(mlflow_server, tmp_path, shape, capsys):
     from mlflow import MlflowClient
     from mlflow.artifacts import download_artifacts
 
@@ -53,6 +54,13 @@ def test_trained_model_is_registered_and_reads_back(mlflow_server, tmp_path, sha
     expected = {"config.json", "model.safetensors", "tokenizer.json"} if shape == "llama" else {
         "smalti_llm.json", "model.safetensors", "tokenizer.json"}
     assert expected <= files
+    # The downloaded folder evaluates standalone, whichever layout it has.
+    from smalti.llm.cli import main
+
+    capsys.readouterr()
+    assert main(["eval", "--model", folder, "--tasks", "default"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert "icl/mc_phrases/0shot/accuracy" in results and 0 <= results["icl/mc_phrases/0shot/accuracy"] <= 1
     if shape == "llama":  # the registered folder is a Hugging Face one
         transformers = pytest.importorskip("transformers")
         hf = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()

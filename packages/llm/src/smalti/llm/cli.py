@@ -39,11 +39,12 @@ def _data_prepare(args: argparse.Namespace) -> int:
 
 
 def _load_model(args: argparse.Namespace) -> Any:
-    """An LLM from a Hugging Face folder (``--model``) or a model YAML plus weights (``--model-config``)."""
+    """An LLM from a model folder (``--model``: Hugging Face Llama or smalti's layout, e.g. one downloaded from
+    the MLflow registry) or a model YAML plus weights (``--model-config``)."""
     if args.model:
-        from smalti.llm.hf import import_hf
+        from smalti.llm.export import load_model_folder
 
-        return import_hf(args.model)
+        return load_model_folder(args.model)
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
@@ -87,7 +88,8 @@ def _hf_export(args: argparse.Namespace) -> int:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     group = p.add_mutually_exclusive_group(required=True)
-    group.add_argument("--model", help="a local Hugging Face Llama folder (config.json + safetensors)")
+    group.add_argument("--model", help="a model folder: Hugging Face Llama (config.json + safetensors) or smalti's "
+                       "(smalti_llm.json + model.safetensors)")
     group.add_argument("--model-config", help="a model YAML with _target_ (e.g. a conf/model option)")
     p.add_argument("--weights", help="model weights for --model-config (.safetensors or a torch state dict)")
 
