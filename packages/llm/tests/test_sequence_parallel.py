@@ -11,11 +11,14 @@ import torch
 from smalti.llm import LLM
 
 # (name, model options): RoPE with GQA split over ranks; ALiBi with one KV head (copied per query head) and
-# QK-norm; learned positions with attention recomputed in backward.
+# QK-norm; learned positions with attention recomputed in backward; an MoE FFN.
 CONFIGS = [
     ("rope-gqa", dict(position="rope", n_kv_heads=2, norm_type="rmsnorm", ffn_type="glu")),
     ("alibi-mqa", dict(position="alibi", n_kv_heads=1, qk_norm=True)),
     ("learned", dict(position="learned", activation_checkpointing={"granularity": "attention"})),
+    # Routing is per token, so an MoE FFN on a chunk is exact; its balancing loss (statistics over the tokens
+    # a rank sees) is per chunk under sp, so it is switched off for the comparison.
+    ("moe", dict(position="rope", ffn_type="moe", moe={"num_experts": 4, "top_k": 2, "loss_weight": 0.0})),
 ]
 SEQ, VOCAB = 16, 64
 
