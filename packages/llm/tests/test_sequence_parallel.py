@@ -118,9 +118,13 @@ def _trainer_with_replicated_streaming_data(root) -> None:
     torch.manual_seed(0)
     model = make()
     record = Record()
-    Trainer(model, loader, f"{steps}ba", optimizers=optimizer, parallelism=parallelism,
-            callbacks={"record": record}, eval_interval=None).fit()
+    trainer = Trainer(model, loader, f"{steps}ba", optimizers=optimizer, parallelism=parallelism,
+                      callbacks={"record": record}, eval_interval=None)
+    trainer.fit()
     assert model.sp is not None and model.sp.size == 2
+    # the sp group read one batch between them: samples are counted once, tokens once
+    assert trainer.state.timestamp.sample == steps * batch_size
+    assert trainer.state.timestamp.token == steps * batch_size * SEQ
 
     single = TextMDS(local=str(root / "mds"), split="train", max_seq_len=SEQ, shuffle=False, rank=0, world_size=1)
     torch.manual_seed(0)

@@ -384,7 +384,9 @@ class Trainer:
         state = self.state
         start = time.perf_counter()
         self._event(Event.BATCH_START)
-        state.batch_num_samples = batch_size_of(batch) * state.world_size
+        # Ranks of one sequence- or tensor-parallel group read the same samples: count them once. A model
+        # under sequence parallelism counts only its own chunk's tokens, so tokens sum over every rank.
+        state.batch_num_samples = batch_size_of(batch) * self.parallelism.dp_world_size
         state.batch_num_tokens = num_tokens_of(state.raw_model, batch) * state.world_size
         while True:
             for opt in state.optimizers:
