@@ -1,0 +1,62 @@
+"""Collective benchmarks: nccl-tests bandwidth arithmetic, and real runs on a 2-rank gloo group."""
+
+import json
+
+import pytest
+
+from smalti.health.collectives import bandwidths, bus_bandwidth_factor, run_collectives, run_pairwise
+from smalti.health.errors import HealthError
+from smalti.health.results import Verdict
+from smalti.testing import run_torchrun
+
+
+def test_bus_bandwidth_factors_match_nccl_tests():
+    assert bus_bandwidth_factor("all_reduce", 8) == pytest.approx(2 * 7 / 8)
+    for op in ("all_gather", "reduce_scatter", "all_to_all"):
+        assert bus_bandwidth_factor(op, 8) == pytest.approx(7 / 8)
+    assert bus_bandwidth_factor("send_recv", 8) == 1.0
+    assert bus_bandwidth_factor("all_reduce", 1) == 0.0
+    with pytest.raises(HealthError, match="'allreduce'"):
+        bus_bandwidth_factor("allreduce", 2)
+
+
+def test_bandwidth_on_a_known_timing():
+    # 1 GB all-reduced in 10 ms on 4 ranks: algbw 100 GB/s, busbw 100 * 2 * 3 / 4 = 150 GB/s
+    algbw, busbw = bandwidths("all_reduce", 1_000_000_000, 4, 0.010)
+    assert (algbw, busbw) == (pytest.approx(100.0), pytest.approx(150.0))
+    assert bandwidths("all_gather", 2_000_000, 2, 0.001) == (pytest.approx(2.0), pytest.approx(1.0))
+
+
+@pytest.mark.world_size(2)
+def test_every_op_and_size_on_two_gloo_ranks():
+    results = run_collectives(("all_reduce", "all_gather", "reduce_scatter", "all_to_all"), (4096, 1 << 18),
+                              iters=2)
+    assert len(results) == 8 and all(r.verdict is Verdict.OK for r in results)
+    for r in results:
+        op, size = r.name.split("/")
+        algbw = r.metrics[f"health/collectives/{op}/{size}/algbw_gbps"]
+        busbw = r.metrics[f"health/collectives/{op}/{size}/busbw_gbps"]
+        assert algbw > 0 and busbw == pytest.approx(algbw * bus_bandwidth_factor(op, 2))
+    gate = run_collectives(("all_reduce",), (4096,), iters=1, min_busbw_gbps=1e9)
+    assert gate[0].verdict is Verdict.FAIL and "below --min-busbw" in gate[0].message
+    (pair,) = run_pairwise(1 << 16, iters=2)
+    assert pair.name == "send_recv/0-1" and pair.metrics["health/collectives/send_recv/0-1/busbw_gbps"] > 0
+
+
+def test_cli_gate_fails_under_torchrun():
+    ok = run_torchrun("smalti.health.cli", 2, ["collectives", "--ops", "all_reduce", "--max-bytes", "4096",
+                                               "--json"], module=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    rank0 = "".join(line.split(":", 1)[1] + "\n" for line in ok.stdout.splitlines() if line.startswith("[default0]:"))
+    rows = json.loads(rank0)
+    assert [r["name"] for r in rows] == ["all_reduce/1024", "all_reduce/4096"]
+    gate = run_torchrun("smalti.health.cli", 2, ["collectives", "--ops", "all_reduce", "--max-bytes", "1024",
+                                                 "--min-busbw", "1e9"], module=True, timeout=120)
+    assert gate.returncode != 0 and "below --min-busbw" in gate.stdout, (gate.stdout + gate.stderr)[-2000:]
+
+
+def test_compute_check_reports_flops():
+    from smalti.health.compute import run_compute_check
+
+    result = run_compute_check("cpu", size=256, seconds=0.2)
+    assert result.verdict is Verdict.OK and result.metrics["health/compute/tflops"] > 0
