@@ -3,7 +3,7 @@
 Every rank runs a daemon thread that watches the time since the last finished batch (train or eval). The
 trainer hooks record which event each rank was last in. On a time-out each rank writes, into
 ``report_dir``, its own stacks (``faulthandler``, every thread) and a JSON line of where it was; after a
-short grace period the lowest rank that wrote merges what every rank wrote into ``hang-report.json`` and
+short grace period (until every rank has written) each rank merges what the ranks wrote into ``hang-report.json`` and
 ``hang-report.txt``, naming the rank(s) furthest behind as the stuck ones, and every rank exits with
 :data:`HANG_EXIT_CODE` so torchrun's elastic agent restarts the group (and autoresume picks up the last
 checkpoint). Nothing here uses a collective: the process group is what is hung. ``kill -USR2 PID`` dumps
@@ -162,17 +162,14 @@ class HangWatchdog(Callback):
                     f"last event {self._last_event} at batch {self._batch}\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
-        tmp = folder / f".rank{self._rank}.json.tmp"
-        tmp.write_text(json.dumps(where))
-        os.replace(tmp, folder / f"rank{self._rank}.json")
+        _write_atomic(folder / f"rank{self._rank}.json", json.dumps(where))
         log.error("hang watchdog: rank %d made no progress for %.1f s (last event %s, batch %d); stacks in %s",
                   self._rank, idle, self._last_event, self._batch, folder)
         deadline = time.monotonic() + self.grace_s
         while time.monotonic() < deadline and len(list(folder.glob("rank*.json"))) < self._world:
             time.sleep(0.1)
-        ranks = sorted(int(p.stem.removeprefix("rank")) for p in folder.glob("rank*.json"))
-        if ranks and ranks[0] == self._rank:
-            write_hang_report(folder)
+        # Every rank writes the merged report (atomically): the first to exit makes torchrun stop the others.
+        write_hang_report(folder)
         sys.stderr.flush()
         os._exit(self.exit_code)
 
@@ -195,9 +192,7 @@ def write_hang_report(folder: Path) -> dict[str, Any]:
     behind = min(positions.values(), default=(0, 0))
     stuck = [r for r, p in positions.items() if p == behind] if len(set(positions.values())) > 1 else []
     report = {"stuck_ranks": stuck + missing, "missing_ranks": missing, "ranks": entries}
-    tmp = folder / ".hang-report.json.tmp"
-    tmp.write_text(json.dumps(report, indent=2))
-    os.replace(tmp, folder / "hang-report.json")
+    _write_atomic(folder / "hang-report.json", json.dumps(report, indent=2))
     lines = []
     if stuck or missing:
         lines.append(f"stuck rank(s): {', '.join(map(str, stuck + missing))}"
@@ -210,5 +205,11 @@ def write_hang_report(folder: Path) -> dict[str, Any]:
     for e in entries:
         stacks = folder / f"stacks-rank{e['rank']}.txt"
         lines.append(f"\n===== rank {e['rank']} stacks =====\n" + (stacks.read_text() if stacks.exists() else "(none)"))
-    (folder / "hang-report.txt").write_text("\n".join(lines) + "\n")
+    _write_atomic(folder / "hang-report.txt", "\n".join(lines) + "\n")
     return report
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # ranks may write the same report at once
+    tmp.write_text(text)
+    os.replace(tmp, path)

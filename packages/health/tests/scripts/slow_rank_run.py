@@ -1,0 +1,55 @@
+"""Trains a small regressor on 2 gloo ranks (DDP) with health plugins; one rank is made slow or hung.
+
+    slow_rank_run.py hang OUT_DIR      rank 1 sleeps 120 s inside batch 3: the watchdog must end the run
+    slow_rank_run.py slow OUT_DIR F    rank 1's forward takes F times longer: the straggler detector flags it
+    slow_rank_run.py even OUT_DIR      nobody is slow
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from smalti.core import Callback, Trainer
+from smalti.core.data import build_dataloader
+from smalti.core.examples import MLPRegressor, SyntheticRegression
+from smalti.health.straggler import StragglerDetector
+from smalti.health.watchdog import HangWatchdog
+
+mode, out = sys.argv[1], Path(sys.argv[2])
+factor = float(sys.argv[3]) if len(sys.argv) > 3 else 1.0
+
+
+class PacedMLP(MLPRegressor):
+    """The example regressor with a fixed wall time per forward (times ``factor`` on rank 1): stable timings."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.pace = 0.01 * (factor if rank == 1 else 1.0)
+
+    def forward(self, batch):
+        time.sleep(self.pace)
+        return super().forward(batch)
+
+
+class HangOnRank1(Callback):
+    def on_after_forward(self, state) -> None:
+        if state.rank == 1 and state.timestamp.batch == 3:
+            (out / "hang-started").write_text(str(time.time()))
+            time.sleep(120)
+
+
+torch.distributed.init_process_group("gloo")
+rank = torch.distributed.get_rank()
+loader = build_dataloader(SyntheticRegression(512), 8, dp_rank=rank, dp_world_size=2, seed=0)
+torch.manual_seed(0)
+straggler = StragglerDetector(interval=5, factor=1.5)
+callbacks = {"hang": HangOnRank1(), "watchdog": HangWatchdog(timeout_s=3, report_dir=str(out), poll_s=0.2,
+                                                             grace_s=2.0)}
+if mode != "hang":
+    callbacks = {"straggler": straggler}
+Trainer(PacedMLP(rank), loader, "20ba", optimizers=lambda p: torch.optim.SGD(p, lr=1e-2),
+        callbacks=callbacks).fit()
+(out / f"flagged-rank{rank}.json").write_text(json.dumps(straggler.flagged))

@@ -1,0 +1,62 @@
+"""The cordon list, local and on a real loopback S3 endpoint, as the core's launch tools read it."""
+
+import json
+import multiprocessing as mp
+
+import pytest
+
+from smalti.core.launch.cordon import read_cordon_file
+from smalti.health.cli import main
+from smalti.health.cordon import add_to_cordon, is_cordoned, read_cordon, remove_from_cordon
+from smalti.health.errors import HealthError
+
+
+def test_add_list_remove_locally_and_core_reads_the_same_list(tmp_path, capsys):
+    path = str(tmp_path / "ops" / "cordon.json")
+    add_to_cordon(path, "node-a", "XID 79 on gpu3")
+    add_to_cordon(path, "node-b", "busbw 12 GB/s")
+    add_to_cordon(path, "node-a", "XID 48 on gpu0")  # re-cordoning updates the reason
+    assert [(h.host, h.reason) for h in read_cordon(path)] == [("node-b", "busbw 12 GB/s"), ("node-a", "XID 48 on gpu0")]
+    assert read_cordon_file(path) == read_cordon(path)
+    assert json.loads((tmp_path / "ops" / "cordon.json").read_text())["cordoned"][1]["time"].endswith("Z")
+    assert is_cordoned(path, "node-a") == "XID 48 on gpu0" and is_cordoned(path, "node-c") is None
+    assert remove_from_cordon(path, "node-b") and not remove_from_cordon(path, "node-b")
+    assert main(["cordon", "list", "--file", path]) == 0
+    assert capsys.readouterr().out == "node-a\tXID 48 on gpu0\n"
+    assert [p.name for p in (tmp_path / "ops").iterdir()] == ["cordon.json"]  # no temp or lock files left
+
+
+def _add_many(path, prefix, n):
+    for i in range(n):
+        add_to_cordon(path, f"{prefix}-{i}", "test")
+
+
+def test_concurrent_adds_from_two_processes_all_land(tmp_path):
+    path = str(tmp_path / "cordon.json")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_add_many, args=(path, p, 15)) for p in ("x", "y")]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert len(read_cordon(path)) == 30
+
+
+def test_a_file_that_is_not_a_cordon_list_names_the_file(tmp_path):
+    bad = tmp_path / "cordon.json"
+    bad.write_text("[{\"reason\": \"no host\"}]")
+    with pytest.raises(HealthError, match=f"{bad}.*entry 0"):
+        read_cordon(str(bad))
+    assert main(["cordon", "add", "node-z", "--file", str(bad)]) == 2
+    assert bad.read_text() == "[{\"reason\": \"no host\"}]"  # the bad file is left as it was
+
+
+def test_cordon_on_s3(s3_bucket):
+    path = f"s3://{s3_bucket}/ops/cordon.json"
+    assert read_cordon(path) == []
+    add_to_cordon(path, "node-a", "ECC")
+    add_to_cordon(path, "node-b", "slow link")
+    assert [h.host for h in read_cordon(path)] == ["node-a", "node-b"]
+    assert remove_from_cordon(path, "node-a")
+    assert is_cordoned(path, "node-b") == "slow link" and is_cordoned(path, "node-a") is None
