@@ -76,23 +76,35 @@ def write_data(path: Path, samples: int) -> int:
     return sum(p.stat().st_size for p in path.iterdir())
 
 
-def read(python: str, kind: str, remote: str | None, local: Path, env: dict[str, str],
-         repeats: int = 1, source: Path | None = None) -> dict[str, float]:
-    """One epoch in a fresh process, ``repeats`` times from the same starting cache; the fastest run."""
-    best = None
-    for _ in range(repeats):
-        shutil.rmtree(local, ignore_errors=True)
-        if source is not None:
-            shutil.copytree(source, local)
+def run_once(python: str, kind: str, remote: str | None, local: Path, env: dict[str, str],
+             source: Path | None = None) -> dict[str, float]:
+    """One epoch in a fresh process, starting from an empty cache or a fresh copy of ``source``."""
+    shutil.rmtree(local, ignore_errors=True)
+    if source is not None:
+        shutil.copytree(source, local)
+    try:
         out = subprocess.run([python, "-c", READER, kind, remote or "-", str(local)], capture_output=True,
                              text=True, env={**os.environ, **env}, timeout=3600)
-        if out.returncode != 0:
-            raise RuntimeError(f"{kind} reader failed:\n{out.stderr[-3000:]}")
-        result = json.loads(out.stdout.strip().splitlines()[-1])
-        if best is None or result["seconds"] < best["seconds"]:
-            best = result
-    assert best is not None
-    return best
+    finally:
+        shutil.rmtree(local, ignore_errors=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{kind} reader failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def compare(mosaic: str, remote: str | None, work: Path, tag: str, env: dict[str, str], repeats: int,
+            source: Path | None = None) -> tuple[dict[str, float], dict[str, float]]:
+    """``repeats`` epochs per library, alternating (so load changes hit both alike); the medians of each."""
+    runs: dict[str, list[dict[str, float]]] = {"smalti": [], "mosaic": []}
+    for _ in range(repeats):
+        runs["smalti"].append(run_once(sys.executable, "smalti", remote, work / f"{tag}-smalti", env, source))
+        runs["mosaic"].append(run_once(mosaic, "mosaic", remote, work / f"{tag}-mosaic", env, source))
+    med = {kind: {key: float(np.median([r[key] for r in rs])) for key in ("samples", "seconds", "first_batch")}
+           for kind, rs in runs.items()}
+    for kind, rs in runs.items():
+        print(f"  {kind} runs: " + ", ".join(f"{r['seconds']:.2f} s (first batch {r['first_batch']:.2f} s)"
+                                             for r in rs))
+    return med["smalti"], med["mosaic"]
 
 
 def report(title: str, ours: dict[str, float], theirs: dict[str, float], mb_per_sample: float) -> None:
@@ -107,7 +119,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=200_000, help="dataset size (scale down on small machines)")
     parser.add_argument("--skip-s3", action="store_true")
-    parser.add_argument("--repeats", type=int, default=1, help="runs per library and source; the best is reported")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs per library and source, alternating; the medians are reported")
     args = parser.parse_args()
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's request log
     mosaic = str(ensure_mosaic_venv())
@@ -119,8 +132,7 @@ def main() -> None:
         print(f"dataset: {args.samples} samples x {SEQ} uint16 tokens, {size / 1e6:.0f} MB zstd, in {data}")
         # Local: each run starts from a fresh copy of the zipped shards (both libraries decompress them
         # beside the zips on first read).
-        ours = read(sys.executable, "smalti", None, work / "local-smalti", {}, args.repeats, data)
-        theirs = read(mosaic, "mosaic", None, work / "local-mosaic", {}, args.repeats, data)
+        ours, theirs = compare(mosaic, None, work, "local", {}, args.repeats, data)
         report("local disk, full shuffled epoch (py1e, batch 32, 2 workers)", ours, theirs, mb_per_sample)
         if args.skip_s3:
             return
@@ -135,8 +147,7 @@ def main() -> None:
                 client.upload_file(str(path), "bench", f"ds/{path.name}")
             env = {k: os.environ[k] for k in ("S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
                                               "AWS_DEFAULT_REGION")}
-            ours = read(sys.executable, "smalti", "s3://bench/ds", work / "s3-smalti", env, args.repeats)
-            theirs = read(mosaic, "mosaic", "s3://bench/ds", work / "s3-mosaic", env, args.repeats)
+            ours, theirs = compare(mosaic, "s3://bench/ds", work, "s3", env, args.repeats)
             report("loopback S3 (moto), empty cache", ours, theirs, mb_per_sample)
         finally:
             server.stop()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import bz2
 import gzip
+import shutil
+from typing import BinaryIO
 
 from smalti.streaming.errors import StreamingError
 
@@ -61,6 +63,23 @@ def decompress(compression: str, data: bytes) -> bytes:
     import snappy
 
     return snappy.decompress(data)
+
+
+def decompress_stream(compression: str, src: BinaryIO, dst: BinaryIO) -> None:
+    """Decompress the file ``src`` into the file ``dst`` in chunks (no whole-shard buffers for zstd, gz, bz2)."""
+    family, _ = parse(compression)  # type: ignore[misc]
+    if family == "zstd":
+        import zstandard
+
+        zstandard.ZstdDecompressor().copy_stream(src, dst, read_size=1 << 20, write_size=1 << 20)
+    elif family == "gz":
+        with gzip.GzipFile(fileobj=src, mode="rb") as f:
+            shutil.copyfileobj(f, dst, 1 << 20)
+    elif family == "bz2":
+        with bz2.BZ2File(src, mode="rb") as f:
+            shutil.copyfileobj(f, dst, 1 << 20)
+    else:
+        dst.write(decompress(compression, src.read()))
 
 
 def extension(compression: str) -> str:

@@ -302,11 +302,23 @@ def decompress_shard(root: Path, entry: dict[str, Any], stream: str = "", valida
     packed = root / zip_info["basename"]
     if validate_hash:
         verify_file(packed, zip_info, stream)
+    src = open(packed, "rb")  # noqa: SIM115 (closed below; opened first so a missing zip leaves no temp file)
+    fd, tmp = temp_file(raw)
     try:
-        data = comp.decompress(entry["compression"], packed.read_bytes())
-    except Exception as exc:
-        raise ShardCorruptError(f"shard {packed} of stream {stream or root} does not decompress: {exc}") from exc
-    atomic_write(raw, data)
+        with src, os.fdopen(fd, "wb") as dst:
+            try:
+                comp.decompress_stream(entry["compression"], src, dst)
+            except Exception as exc:  # zstd/zlib/bz2 errors on damaged data
+                raise ShardCorruptError(f"shard {packed} of stream {stream or root} does not decompress: "
+                                        f"{exc}") from exc
+            size = dst.tell()
+        if size != entry["raw_data"]["bytes"]:
+            raise ShardCorruptError(f"shard {packed} of stream {stream or root} decompresses to {size} bytes, the "
+                                    f"index says {entry['raw_data']['bytes']}: truncated or replaced")
+        os.replace(tmp, raw)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return raw
 
 

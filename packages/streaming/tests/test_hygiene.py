@@ -1,0 +1,105 @@
+"""Real iteration on several topologies, a run after a killed one, and datasets under pytest-xdist."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import pytest
+from torch.utils.data import DataLoader
+
+from smalti.streaming import StreamingDataset
+
+
+def rank_batches_by_iterating(local, rank, world, workers):
+    ds = StreamingDataset(local=str(local), batch_size=8, shuffle=True, shuffle_algo="py1e", num_canonical_nodes=4,
+                          shuffle_block_size=64, rank=rank, world_size=world)
+    return [batch["id"].tolist() for batch in DataLoader(ds, batch_size=8, num_workers=workers)]
+
+
+@pytest.mark.parametrize(("nodes", "ranks", "workers"), [(2, 2, 1), (4, 1, 3), (1, 4, 3)])
+def test_iterated_global_batches_match_on_1x4_2x2_4x1_and_1_or_3_workers(dataset_dir, nodes, ranks, workers):
+    def global_batches(world, workers):
+        per_rank = [rank_batches_by_iterating(dataset_dir, r, world, workers) for r in range(world)]
+        assert len({len(r) for r in per_rank}) == 1
+        return [sorted(np.concatenate([r[b] for r in per_rank]).tolist()) for b in range(len(per_rank[0]))]
+
+    reference = global_batches(4, 0)  # 1 node x 4 ranks, samples read in the rank's own process
+    assert {i for b in reference for i in b} == set(range(1003))  # every sample (plus padding repeats)
+    assert global_batches(nodes * ranks, workers) == reference
+
+
+KILLED = r"""
+import os, sys
+from torch.utils.data import DataLoader
+from smalti.streaming import StreamingDataset
+ds = StreamingDataset(local=sys.argv[1], batch_size=8, shuffle=True)
+for step, batch in enumerate(DataLoader(ds, batch_size=8, num_workers=2)):
+    if step == 3:
+        os.kill(os.getpid(), 9)
+"""
+
+
+def test_a_run_after_a_killed_one_reads_the_exact_epoch(make_dataset, tmp_path):
+    data = make_dataset(tmp_path / "data", n=600)
+    reference = make_dataset(tmp_path / "reference", n=600)
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED)
+    proc = subprocess.run([sys.executable, str(script), str(data)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+
+    def epoch(path):
+        ds = StreamingDataset(local=str(path), batch_size=8, shuffle=True)
+        return [i for b in DataLoader(ds, batch_size=8, num_workers=2) for i in b["id"].tolist()]
+
+    assert epoch(data) == epoch(reference)
+
+
+XDIST_TESTS = r"""
+import os
+import numpy as np
+import pytest
+from torch.utils.data import DataLoader
+from smalti.streaming import MDSWriter, StreamingDataset
+
+SHARED = os.environ["SHARED_DATA"]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_epoch(seed, tmp_path):
+    own = tmp_path / "own"
+    with MDSWriter(own, {"id": "int"}, compression="zstd", size_limit=500) as w:
+        for i in range(300):
+            w.write({"id": i})
+    for local in (own, SHARED):  # one dataset per test, and one cache directory all workers share
+        ds = StreamingDataset(local=str(local), batch_size=4, shuffle=True, shuffle_seed=seed)
+        got = [i for b in DataLoader(ds, batch_size=4, num_workers=2) for i in b["id"].tolist()]
+        assert sorted(got) == list(range(300))
+"""
+
+
+def test_datasets_under_pytest_xdist_leave_nothing_behind(make_dataset, tmp_path):
+    pytest.importorskip("xdist")
+    shared = tmp_path / "shared"
+    from smalti.streaming import MDSWriter
+
+    with MDSWriter(shared, {"id": "int"}, compression="zstd", size_limit=500) as w:
+        for i in range(300):
+            w.write({"id": i})
+
+    def leftovers():
+        return set(glob.glob("/dev/shm/*")) | set(glob.glob(f"{tempfile.gettempdir()}/*lock*"))
+
+    before = leftovers()
+    (tmp_path / "test_xdist_epochs.py").write_text(XDIST_TESTS)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
+                           str(tmp_path / "test_xdist_epochs.py")], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path, env={**os.environ, "SHARED_DATA": str(shared)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "4 passed" in proc.stdout
+    assert leftovers() == before
+    assert not [p for p in shared.rglob("*") if p.name.startswith(".") or p.suffix == ".tmp"]
+    assert json.loads((shared / "index.json").read_text())["version"] == 2
