@@ -12,7 +12,8 @@ class RecordedNvml:
 
     ``devices`` is a list of dicts: ``name``, ``ecc`` {(type, counter): n}, ``remapped`` tuple, ``reasons``,
     ``temperature``, ``recovery`` (None: field unsupported), ``unsupported`` (set of call names),
-    ``block`` (call name that never returns). ``xids`` is a list of (device index, xid) pending events.
+    ``block`` (call name, or set of names, that never return), ``lost`` (True: its handle raises GpuIsLost).
+    ``xids`` is a list of (device index, xid) pending events; ``init_block`` makes ``nvmlInit`` hang.
     """
 
     NVML_MEMORY_ERROR_TYPE_CORRECTED = 0
@@ -21,10 +22,11 @@ class RecordedNvml:
     NVML_AGGREGATE_ECC = 1
     NVML_TEMPERATURE_GPU = 0
 
-    def __init__(self, devices, xids=(), init_error=None):
+    def __init__(self, devices, xids=(), init_error=None, init_block=False):
         self.devices = devices
         self.xids = list(xids)
         self.init_error = init_error
+        self.init_block = init_block
         self.calls = []
         self.released = threading.Event()
 
@@ -33,11 +35,14 @@ class RecordedNvml:
         dev = self.devices[handle]
         if call in dev.get("unsupported", ()):
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        if call == dev.get("block"):
+        block = dev.get("block", ())
+        if call == block or (isinstance(block, set | frozenset) and call in block):
             self.released.wait(30)
         return dev
 
     def nvmlInit(self):
+        if self.init_block:
+            self.released.wait(30)
         if self.init_error:
             raise self.init_error
 
@@ -48,6 +53,8 @@ class RecordedNvml:
         return len(self.devices)
 
     def nvmlDeviceGetHandleByIndex(self, i):
+        if self.devices[i].get("lost"):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
         return i
 
     def nvmlDeviceGetName(self, h):
@@ -92,8 +99,8 @@ def recorded_nvml():
     """Build a :class:`RecordedNvml` from recorded device answers."""
     fakes = []
 
-    def make(*devices, xids=(), init_error=None):
-        fake = RecordedNvml(list(devices), xids, init_error)
+    def make(*devices, xids=(), init_error=None, init_block=False):
+        fake = RecordedNvml(list(devices), xids, init_error, init_block)
         fakes.append(fake)
         return fake
 

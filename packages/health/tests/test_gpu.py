@@ -63,6 +63,29 @@ def test_a_call_that_never_returns_is_reported_within_its_deadline(recorded_nvml
     assert result.verdict is Verdict.FAIL and "nvmlDeviceGetRemappedRows did not return within 0.5 s" in result.message
 
 
+def test_a_wedged_device_costs_one_deadline_and_the_others_are_still_read(recorded_nvml):
+    every_call = {"nvmlDeviceGetName", "nvmlDeviceGetTotalEccErrors", "nvmlDeviceGetRemappedRows",
+                  "nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetTemperature", "nvmlDeviceGetFieldValues"}
+    start = time.monotonic()
+    wedged, healthy = check_gpus(recorded_nvml({**HEALTHY, "block": every_call}, HEALTHY), call_deadline_s=0.4)
+    assert time.monotonic() - start < 0.4 + 1.5  # one deadline, not one per call
+    assert wedged.verdict is Verdict.FAIL and "nvmlDeviceGetName did not return within 0.4 s" in wedged.message
+    assert healthy.verdict is Verdict.OK
+
+
+def test_nvml_init_that_hangs_is_a_failure_not_no_gpu(recorded_nvml):
+    start = time.monotonic()
+    (result,) = check_gpus(recorded_nvml(HEALTHY, init_block=True), call_deadline_s=0.3)
+    assert time.monotonic() - start < 2
+    assert result.verdict is Verdict.FAIL and "nvmlInit did not return within 0.3 s" in result.message
+
+
+def test_a_gpu_fallen_off_the_bus_fails_alone(recorded_nvml):
+    lost, ok = check_gpus(recorded_nvml({**HEALTHY, "lost": True}, HEALTHY))
+    assert lost.verdict is Verdict.FAIL and "nvmlDeviceGetHandleByIndex(0)" in lost.message
+    assert ok.verdict is Verdict.OK
+
+
 def test_xids_between_checks_are_seen_once(recorded_nvml):
     fake = recorded_nvml(HEALTHY)
     checker = GpuChecker(fake)

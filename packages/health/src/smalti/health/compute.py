@@ -16,15 +16,21 @@ import torch.distributed as dist
 from smalti.health.results import CheckResult, Verdict
 
 
+def peak_flops_for(device_name: str, dtype: torch.dtype) -> float | None:
+    """Dense peak FLOP/s of a GPU named ``device_name`` at ``dtype`` (H100, H200, A100, ...), None if unknown.
+
+    Read from smalti-core's table (the one the speed monitor's MFU uses), so both agree on "peak".
+    """
+    from smalti.core.callbacks.speed_monitor import peak_flops
+
+    precision = {torch.bfloat16: "amp_bf16", torch.float16: "amp_fp16"}.get(dtype, "fp32")
+    return peak_flops(device_name, precision)
+
+
 def _peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
     if device.type != "cuda":
-        return None
-    try:
-        from smalti.core.callbacks.speed_monitor import peak_flops
-    except ImportError:
-        return None
-    precision = {torch.bfloat16: "amp_bf16", torch.float16: "amp_fp16"}.get(dtype, "fp32")
-    return peak_flops(torch.cuda.get_device_name(device), precision)
+        return None  # no meaningful peak for a CPU: report achieved FLOP/s only
+    return peak_flops_for(torch.cuda.get_device_name(device), dtype)
 
 
 def _sync(device: torch.device) -> None:

@@ -3,7 +3,10 @@
 Read per device: ECC error counts (volatile and aggregate), remapped and pending rows, XID events since
 the checker started, clock-event (throttle) reasons, and the driver's recovery action (r570+). The verdict
 follows DCGM's XID classification (see ``XID_VERDICTS``). Fields a device does not support are skipped.
-On a machine without NVML or without GPUs the result says so (verdict ``ok``, ``no_gpu`` set).
+On a machine without NVML or without GPUs the single result says so (verdict ``ok``, metric
+``health/gpu/count`` = 0). A call that does not return within its deadline is a ``fail`` naming the call
+(NVML can block for ever on a failing GPU); the rest of that device's calls are then skipped, so a wedged
+device costs one deadline, not one per call. ``nvmlInit`` itself hanging is a ``fail``, not "no GPU".
 """
 
 from __future__ import annotations
@@ -70,6 +73,8 @@ class GpuChecker:
         self._handles: list[Any] = []
         self._event_set: Any = None
         self.no_gpu_reason: str | None = None
+        self.init_failure: str | None = None  # NVML is there but did not answer: a fail, not "no GPU"
+        self._handle_errors: dict[int, str] = {}
         self._started = False
 
     # -------------------------------------------------------------- NVML calls
@@ -80,7 +85,7 @@ class GpuChecker:
     def start(self) -> bool:
         """Initialise NVML and register for XID events; False (with ``no_gpu_reason``) when there is no GPU."""
         if self._started:
-            return self.no_gpu_reason is None
+            return self.no_gpu_reason is None and self.init_failure is None
         self._started = True
         if self._nvml is None:
             try:
@@ -92,7 +97,7 @@ class GpuChecker:
             self._call("nvmlInit")
             count = int(self._call("nvmlDeviceGetCount"))
         except DeadlineExceeded as exc:
-            self.no_gpu_reason = f"NVML did not answer: {exc}"
+            self.init_failure = f"NVML did not answer: {exc} (a wedged driver or GPU)"
             return False
         except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
             self.no_gpu_reason = f"no NVIDIA driver or library ({type(exc).__name__}: {exc})"
@@ -100,10 +105,18 @@ class GpuChecker:
         if count == 0:
             self.no_gpu_reason = "NVML sees no GPU"
             return False
-        self._handles = [self._call("nvmlDeviceGetHandleByIndex", i) for i in range(count)]
+        self._handles = []
+        for i in range(count):
+            try:
+                self._handles.append(self._call("nvmlDeviceGetHandleByIndex", i))
+            except Exception as exc:  # GpuIsLost, a deadline...: this device fails, the others are still read
+                self._handles.append(None)
+                self._handle_errors[i] = f"nvmlDeviceGetHandleByIndex({i}) failed: {type(exc).__name__}: {exc}"
         try:
             self._event_set = self._call("nvmlEventSetCreate")
             for handle in self._handles:
+                if handle is None:
+                    continue
                 self._call("nvmlDeviceRegisterEvents", handle, _XID_EVENT | _DBE_EVENT, self._event_set)
         except Exception:  # events unsupported (some VMs, MIG): the other signals still work
             self._event_set = None
@@ -111,7 +124,7 @@ class GpuChecker:
 
     def close(self) -> None:
         """Free the event set and shut NVML down (never raises)."""
-        if self._nvml is None or self.no_gpu_reason is not None or not self._started:
+        if self._nvml is None or self.no_gpu_reason is not None or self.init_failure or not self._started:
             return
         for name, args in (("nvmlEventSetFree", (self._event_set,)), ("nvmlShutdown", ())):
             if name == "nvmlEventSetFree" and self._event_set is None:
@@ -142,20 +155,33 @@ class GpuChecker:
     def check(self) -> list[CheckResult]:
         """One result per GPU (``gpu0``, ``gpu1``...), or one ``gpu`` result saying there is no GPU."""
         if not self.start():
+            if self.init_failure:
+                return [CheckResult("gpu", Verdict.FAIL, self.init_failure, {"health/gpu/verdict": 2.0})]
             return [CheckResult("gpu", Verdict.OK, f"no GPU: {self.no_gpu_reason}", {"health/gpu/count": 0.0})]
         xids = self._drain_xids()
-        return [self._check_device(i, h, xids.get(i, []) + xids.get(-1, [])) for i, h in enumerate(self._handles)]
+        results = []
+        for i, handle in enumerate(self._handles):
+            if handle is None:
+                results.append(CheckResult(f"gpu{i}", Verdict.FAIL, f"gpu{i}: {self._handle_errors[i]}",
+                                           {f"health/gpu{i}/verdict": 2.0}))
+            else:
+                results.append(self._check_device(i, handle, xids.get(i, []) + xids.get(-1, [])))
+        return results
 
     def _check_device(self, index: int, handle: Any, xids: list[int]) -> CheckResult:
         prefix = f"health/gpu{index}/"
         metrics: dict[str, float] = {}
         findings: list[tuple[Verdict, str]] = []
+        wedged: list[str] = []  # the call that hung; later calls on this device are skipped
 
         def read(name: str, *args: Any) -> Any:
+            if wedged:
+                return None
             try:
                 return self._call(name, handle, *args)
             except DeadlineExceeded as exc:
-                findings.append((Verdict.FAIL, f"{exc} (a wedged driver or GPU)"))
+                wedged.append(name)
+                findings.append((Verdict.FAIL, f"{exc} (a wedged driver or GPU; later calls skipped)"))
             except Exception as exc:
                 if _nvml_code(exc) != _NOT_SUPPORTED and "NotSupported" not in type(exc).__name__:
                     findings.append((Verdict.WARN, f"{name} failed: {type(exc).__name__}: {exc}"))
