@@ -104,15 +104,18 @@ class ShardCache:
 
     def _wait_for_peer(self, shard: int) -> None:
         raw = self.raw_path(shard)
-        started = time.time()
-        delay = 0.002
+        started = last = time.time()
+        checked = 0.0
         while not raw.exists():
-            last = max(started, self._activity(shard) or 0.0)
-            if time.time() - last > self.peer_grace_s:
-                log.debug("no peer progress on %s for %.1f s; fetching it here", raw, self.peer_grace_s)
-                return
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
+            now = time.time()
+            if now - checked > 0.2:  # listing the peer's files costs more than the existence check
+                checked = now
+                last = max(last, self._activity(shard) or 0.0)
+                if now - last > self.peer_grace_s:
+                    log.debug("no peer progress on %s for %.1f s; fetching it here", raw, self.peer_grace_s)
+                    return
+            # Poll quickly: the first batch usually waits on a peer's shard, and every ms of lag shows.
+            time.sleep(0.001 if now - started < 1.0 else 0.005)
 
     def _fetch(self, shard: int) -> None:
         si, entry = self.shards[shard]
