@@ -29,6 +29,7 @@ from typing import Any
 
 from smalti.core import Callback
 from smalti.core.errors import ConfigError
+from smalti.health.deadline import call_with_deadline
 
 log = logging.getLogger(__name__)
 
@@ -170,8 +171,23 @@ class HangWatchdog(Callback):
             time.sleep(0.1)
         # Every rank writes the merged report (atomically): the first to exit makes torchrun stop the others.
         write_hang_report(folder)
+        _flush_loggers(self.grace_s)
         sys.stderr.flush()
         os._exit(self.exit_code)
+
+
+def _flush_loggers(timeout_s: float) -> None:
+    """Deliver what the run's queued loggers hold (best effort, bounded): the metrics up to the hang matter."""
+    from smalti.core.plugins import LoggerDestination
+    from smalti.core.plugins.manager import get_plugin_manager
+
+    for plugin in get_plugin_manager().get_plugins():
+        flush = getattr(plugin, "flush", None)
+        if isinstance(plugin, LoggerDestination) and callable(flush):
+            try:
+                call_with_deadline(flush, timeout_s, deadline_s=timeout_s + 1, what="logger flush")
+            except Exception as exc:  # a logger stuck on the network must not keep a hung rank alive
+                log.warning("hang watchdog: could not flush %s: %s", type(plugin).__name__, exc)
 
 
 def _position(entry: dict[str, Any]) -> tuple[int, int]:

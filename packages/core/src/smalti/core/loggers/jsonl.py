@@ -19,13 +19,17 @@ class JSONLLogger(LoggerDestination):
     """One JSON object per line: ``{"kind": "metrics", "step", "time", "metrics"}``, ``"hparams"`` and ``"artifact"``.
 
     The file is opened on first use (rank 0 only by default; other ranks write ``<stem>.rank<N>.jsonl`` when
-    ``rank_zero_only`` is false), buffered, flushed every ``flush_every`` lines and at close.
+    ``rank_zero_only`` is false), buffered, flushed every ``flush_every`` lines, when ``flush_interval_s`` has
+    passed since the last flush (so a killed run loses at most that much), and at close.
     """
 
-    def __init__(self, path: str = "metrics.jsonl", rank_zero_only: bool = True, flush_every: int = 100) -> None:
+    def __init__(self, path: str = "metrics.jsonl", rank_zero_only: bool = True, flush_every: int = 100,
+                 flush_interval_s: float = 1.0) -> None:
         self.path = Path(path)
         self.rank_zero_only = rank_zero_only
         self.flush_every = flush_every
+        self.flush_interval_s = flush_interval_s
+        self._last_flush = time.monotonic()
         self._file: IO[str] | None = None
         self._lines = 0
         #: Writes that failed (disk full, path not writable); reported with a warning, never raised.
@@ -48,8 +52,9 @@ class JSONLLogger(LoggerDestination):
                 return
             f.write(json.dumps(record, default=_jsonable) + "\n")
             self._lines += 1
-            if self._lines % self.flush_every == 0:
+            if self._lines % self.flush_every == 0 or time.monotonic() - self._last_flush > self.flush_interval_s:
                 f.flush()
+                self._last_flush = time.monotonic()
         except (OSError, TypeError, ValueError) as exc:  # a full disk must not end training
             self.failures += 1
             if self.failures == 1 or self.failures % 1000 == 0:
@@ -64,6 +69,12 @@ class JSONLLogger(LoggerDestination):
 
     def log_artifact(self, local_path: str, name: str) -> None:
         self._write({"kind": "artifact", "time": time.time(), "name": name, "path": os.path.abspath(local_path)})
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Push buffered lines to the file now (a watchdog about to end the process calls this)."""
+        if self._file is not None:
+            self._file.flush()
+        return True
 
     def on_close(self) -> None:
         if self._file is not None:

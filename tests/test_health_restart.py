@@ -1,0 +1,74 @@
+"""Health end to end with smalti-checkpoint: a rank hangs mid-run, the watchdog ends the group with its report,
+torchrun's agent restarts it (``--max-restarts=1``), autoresume loads the last committed checkpoint, and the run
+finishes with the same parameters as an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("smalti.checkpoint")
+pytest.importorskip("smalti.health")
+
+from smalti.testing.torchrun import torchrun_command  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+PROBES = [ROOT / "packages" / "core" / "tests" / "launch_fixtures", ROOT / "tests" / "fixtures"]
+TIMEOUT = 240
+
+
+def train_cmd(ckpt_dir: Path) -> list[str]:
+    return ["-m", "smalti.core.cli.train", "model=mlp", "data=synthetic", "parallelism=ddp",
+            "trainer.max_duration=6ba", "trainer.eval_interval=100ba", "callbacks=[]", "logger=[jsonl]",
+            "checkpoint=dcp", f"checkpoint.save_folder={ckpt_dir}", "checkpoint.save_interval=2ba",
+            "checkpoint.autoresume=true", "+callbacks.digest._target_=launch_probe.ParamDigest",
+            "+callbacks.digest.path=digest.json"]
+
+
+def run(cmd: list[str], cwd: Path) -> tuple[int, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [*map(str, PROBES), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out = proc.communicate(timeout=TIMEOUT)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=30)
+    return proc.returncode, out
+
+
+@pytest.mark.slow
+def test_a_hung_rank_is_ended_by_the_watchdog_and_the_restart_resumes_from_the_checkpoint(tmp_path):
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    code, out = run(torchrun_command(2) + train_cmd(reference / "ckpt"), reference)
+    assert code == 0, out[-4000:]
+
+    faulty = tmp_path / "faulty"
+    faulty.mkdir()
+    marker, reports = faulty / "hung.txt", faulty / "hang-reports"
+    cmd = torchrun_command(2, extra=["--rdzv-id=faulty", "--max-restarts=1", "--monitor-interval=0.5"]) + train_cmd(faulty / "ckpt") + [
+        "health=[watchdog]", "health.watchdog.timeout_s=4", "health.watchdog.first_batch_timeout_s=60",
+        "health.watchdog.poll_s=0.2", "health.watchdog.grace_s=2", f"health.watchdog.report_dir={reports}",
+        "+callbacks.hang._target_=health_probe.HangOnce", f"+callbacks.hang.marker={marker}",
+        "+callbacks.hang.batch=3"]
+    code, out = run(cmd, faulty)
+    assert code == 0, out[-4000:]
+    assert marker.exists()
+    report = json.loads((reports / "hang-report.json").read_text())
+    assert report["stuck_ranks"] == [1], report
+
+    from smalti.core.loggers import read_jsonl
+
+    steps = [r["step"] for r in read_jsonl(faulty / "outputs" / "faulty" / "metrics.jsonl")
+             if "loss/train/total" in r["metrics"]]
+    # batches 1-3 ran, rank 1 hung after 3; the restart resumed after the batch-2 checkpoint, not from batch 0
+    assert steps.count(1) == 1 and steps[-3:] == [4, 5, 6] and 3 in steps[3:]
+    assert json.loads((faulty / "digest.json").read_text()) == json.loads((reference / "digest.json").read_text())
