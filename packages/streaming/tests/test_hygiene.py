@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 import numpy as np
 import pytest
@@ -90,16 +89,17 @@ def test_datasets_under_pytest_xdist_leave_nothing_behind(make_dataset, tmp_path
         for i in range(300):
             w.write({"id": i})
 
-    def leftovers():
-        return set(glob.glob("/dev/shm/*")) | set(glob.glob(f"{tempfile.gettempdir()}/*lock*"))
-
-    before = leftovers()
+    # A private temporary directory: other users of the machine create and remove files in the shared one.
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
     (tmp_path / "test_xdist_epochs.py").write_text(XDIST_TESTS)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
-                           str(tmp_path / "test_xdist_epochs.py")], capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path, env={**os.environ, "SHARED_DATA": str(shared)})
+                           "--basetemp", str(tmp_path / "base"), str(tmp_path / "test_xdist_epochs.py")],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "SHARED_DATA": str(shared), "TMPDIR": str(private_tmp)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "4 passed" in proc.stdout
-    assert leftovers() == before
+    assert not list(private_tmp.rglob("*")), "files left in the temporary directory"
+    assert not glob.glob(f"{tmp_path}/base/**/*lock*", recursive=True)
     assert not [p for p in shared.rglob("*") if p.name.startswith(".") or p.suffix == ".tmp"]
     assert json.loads((shared / "index.json").read_text())["version"] == 2
