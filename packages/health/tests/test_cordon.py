@@ -5,7 +5,7 @@ import multiprocessing as mp
 
 import pytest
 
-from smalti.core.launch.cordon import read_cordon_file
+from smalti.core.launch.cordon import parse_cordon, read_cordon_file
 from smalti.health.cli import main
 from smalti.health.cordon import add_to_cordon, is_cordoned, read_cordon, remove_from_cordon
 from smalti.health.errors import HealthError
@@ -52,11 +52,17 @@ def test_a_file_that_is_not_a_cordon_list_names_the_file(tmp_path):
     assert bad.read_text() == "[{\"reason\": \"no host\"}]"  # the bad file is left as it was
 
 
-def test_cordon_on_s3(s3_bucket):
+def test_cordon_on_s3(s3_server, s3_bucket):
+    import boto3
+    import yaml
+
     path = f"s3://{s3_bucket}/ops/cordon.json"
     assert read_cordon(path) == []
     add_to_cordon(path, "node-a", "ECC")
     add_to_cordon(path, "node-b", "slow link")
     assert [h.host for h in read_cordon(path)] == ["node-a", "node-b"]
+    body = boto3.client("s3", endpoint_url=s3_server.endpoint_url).get_object(Bucket=s3_bucket, Key="ops/cordon.json")
+    assert parse_cordon(yaml.safe_load(body["Body"].read()), path) == read_cordon(path)  # the core reads it too
     assert remove_from_cordon(path, "node-a")
     assert is_cordoned(path, "node-b") == "slow link" and is_cordoned(path, "node-a") is None
+

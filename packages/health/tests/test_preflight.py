@@ -55,3 +55,7 @@ def test_smalti_launch_preflight_passes_the_code_through(tmp_path):
                                                                           "SMALTI_NODE_NAME": "node-9"})
     assert out.returncode == 93, out.stdout + out.stderr
     assert "flaky switch port" in out.stdout
+    healthy = subprocess.run([sys.executable, "-m", "smalti.core.launch.cli", "preflight", "--", "--cordon", cordon],
+                             capture_output=True, text=True, timeout=60, env={**__import__("os").environ,
+                                                                              "SMALTI_NODE_NAME": "node-10"})
+    assert healthy.returncode == 0, healthy.stdout + healthy.stderr
