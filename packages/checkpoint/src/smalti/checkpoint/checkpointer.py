@@ -19,6 +19,7 @@ from smalti.checkpoint.manifest import VERIFY_LEVELS, build_manifest, hash_files
 from smalti.checkpoint.naming import MANIFEST_NAME, folder_name, sort_key
 from smalti.checkpoint.resume import Found, default_cache_dir, newest_good, resolve_load_path
 from smalti.checkpoint.storage import S3Store, open_store
+from smalti.checkpoint.writer import ReusedHostStager
 from smalti.core import distributed
 from smalti.core.errors import ConfigError
 from smalti.core.intervals import interval_fires
@@ -129,6 +130,7 @@ class Checkpointer(Callback):
         self._old_handlers: dict[int, Any] = {}
         self._failed = False
         self._last_batch_end: float | None = None
+        self._stager: ReusedHostStager | None = None
 
     # ------------------------------------------------------------------ helpers
 
@@ -312,7 +314,7 @@ class Checkpointer(Callback):
             self._clear_stale(name, staging)
         self._barrier()
         staging.mkdir(parents=True, exist_ok=True)
-        state_io.write_rank_local_state(staging, state)
+        extra_rel, extra_record = state_io.write_rank_local_state(staging, state)
         info = {
             "name": name,
             "timestamp": state.timestamp.state_dict(),
@@ -324,12 +326,19 @@ class Checkpointer(Callback):
         }
         self._last_saved_batch = state.timestamp.batch
         future = None
+        records: dict[str, dict[str, Any]] = {}
         if self._is_writer:
             state_dict = state_io.dcp_state_dict(state)
             if self.async_save:
-                future = state_io.async_save_dcp(state_dict, staging, self._writer_group, self.thread_count)
+                if self._stager is None:
+                    self._stager = ReusedHostStager()
+                future, records = state_io.async_save_dcp(
+                    state_dict, staging, self._writer_group, self._stager, self.thread_count
+                )
             else:
-                state_io.save_dcp(state_dict, staging, self._writer_group, self.thread_count)
+                records = state_io.save_dcp(state_dict, staging, self._writer_group, self.thread_count)
+        info["records"] = records
+        info["extra"] = (extra_rel, extra_record)
         if self.async_save:
             self._error = None
             self._thread = threading.Thread(
@@ -394,7 +403,13 @@ class Checkpointer(Callback):
             if future is not None:
                 future.result(timeout=self.timeout_s)
             mine = self._my_files(staging)
-            records = hash_files(staging, mine)
+            written = dict(info["records"])
+            extra_rel, extra_record = info["extra"]
+            written[extra_rel] = extra_record
+            unhashed = [rel for rel in mine if rel not in written]
+            if unhashed:  # not seen by the hashing writer (should not happen): read them back
+                written.update(hash_files(staging, unhashed))
+            records = {rel: written[rel] for rel in mine}
             if isinstance(self.store, S3Store):
                 for rel in mine:
                     self.store.upload_file(staging / rel, f"{name}/{rel}")

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from smalti.checkpoint.errors import CheckpointError, ReshardError
+from smalti.checkpoint.writer import ReusedHostStager, make_writer
 from smalti.core.rng import load_rng_state_dict, rng_state_dict
 from smalti.core.state import State
 
@@ -76,39 +77,53 @@ def rank_local_state(state: State) -> dict[str, Any]:
     }
 
 
-def write_rank_local_state(folder: Path, state: State) -> str:
-    """Write this rank's non-DCP state through a temp name; return its path relative to ``folder``."""
+def write_rank_local_state(folder: Path, state: State) -> tuple[str, dict[str, Any]]:
+    """Write this rank's non-DCP state through a temp name; return its path relative to ``folder`` and its
+    ``{"size", "sha256"}`` record."""
+    import hashlib
+    import io
+
     rel = extra_relpath(state.rank)
     path = folder / rel
     path.parent.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    torch.save(rank_local_state(state), buffer)
+    data = buffer.getbuffer()
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
-        torch.save(rank_local_state(state), f)
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    return rel
+    return rel, {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
-def make_writer(folder: Path, thread_count: int = 1) -> FileSystemWriter:
-    """DCP's file writer: one file per rank (per thread), fsynced; ``.metadata`` goes through a temp name."""
-    return FileSystemWriter(str(folder), single_file_per_rank=True, sync_files=True, thread_count=thread_count)
+def save_dcp(state_dict: dict[str, Any], folder: Path, group: Any, thread_count: int = 1) -> dict[str, dict[str, Any]]:
+    """Synchronous DCP save of ``state_dict`` by the ranks of ``group`` (``None``: a single process).
 
-
-def save_dcp(state_dict: dict[str, Any], folder: Path, group: Any, thread_count: int = 1) -> None:
-    """Synchronous DCP save of ``state_dict`` by the ranks of ``group`` (``None``: a single process)."""
+    Returns ``{file name: {"size", "sha256"}}`` of the files this rank wrote, hashed as they were written.
+    """
+    writer = make_writer(folder, thread_count)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
-        dcp.save(state_dict, storage_writer=make_writer(folder, thread_count), process_group=group, no_dist=group is None)
+        dcp.save(state_dict, storage_writer=writer, process_group=group, no_dist=group is None)
+    return writer.fs.records
 
 
-def async_save_dcp(state_dict: dict[str, Any], folder: Path, group: Any, thread_count: int = 1) -> Any:
-    """Stage ``state_dict`` to host memory, then write it in a background thread; returns the write's future."""
+def async_save_dcp(
+    state_dict: dict[str, Any], folder: Path, group: Any, stager: ReusedHostStager, thread_count: int = 1
+) -> tuple[Any, dict[str, dict[str, Any]]]:
+    """Stage ``state_dict`` into ``stager``'s host buffers (blocking), then write it in a background thread.
+
+    Returns the write's future and the dict that receives ``{file name: {"size", "sha256"}}`` as files finish.
+    """
+    writer = make_writer(folder, thread_count)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
-        return dcp.async_save(
-            state_dict, storage_writer=make_writer(folder, thread_count), process_group=group, no_dist=group is None
+        future = dcp.async_save(
+            state_dict, storage_writer=writer, process_group=group, no_dist=group is None, async_stager=stager
         )
+    return future, writer.fs.records
 
 
 def matches(key: str, patterns: list[str]) -> bool:
