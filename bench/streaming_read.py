@@ -35,15 +35,13 @@ import json, sys, time
 from torch.utils.data import DataLoader
 kind, remote, local = sys.argv[1], sys.argv[2], sys.argv[3]
 remote = None if remote == "-" else remote
-start = time.perf_counter()  # the first batch's time includes building the dataset (index download, setup)
 if kind == "mosaic":
     from streaming import StreamingDataset
-    ds = StreamingDataset(remote=remote, local=local, batch_size=32, shuffle=True, shuffle_algo="py1e",
-                          num_canonical_nodes=1, predownload=256)
 else:
     from smalti.streaming import StreamingDataset
-    ds = StreamingDataset(remote=remote, local=local, batch_size=32, shuffle=True, shuffle_algo="py1e",
-                          num_canonical_nodes=1, predownload=256)
+start = time.perf_counter()  # the first batch's time includes building the dataset (index download, setup)
+ds = StreamingDataset(remote=remote, local=local, batch_size=32, shuffle=True, shuffle_algo="py1e",
+                      num_canonical_nodes=1, predownload=256)
 first = None
 n = 0
 for batch in DataLoader(ds, batch_size=32, num_workers=2):
