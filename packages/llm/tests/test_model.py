@@ -158,3 +158,40 @@ def test_meta_device_moe_gets_every_weight_initialised():
     assert all(torch.isfinite(p).all() for p in model.parameters())
     w1 = model.blocks[0].ffn.moe.w1
     assert 0.01 < float(w1.detach().std()) < 0.03  # normal(0, init_std=0.02), not left as it was
+
+
+@pytest.mark.parametrize("kw", [
+    dict(position="learned", norm_type="low_precision_layernorm", bias=True, tie_embeddings=True),
+    dict(position="rope", norm_type="rmsnorm", ffn_type="glu", n_kv_heads=2, tie_embeddings=False, qk_norm=True),
+    dict(position="alibi", ffn_type="moe", moe={"num_experts": 4, "top_k": 2, "load_balancing": "aux_free"}),
+], ids=["mpt", "llama", "moe"])
+def test_meta_built_model_gets_the_same_init_as_a_cpu_built_one(kw):
+    """What the trainer does with a recipe's meta model (to_empty, then init_weights) gives exactly the weights
+    and buffers a CPU-built model's init_weights gives from the same seed, whatever memory to_empty handed out."""
+    if kw.get("ffn_type") == "moe":
+        pytest.importorskip("smalti.moe")
+    cfg = {**TINY, "n_layers": 3, **kw}
+    on_cpu = LLM(**cfg)
+    on_meta = LLM(**cfg, init_device="meta")
+    assert all(t.is_meta for t in [*on_meta.parameters(), *on_meta.buffers()])
+    on_meta.to_empty(device="cpu")
+    with torch.no_grad():
+        for t in [*on_meta.parameters(), *on_meta.buffers()]:
+            t.fill_(float("nan") if t.is_floating_point() else 7)
+    torch.manual_seed(3)
+    on_cpu.init_weights()
+    torch.manual_seed(3)
+    on_meta.init_weights()
+    cpu_state = {**dict(on_cpu.named_parameters()), **dict(on_cpu.named_buffers())}
+    meta_state = {**dict(on_meta.named_parameters()), **dict(on_meta.named_buffers())}
+    assert cpu_state.keys() == meta_state.keys()
+    for name, value in cpu_state.items():
+        torch.testing.assert_close(meta_state[name], value, msg=name)
+    # The distribution itself: normal(0, init_std) with the residual projections scaled by 1/sqrt(2 n_layers).
+    std = on_meta.init_std
+    assert abs(float(on_meta.wte.weight.detach().std()) - std) < 0.1 * std
+    if "moe" not in kw:
+        residual = torch.cat([b.ffn.down_proj.weight.detach().flatten() for b in on_meta.blocks])
+        assert abs(float(residual.detach().std()) - std / (2 * 3) ** 0.5) < 0.1 * std / (2 * 3) ** 0.5
+    out = on_meta({"input_ids": torch.randint(0, 97, (2, 16))})["logits"]
+    assert torch.isfinite(out).all()

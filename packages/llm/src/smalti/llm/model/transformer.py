@@ -201,7 +201,8 @@ class LLM(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """(Re)initialise every weight: normal(0, init_std), residual projections scaled by 1/sqrt(2 n_layers)."""
+        """(Re)initialise every weight: normal(0, init_std), residual projections scaled by 1/sqrt(2 n_layers); norms
+        to ones (and zero bias), buffers to zero. The same whether the model was built on a device or on meta."""
         residual_std = self.init_std / math.sqrt(2 * self.n_layers)
         for module in self.modules():
             if isinstance(module, nn.Linear):
@@ -216,6 +217,10 @@ class LLM(nn.Module):
             ):
                 # Leaf modules (norms), and modules holding parameters of their own such as an MoE's experts.
                 module.reset_parameters()
+        # Every buffer of this model starts at zero (MoE token counters, router biases); after ``to_empty`` on a
+        # meta-built model they hold whatever the allocator left there.
+        for buf in self.buffers():
+            buf.zero_()
 
     def enable_sequence_parallel(self, group: Any) -> None:
         """Split every sequence over the ranks of ``group`` (Ulysses), or switch it off with ``None``.
