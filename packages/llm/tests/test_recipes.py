@@ -46,6 +46,19 @@ def test_experiment_composes_and_builds(name):
         assert cfg.model.init_device == "meta"
         assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])
         assert abs(model.n_params - SIZES[name]) / SIZES[name] < 0.03, model.n_params
+        # Foundry's recipe settings: gradient-norm clipping at 1.0 and FSDP mixed precision with bf16 params.
+        from smalti.core.algorithms import GradientClipping
+        from smalti.core.parallelism import FSDP
+
+        algorithms = {key: instantiate(node) for key, node in cfg.algorithms.items()}
+        clip = algorithms["gradient_clipping"]
+        assert isinstance(clip, GradientClipping)
+        assert (clip.clipping_type, clip.clipping_threshold) == ("norm", 1.0)
+        parallelism = instantiate(cfg.parallelism)
+        assert isinstance(parallelism, FSDP)
+        assert parallelism.mp_policy.param_dtype == torch.bfloat16
+        assert parallelism.mp_policy.reduce_dtype == torch.float32
+        assert cfg.trainer.precision == "amp_bf16"
         assert cfg.data.train._target_.endswith("TextMDS")
         return
     train = instantiate(cfg.data.train)
@@ -64,3 +77,36 @@ def test_sequence_parallel_option_replicates_streaming_data():
     assert isinstance(parallelism, SequenceParallelFSDP) and parallelism.sp == 4
     assert cfg.data.train.replication == 4 and cfg.data.eval.replication == 4
     assert _compose(["experiment=mpt_125m", "callbacks=[]", "logger=[]"]).data.train.replication is None
+
+
+@pytest.mark.parametrize("parallelism", ["single", "ddp", "fsdp", "fsdp_sp"])
+def test_big_recipes_take_another_parallelism_option(parallelism):
+    """The bf16 mixed-precision policy lives in the recipe's parallelism option, so swapping the option (one GPU
+    to debug, plain FSDP) builds instead of failing on keys the other option does not take."""
+    cfg = _compose(["experiment=mpt_125m", f"parallelism={parallelism}", "callbacks=[]", "logger=[]"])
+    built = instantiate(cfg.parallelism)
+    assert type(built).__name__ == {"single": "SingleDevice", "ddp": "DDP", "fsdp": "FSDP",
+                                     "fsdp_sp": "SequenceParallelFSDP"}[parallelism]
+    assert "gradient_clipping" in cfg.algorithms
+
+
+def test_meta_built_recipe_model_trains_after_the_trainer_allocates_it(tmp_path, monkeypatch):
+    """mpt_125m's settings (meta init, gradient clipping) shrunk to a CPU size: the trainer allocates and
+    initialises the meta model, and two steps train it."""
+    from smalti.core.config.build import build_trainer
+
+    monkeypatch.chdir(tmp_path)
+    cfg = _compose(["experiment=mpt_125m", "parallelism=single", "data=corpus_tiny", "data.global_train_batch_size=4",
+                    "model.d_model=64", "model.n_heads=4", "model.n_layers=2", "model.vocab_size=2048",
+                    "model.max_seq_len=32", "trainer.precision=fp32", "trainer.max_duration=2ba",
+                    "trainer.eval_interval=null", "trainer.device_train_microbatch_size=null", "callbacks=[]",
+                    "logger=[]", "checkpoint=none"])
+    trainer = build_trainer(cfg)
+    try:
+        model = trainer.state.raw_model
+        assert not any(p.is_meta for p in model.parameters())
+        assert 0.015 < float(model.wte.weight.detach().std()) < 0.025  # init_weights ran: normal(0, 0.02)
+        state = trainer.fit()
+    finally:
+        trainer.close()
+    assert state.timestamp.batch == 2 and torch.isfinite(torch.as_tensor(state.batch_loss))
