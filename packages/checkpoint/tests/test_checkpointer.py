@@ -113,6 +113,54 @@ def test_folder_without_manifest_is_never_loaded(tmp_path):
         make_trainer("4ba", Checkpointer(load_path=str(tmp_path)))
 
 
+def test_relaunch_into_a_folder_with_committed_checkpoints_fails_and_deletes_nothing(tmp_path):
+    make_trainer("4ba", Checkpointer(str(tmp_path), save_interval="2ba")).fit()
+    manifests = {n: (tmp_path / n / "manifest.json").read_bytes() for n in ("ep0-ba2", "ep0-ba4")}
+    with pytest.raises(CheckpointError, match=r"ep0-ba2, ep0-ba4.*checkpoint\.autoresume=true.*checkpoint\.overwrite=true") as err:
+        make_trainer("6ba", Checkpointer(str(tmp_path), save_interval="2ba"))
+    assert f"save_folder={tmp_path}" in str(err.value)
+    # loading an older checkpoint of the same folder would save over the newer one
+    with pytest.raises(CheckpointError, match=r"loaded ep0-ba2.*\(ep0-ba4\)|\(ep0-ba4\).*loaded ep0-ba2"):
+        make_trainer("6ba", Checkpointer(str(tmp_path), save_interval="2ba", load_path=str(tmp_path / "ep0-ba2")))
+    for name, raw in manifests.items():
+        assert (tmp_path / name / "manifest.json").read_bytes() == raw
+    assert (tmp_path / "latest").read_text().strip() == "ep0-ba4"
+    # loading the newest one and going on is fine
+    with make_trainer("6ba", Checkpointer(str(tmp_path), save_interval="2ba", load_path=str(tmp_path))) as on:
+        on.fit()
+    assert (tmp_path / "latest").read_text().strip() == "ep0-ba6"
+
+
+def test_uncommitted_leftover_of_the_same_name_is_replaced(tmp_path):
+    (tmp_path / "ep0-ba2").mkdir()
+    (tmp_path / "ep0-ba2" / "__0_0.distcp").write_bytes(b"half-written")
+    make_trainer("2ba", Checkpointer(str(tmp_path), save_interval="2ba")).fit()
+    manifest = json.loads((tmp_path / "ep0-ba2" / "manifest.json").read_text())
+    assert manifest["files"]["__0_0.distcp"]["size"] == (tmp_path / "ep0-ba2" / "__0_0.distcp").stat().st_size > 12
+
+
+def test_overwrite_replaces_the_earlier_run_and_autoresume_follows_the_new_one(tmp_path):
+    make_trainer("4ba", Checkpointer(str(tmp_path), save_interval="2ba")).fit()  # earlier run: ep0-ba2, ep0-ba4
+    torch.manual_seed(1)
+    new = make_trainer("2ba", Checkpointer(str(tmp_path), save_interval="2ba", overwrite=True), model=MLPRegressor())
+    new.fit()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["ep0-ba2"]  # the earlier ep0-ba4 is gone
+    assert (tmp_path / "latest").read_text().strip() == "ep0-ba2"
+    with make_trainer("4ba", Checkpointer(str(tmp_path), save_interval="2ba", autoresume=True)) as resumed:
+        assert resumed.state.timestamp.batch == 2
+        for a, b in zip(new.state.model.parameters(), resumed.state.model.parameters()):
+            assert torch.equal(a, b)
+
+
+def test_autoresume_fails_when_no_committed_checkpoint_verifies(tmp_path):
+    make_trainer("4ba", Checkpointer(str(tmp_path), save_interval="2ba")).fit()
+    _flip(tmp_path / "ep0-ba2" / "__0_0.distcp")
+    _truncate(tmp_path / "ep0-ba4" / "__0_0.distcp")
+    with pytest.raises(CheckpointCorruptError, match=r"none of them verifies.*ep0-ba4/__0_0\.distcp.*ep0-ba2/__0_0\.distcp"):
+        make_trainer("6ba", Checkpointer(str(tmp_path), save_interval="2ba", autoresume=True))
+    assert (tmp_path / "ep0-ba2" / "manifest.json").is_file() and (tmp_path / "ep0-ba4" / "manifest.json").is_file()
+
+
 def test_weights_only_ignore_keys_and_strictness(tmp_path):
     saved = make_trainer("4ba", Checkpointer(str(tmp_path), save_interval="4ba"))
     saved.fit()

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from smalti.checkpoint import Checkpointer, CheckpointError
+from smalti.checkpoint import Checkpointer, CheckpointError, CheckpointUploadError
 from smalti.core import Trainer
 from smalti.core.data import build_dataloader
 from smalti.core.examples import MLPRegressor, SyntheticRegression
@@ -63,10 +63,30 @@ def test_upload_failure_is_reported_and_loses_no_committed_checkpoint(faulty_s3,
         assert again.state.timestamp.batch == 2
 
 
-def test_corrupt_remote_object_is_skipped_on_autoresume(s3_server, s3_bucket, tmp_path, caplog):
+@pytest.mark.parametrize("failing", ["manifest.json", "__0_0.distcp"])
+def test_transport_failure_fails_autoresume_instead_of_falling_back(faulty_s3, s3_bucket, tmp_path, failing):
+    url = f"s3://{s3_bucket}/run"
+    make_trainer("4ba", Checkpointer(url, save_interval="2ba", local_cache_dir=str(tmp_path / "c"))).fit()
+    faulty_s3.fail("GET", f"/ep0-ba4/{failing}")  # the endpoint keeps failing reads of this object
+    with pytest.raises(CheckpointUploadError, match=rf"ep0-ba4/{failing}.*after 2 attempts"):
+        make_trainer("6ba", Checkpointer(url, save_interval="2ba", autoresume=True, s3_retries=2,
+                                         local_cache_dir=str(tmp_path / "d")))
+    faulty_s3.clear()
+    with make_trainer("6ba", Checkpointer(url, autoresume=True, local_cache_dir=str(tmp_path / "d"))) as resumed:
+        assert resumed.state.timestamp.batch == 4  # the checkpoint was fine all along
+
+
+@pytest.mark.parametrize("damage", ["flipped", "deleted"])
+def test_corrupt_remote_object_is_skipped_on_autoresume(s3_server, s3_bucket, tmp_path, caplog, damage):
     url = f"s3://{s3_bucket}/run"
     make_trainer("4ba", Checkpointer(url, save_interval="2ba", local_cache_dir=str(tmp_path / "c"))).fit()
     client = s3_server.client()
+    if damage == "deleted":
+        client.delete_object(Bucket=s3_bucket, Key="run/ep0-ba4/__0_0.distcp")
+        with make_trainer("6ba", Checkpointer(url, autoresume=True, local_cache_dir=str(tmp_path / "d"))) as resumed:
+            assert resumed.state.timestamp.batch == 2
+        assert "ep0-ba4/__0_0.distcp" in caplog.text and "missing" in caplog.text
+        return
     body = bytearray(client.get_object(Bucket=s3_bucket, Key="run/ep0-ba4/__0_0.distcp")["Body"].read())
     body[100] ^= 0xFF
     client.put_object(Bucket=s3_bucket, Key="run/ep0-ba4/__0_0.distcp", Body=bytes(body))

@@ -14,11 +14,11 @@ from typing import Any
 import torch.distributed as dist
 
 from smalti.checkpoint import state_io
-from smalti.checkpoint.errors import CheckpointError
+from smalti.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from smalti.checkpoint.manifest import VERIFY_LEVELS, build_manifest, hash_files, write_json_atomic
 from smalti.checkpoint.naming import MANIFEST_NAME, folder_name, sort_key
 from smalti.checkpoint.resume import Found, default_cache_dir, newest_good, resolve_load_path
-from smalti.checkpoint.storage import S3Store, open_store
+from smalti.checkpoint.storage import S3Store, is_remote, open_store
 from smalti.checkpoint.writer import ReusedHostStager
 from smalti.core import distributed
 from smalti.core.errors import ConfigError
@@ -58,7 +58,13 @@ class Checkpointer(Callback):
             ``schedulers``, ``rng``, ``dataloader``, ``grad_scaler``, ``plugins.<name>``.
         load_strict: fail when model keys differ between the run and the checkpoint.
         autoresume: load the newest committed, verified checkpoint of ``save_folder`` when there is one
-            (a corrupt or partial newest one is reported and skipped); else ``load_path``.
+            (a corrupt or partial newest one is reported and skipped); else ``load_path``. Object-store
+            failures are not skipped: they fail the run. Committed checkpoints of which none verifies fail
+            the run too (it never restarts from batch 0 silently).
+        overwrite: allow saving into a ``save_folder`` that holds committed checkpoints this run neither
+            resumes from nor loads from (or that are newer than the one it loaded). A same-named checkpoint
+            is replaced, and once this run commits a checkpoint, every newer one of the earlier run is
+            deleted (a later autoresume must not mix the two runs). Without it such a run fails at start.
         verify: ``manifest`` (sizes and sha256 of every file) or ``full`` (also DCP metadata consistency);
             ``none`` only checks that a manifest exists.
         local_cache_dir: where remote checkpoints are staged and downloaded (default: a temp dir per folder).
@@ -86,6 +92,7 @@ class Checkpointer(Callback):
         s3_retries: int = 5,
         s3_multipart_mb: int = 64,
         timeout_s: float = 600,
+        overwrite: bool = False,
     ) -> None:
         if verify not in VERIFY_LEVELS:
             raise ConfigError(f"checkpoint.verify={verify!r} must be one of {', '.join(VERIFY_LEVELS)}")
@@ -103,6 +110,7 @@ class Checkpointer(Callback):
         self.load_ignore_keys = list(load_ignore_keys or [])
         self.load_strict = load_strict
         self.autoresume = autoresume
+        self.overwrite = overwrite
         self.verify = verify
         self.thread_count = thread_count
         self.timeout_s = timeout_s
@@ -114,6 +122,8 @@ class Checkpointer(Callback):
             self.cache_dir = default_cache_dir(self.store.url if self.store else "load")
         self.loaded: Found | None = None
         self.committed: list[str] = []
+        # newer checkpoints of save_folder that the load passed over as partial or damaged: a save may replace them
+        self._replaceable: set[str] = set()
         self._group: Any = None
         self._writer_group: Any = None
         self._is_writer = True
@@ -167,10 +177,6 @@ class Checkpointer(Callback):
         dist.broadcast_object_list(box, src=0, group=self._group)
         return box[0]
 
-    def _barrier(self) -> None:
-        if self._group is not None:
-            dist.barrier(group=self._group)
-
     def _staging(self, name: str) -> Path:
         assert self.store is not None
         if isinstance(self.store, S3Store):
@@ -193,6 +199,7 @@ class Checkpointer(Callback):
         start = time.perf_counter()
         found, autoresumed = self._choose_checkpoint()
         if found is None:
+            self._check_save_folder(state, None)
             return
         if self._rank != 0 and not (found.folder / MANIFEST_NAME).is_file():
             # another node: fetch our own copy of what rank 0 chose
@@ -210,6 +217,62 @@ class Checkpointer(Callback):
         if self._rank == 0:
             log.info("loaded checkpoint %s in %.2f s; resuming at epoch %d, batch %d", found.source, seconds,
                      state.timestamp.epoch, state.timestamp.batch)
+        self._check_save_folder(state, found)
+
+    def _in_save_folder(self, found: Found) -> bool:
+        assert self.store is not None
+        parent = found.source.rstrip("/").rpartition("/")[0]
+        if isinstance(self.store, S3Store):
+            return is_remote(parent) and parent.rstrip("/") == self.store.url
+        return not is_remote(parent) and Path(parent).resolve() == self.store.root.resolve()
+
+    def _check_save_folder(self, state: Any, found: Found | None) -> None:
+        """Fail at start when saving would overwrite, or interleave with, another run's committed checkpoints."""
+        if self.store is None:
+            return
+        verdict: Any = None
+        if self._rank == 0:
+            try:
+                verdict = self._save_folder_conflict(state, found)
+            except Exception as exc:
+                verdict = exc
+        verdict = self._broadcast(verdict)
+        if isinstance(verdict, BaseException):
+            raise verdict
+        if isinstance(verdict, set):
+            self._replaceable = verdict
+
+    def _save_folder_conflict(self, state: Any, found: Found | None) -> CheckpointError | set[str]:
+        """Rank 0: the error to raise, or the names a save may replace (passed over as partial or damaged)."""
+        assert self.store is not None
+        from_here = found is not None and self._in_save_folder(found)
+        replaceable = set(found.skipped_names) if found is not None and from_here else set()
+        if self.overwrite:
+            return replaceable
+        committed = []
+        for name in self.store.list_names():
+            if name in replaceable or name in self.committed:
+                continue
+            try:
+                if self.store.read_manifest(name) is not None:
+                    committed.append(name)
+            except CheckpointCorruptError:
+                continue  # an unreadable manifest: not a checkpoint, a save may replace it
+        if from_here:
+            conflicts = [n for n in committed if sort_key(n)[0] > state.timestamp.batch]
+            why = f"this run loaded {found.name} (now at batch {state.timestamp.batch}) and would save over newer ones"
+        else:
+            conflicts = committed
+            why = "this run neither autoresumes from that folder nor loads a checkpoint from it"
+        if not conflicts:
+            return replaceable
+        shown = ", ".join(conflicts[-5:]) + (f" (and {len(conflicts) - 5} more)" if len(conflicts) > 5 else "")
+        return CheckpointError(
+            f"checkpoint.save_folder={self.store.url} already holds committed checkpoints of another run ({shown}); "
+            f"{why}. Saving there would overwrite them and move 'latest' backwards, and a later autoresume (which "
+            "picks the newest by name) would mix the two runs. Set checkpoint.autoresume=true to continue from "
+            "them, checkpoint.overwrite=true to replace them, or choose another checkpoint.save_folder"
+        )
 
     def _choose_checkpoint(self) -> tuple[Found | None, bool]:
         """Rank 0 finds and verifies what to load; every rank gets its answer (or its error)."""
@@ -310,9 +373,10 @@ class Checkpointer(Callback):
         waited = time.perf_counter() - start
         name = folder_name(state.timestamp.epoch, state.timestamp.batch)
         staging = self._staging(name)
-        if self._rank == 0:
-            self._clear_stale(name, staging)
-        self._barrier()
+        problem = self._clear_stale(name, staging) if self._rank == 0 else None
+        problem = self._broadcast(problem)  # also keeps the other ranks from writing before the folder is clear
+        if problem is not None:
+            raise CheckpointError(problem)
         staging.mkdir(parents=True, exist_ok=True)
         extra_rel, extra_record = state_io.write_rank_local_state(staging, state)
         info = {
@@ -352,15 +416,32 @@ class Checkpointer(Callback):
             blocked = time.perf_counter() - start
             logger.log_metrics({"checkpoint/blocked_s": blocked})
 
-    def _clear_stale(self, name: str, staging: Path) -> None:
-        """Remove what an interrupted earlier save of the same name left, before writing anew."""
+    def _clear_stale(self, name: str, staging: Path) -> str | None:
+        """Remove what an interrupted earlier save of the same name left, before writing anew.
+
+        A committed checkpoint (valid manifest) is removed only when the load passed it over as damaged or
+        ``overwrite`` is set; otherwise the reason not to save is returned.
+        """
         assert self.store is not None
+        try:
+            committed = self.store.read_manifest(name) is not None
+        except CheckpointCorruptError:
+            committed = False
+        if committed and not self.overwrite and name not in self._replaceable:
+            return (
+                f"{self.store.url}/{name} is a committed checkpoint of another run; it is not overwritten. "
+                "Set checkpoint.overwrite=true to replace it, or choose another checkpoint.save_folder"
+            )
+        if committed:
+            log.warning("replacing committed checkpoint %s/%s (%s)", self.store.url, name,
+                        "checkpoint.overwrite=true" if self.overwrite else "it failed verification")
         if staging.exists():
             (staging / MANIFEST_NAME).unlink(missing_ok=True)
             shutil.rmtree(staging, ignore_errors=True)
         if isinstance(self.store, S3Store) and name in self.store.list_names():
-            log.warning("overwriting %s/%s, left by an earlier save of the same batch", self.store.url, name)
+            log.warning("removing %s/%s, left by an earlier save of the same batch", self.store.url, name)
             self.store.delete(name)
+        return None
 
     def wait(self) -> None:
         """Block until the save in flight is committed; re-raise its error here, in the training thread."""
@@ -451,6 +532,10 @@ class Checkpointer(Callback):
                 write_json_atomic(staging / MANIFEST_NAME, manifest)
             self.store.write_latest(name)
             log.info("committed checkpoint %s/%s (%d files, %.1f MB)", self.store.url, name, len(files), manifest["bytes"] / 1e6)
+            if self.overwrite:
+                for newer in [n for n in self.store.list_names() if sort_key(n) > sort_key(name)]:
+                    log.warning("checkpoint.overwrite=true: deleting %s/%s, left by an earlier run", self.store.url, newer)
+                    self.store.delete(newer)
             self._prune(name)
         except Exception as exc:
             return f"checkpoint {self.store.url}/{name} was not committed: {exc}"

@@ -17,6 +17,10 @@ class CheckpointCorruptError(CheckpointError):
         self.path = path
 
 
+class UncommittedCheckpointError(CheckpointCorruptError):
+    """A checkpoint folder has no manifest: a save was interrupted (or is still running); it is not a checkpoint."""
+
+
 class CheckpointUploadError(CheckpointError):
     """A file could not be uploaded to (or downloaded from) the object store after every retry."""
 

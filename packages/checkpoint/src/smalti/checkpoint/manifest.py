@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from smalti.checkpoint.errors import CheckpointCorruptError
+from smalti.checkpoint.errors import CheckpointCorruptError, UncommittedCheckpointError
 from smalti.checkpoint.naming import MANIFEST_NAME
 
 FORMAT = "smalti-checkpoint/1"
@@ -112,7 +112,7 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     """The manifest of a local checkpoint folder; :class:`CheckpointCorruptError` when absent or invalid."""
     path = folder / MANIFEST_NAME
     if not path.is_file():
-        raise CheckpointCorruptError(
+        raise UncommittedCheckpointError(
             f"{folder} has no {MANIFEST_NAME}: it is not a committed checkpoint (a save was interrupted or is still running)",
             str(path),
         )

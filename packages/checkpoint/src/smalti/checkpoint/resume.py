@@ -6,11 +6,11 @@ import hashlib
 import logging
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from smalti.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointUploadError
+from smalti.checkpoint.errors import CheckpointCorruptError, CheckpointError, UncommittedCheckpointError
 from smalti.checkpoint.manifest import verify_folder
 from smalti.checkpoint.naming import MANIFEST_NAME, parse_folder_name
 from smalti.checkpoint.storage import LocalStore, S3Store, Store, is_remote, open_store
@@ -27,6 +27,8 @@ class Found:
     folder: Path
     manifest: dict[str, Any]
     skipped: list[str]
+    #: names of the newer checkpoints passed over (partial, or failing verification)
+    skipped_names: list[str] = field(default_factory=list)
 
 
 def default_cache_dir(url: str) -> Path:
@@ -35,12 +37,18 @@ def default_cache_dir(url: str) -> Path:
     return Path(tempfile.gettempdir()) / "smalti-checkpoint" / f"{os.getuid() if hasattr(os, 'getuid') else 0}-{digest}"
 
 
-def fetch(store: Store, name: str, cache_dir: Path, verify: str) -> tuple[Path, dict[str, Any]]:
-    """A verified local copy of checkpoint ``name``; raises :class:`CheckpointCorruptError` naming the bad file."""
-    manifest = store.read_manifest(name)
+def fetch(
+    store: Store, name: str, cache_dir: Path, verify: str, manifest: dict[str, Any] | None = None
+) -> tuple[Path, dict[str, Any]]:
+    """A verified local copy of checkpoint ``name``; raises :class:`CheckpointCorruptError` naming the bad file.
+
+    Object-store failures that persist after the retries raise :class:`CheckpointUploadError` instead: they say
+    nothing about the checkpoint itself.
+    """
+    manifest = manifest if manifest is not None else store.read_manifest(name)
     where = f"{store.url}/{name}"
     if manifest is None:
-        raise CheckpointCorruptError(
+        raise UncommittedCheckpointError(
             f"{where} has no {MANIFEST_NAME}: it is not a committed checkpoint (a save was interrupted or is running)",
             f"{where}/{MANIFEST_NAME}",
         )
@@ -55,18 +63,39 @@ def fetch(store: Store, name: str, cache_dir: Path, verify: str) -> tuple[Path, 
 
 
 def newest_good(store: Store, cache_dir: Path, verify: str) -> Found | None:
-    """The newest checkpoint under ``store`` that has a valid manifest and verifies; report every one skipped."""
+    """The newest checkpoint under ``store`` that has a valid manifest and verifies; report every one skipped.
+
+    Only verification failures (no manifest, an invalid manifest, a file missing, truncated or with another
+    sha256) pass over a checkpoint. A transport failure that outlasts the retries (:class:`CheckpointUploadError`)
+    propagates, so a flaky object store fails the run (a launcher can retry it) instead of resuming from an
+    older checkpoint or from scratch. When committed checkpoints exist but none verifies, this raises
+    :class:`CheckpointCorruptError` rather than returning ``None`` (which would start the run afresh).
+    Returns ``None`` only when no folder holds a manifest.
+    """
     skipped: list[str] = []
+    names: list[str] = []
+    damaged: list[str] = []
     for name in reversed(store.list_names()):
         try:
-            folder, manifest = fetch(store, name, cache_dir, verify)
-        except (CheckpointCorruptError, CheckpointUploadError) as exc:
+            manifest = store.read_manifest(name)
+            folder, manifest = fetch(store, name, cache_dir, verify, manifest)
+        except CheckpointCorruptError as exc:
             log.error("skipping checkpoint %s/%s: %s", store.url, name, exc)
             skipped.append(f"{name}: {exc}")
+            names.append(name)
+            if not isinstance(exc, UncommittedCheckpointError):
+                damaged.append(f"{name}: {exc}")
             continue
         if skipped:
             log.warning("resuming from %s/%s, the newest good checkpoint; skipped newer: %s", store.url, name, "; ".join(skipped))
-        return Found(name, f"{store.url}/{name}", folder, manifest, skipped)
+        return Found(name, f"{store.url}/{name}", folder, manifest, skipped, names)
+    if damaged:
+        raise CheckpointCorruptError(
+            f"{store.url} holds committed checkpoints but none of them verifies, so the run does not start from "
+            f"batch 0 silently: {'; '.join(damaged)}. Repair or remove the damaged checkpoints (or choose another "
+            "save folder) to start afresh",
+            store.url,
+        )
     return None
 
 

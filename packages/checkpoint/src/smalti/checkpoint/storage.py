@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from smalti.checkpoint.errors import CheckpointUploadError
+from smalti.checkpoint.errors import CheckpointCorruptError, CheckpointUploadError
 from smalti.checkpoint.manifest import parse_manifest, write_json_atomic
 from smalti.checkpoint.naming import LATEST_NAME, MANIFEST_NAME, checkpoint_names
 
@@ -214,11 +214,21 @@ class S3Store:
 
     def download(self, rel: str, local: Path) -> None:
         """Download ``rel`` to ``local`` through a temp name."""
+        from botocore.exceptions import ClientError
+
         local.parent.mkdir(parents=True, exist_ok=True)
         tmp = local.with_name(f".{local.name}.part-{os.getpid()}")
 
         def run() -> None:
-            self.client.download_file(self.bucket, self.key(rel), str(tmp))
+            try:
+                self.client.download_file(self.bucket, self.key(rel), str(tmp))
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                    # a file the manifest lists is gone: the checkpoint is damaged, not the connection
+                    raise CheckpointCorruptError(
+                        f"checkpoint file {self.url}/{rel} listed in the manifest is missing", f"{self.url}/{rel}"
+                    ) from None
+                raise
 
         try:
             self._retry(f"downloading {self.url}/{rel}", run, f"{self.url}/{rel}")
