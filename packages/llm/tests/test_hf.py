@@ -42,3 +42,62 @@ def test_non_llama_models_are_refused(tmp_path):
     with pytest.raises(ConversionError, match="position='alibi'"):
         export_hf(model, tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize(("tied", "attention_bias", "mlp_bias"), [
+    (False, False, False), (True, False, False), (False, True, False), (True, False, True),
+], ids=["untied", "tied", "attention_bias", "tied-mlp_bias"])
+def test_import_of_a_folder_written_by_transformers(tmp_path, monkeypatch, tied, attention_bias, mlp_bias):
+    """A folder written by transformers itself (save_pretrained of a random LlamaForCausalLM) imports into a
+    model whose logits equal transformers' on the same tokens."""
+    transformers = pytest.importorskip("transformers")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=tied,
+        attention_bias=attention_bias, mlp_bias=mlp_bias,
+    )
+    hf = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # transformers starts biases at zero and norms at one: make every tensor count
+        for name, p in hf.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path / "hf")
+    saved = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert saved["tie_word_embeddings"] is tied and saved["mlp_bias"] is mlp_bias
+
+    def no_random_init(self):
+        raise AssertionError("import_hf built a randomly initialised model before loading the weights")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(LLM, "init_weights", no_random_init)
+        model = import_hf(tmp_path / "hf").eval()
+    assert model.config["tie_embeddings"] is tied
+    assert (model.blocks[0].attn.wqkv.bias is not None) is attention_bias
+    assert (model.blocks[0].ffn.up_proj.bias is not None) is mlp_bias
+    assert model.n_params == sum(p.numel() for p in hf.parameters())
+    ids = torch.randint(0, 300, (2, 40))
+    with torch.no_grad():
+        theirs = hf(ids).logits
+        ours = model({"input_ids": ids})["logits"]
+    assert theirs.std() > 0.1
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    # And back: our export of the imported model loads in transformers with the same logits.
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(export_hf(model, tmp_path / "again")),
+                                                            local_files_only=True).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_import_names_a_missing_weight(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file, save_file
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                      num_attention_heads=2, mlp_bias=True)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    del tensors["model.layers.0.mlp.up_proj.bias"]
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConversionError, match="model.layers.0.mlp.up_proj.bias"):
+        import_hf(tmp_path)

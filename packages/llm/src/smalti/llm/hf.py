@@ -57,8 +57,8 @@ def llama_config(model: LLM, dtype: str = "float32", eos_token_id: int | None = 
         "rope_theta": c["rope_theta"],
         "rope_scaling": _hf_rope_scaling(c["rope_scaling"]),
         "hidden_act": "silu",
-        "attention_bias": bool(c["bias"]),
-        "mlp_bias": bool(c["bias"]),
+        "attention_bias": bool(c.get("attn_bias", c["bias"])),
+        "mlp_bias": bool(c.get("ffn_bias", c["bias"])),
         "tie_word_embeddings": bool(c["tie_embeddings"]),
         "initializer_range": c["init_std"],
         "torch_dtype": dtype,
@@ -92,15 +92,45 @@ def to_hf_state_dict(model: LLM) -> dict[str, torch.Tensor]:
         out[dst + "post_attention_layernorm.weight"] = sd[src + "norm_2.weight"]
         for kind in ("weight", "bias"):
             fused = sd.get(src + f"attn.wqkv.{kind}")
-            if fused is None:
-                continue
-            q, k, v = fused.split([q_size, kv_size, kv_size], dim=0)
-            out[dst + f"self_attn.q_proj.{kind}"] = q
-            out[dst + f"self_attn.k_proj.{kind}"] = k
-            out[dst + f"self_attn.v_proj.{kind}"] = v
-            out[dst + f"self_attn.o_proj.{kind}"] = sd[src + f"attn.out_proj.{kind}"]
+            if fused is not None:  # attention biases and MLP biases are independent (attention_bias, mlp_bias)
+                q, k, v = fused.split([q_size, kv_size, kv_size], dim=0)
+                out[dst + f"self_attn.q_proj.{kind}"] = q
+                out[dst + f"self_attn.k_proj.{kind}"] = k
+                out[dst + f"self_attn.v_proj.{kind}"] = v
+                out[dst + f"self_attn.o_proj.{kind}"] = sd[src + f"attn.out_proj.{kind}"]
             for proj in ("gate_proj", "up_proj", "down_proj"):
-                out[dst + f"mlp.{proj}.{kind}"] = sd[src + f"ffn.{proj}.{kind}"]
+                if src + f"ffn.{proj}.{kind}" in sd:
+                    out[dst + f"mlp.{proj}.{kind}"] = sd[src + f"ffn.{proj}.{kind}"]
+    return out
+
+
+def from_hf_state_dict(hf: dict[str, torch.Tensor], config: dict[str, Any], source: str) -> dict[str, torch.Tensor]:
+    """Hugging Face Llama tensors ``hf`` under smalti's parameter names, for an :class:`LLM` with ``config``
+    (its constructor arguments). Missing tensors raise :class:`ConversionError` naming ``source``."""
+
+    def take(name: str) -> torch.Tensor:
+        if name not in hf:
+            raise ConversionError(f"{source}: missing weight {name!r} (the config asks for it)")
+        return hf[name]
+
+    bias = bool(config.get("bias", False))
+    attn_bias = config.get("attn_bias")
+    ffn_bias = config.get("ffn_bias")
+    attn_bias = bias if attn_bias is None else attn_bias
+    ffn_bias = bias if ffn_bias is None else ffn_bias
+    out = {"wte.weight": take("model.embed_tokens.weight"), "norm_f.weight": take("model.norm.weight")}
+    if not config.get("tie_embeddings", True):
+        out["lm_head.weight"] = take("lm_head.weight")
+    for i in range(config["n_layers"]):
+        src, dst = f"model.layers.{i}.", f"blocks.{i}."
+        out[dst + "norm_1.weight"] = take(src + "input_layernorm.weight")
+        out[dst + "norm_2.weight"] = take(src + "post_attention_layernorm.weight")
+        for kind in ("weight", "bias") if attn_bias else ("weight",):
+            out[dst + f"attn.wqkv.{kind}"] = torch.cat([take(src + f"self_attn.{p}_proj.{kind}") for p in "qkv"], 0)
+            out[dst + f"attn.out_proj.{kind}"] = take(src + f"self_attn.o_proj.{kind}")
+        for kind in ("weight", "bias") if ffn_bias else ("weight",):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                out[dst + f"ffn.{proj}.{kind}"] = take(src + f"mlp.{proj}.{kind}")
     return out
 
 
@@ -159,14 +189,24 @@ def _load_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def import_hf(folder: str | os.PathLike, **overrides: Any) -> LLM:
-    """Build an :class:`LLM` from a local Hugging Face Llama folder (``config.json`` + safetensors)."""
+    """Build an :class:`LLM` from a local Hugging Face Llama folder (``config.json`` + safetensors), such as one
+    ``LlamaForCausalLM.save_pretrained`` writes. ``overrides`` replace constructor arguments (e.g.
+    ``max_seq_len``). The model is built on the meta device and filled with the folder's weights only, so no
+    random fp32 copy is made first."""
+    from smalti.llm.export import build_with_weights
+
     folder = Path(folder)
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise ConversionError(f"{folder} has no config.json; give a local Hugging Face model folder")
-    cfg = json.loads(cfg_path.read_text())
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConversionError(f"{cfg_path} is not valid JSON ({exc.msg})") from exc
     if cfg.get("model_type") not in ("llama", "mistral"):
         raise ConversionError(f"{cfg_path}: model_type={cfg.get('model_type')!r} is not supported (llama, mistral)")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ConversionError(f"{cfg_path}: hidden_act={cfg['hidden_act']!r} is not supported (Llama uses silu)")
     n_heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
     if head_dim * n_heads != cfg["hidden_size"]:
@@ -178,37 +218,18 @@ def import_hf(folder: str | os.PathLike, **overrides: Any) -> LLM:
         scaling = None
     elif scaling:
         scaling = {("type" if k == "rope_type" else k): v for k, v in scaling.items()}
+    attn_bias = bool(cfg.get("attention_bias", False))
     kwargs: dict[str, Any] = {
-        "d_model": cfg["hidden_size"], "n_heads": n_heads, "n_kv_heads": cfg.get("num_key_value_heads", n_heads),
+        "d_model": cfg["hidden_size"], "n_heads": n_heads, "n_kv_heads": cfg.get("num_key_value_heads") or n_heads,
         "n_layers": cfg["num_hidden_layers"], "vocab_size": cfg["vocab_size"],
         "max_seq_len": cfg.get("max_position_embeddings", 2048), "ffn_hidden_size": cfg["intermediate_size"],
         "position": "rope", "rope_theta": theta, "rope_scaling": scaling, "norm_type": "rmsnorm",
         "norm_eps": cfg.get("rms_norm_eps", 1e-5), "ffn_type": "glu", "activation": "silu",
-        "bias": bool(cfg.get("attention_bias", False)), "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "bias": attn_bias, "attn_bias": attn_bias, "ffn_bias": bool(cfg.get("mlp_bias", False)),
+        "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "init_std": cfg.get("initializer_range", 0.02),
     }
     kwargs.update(overrides)
-    model = LLM(**kwargs)
-    hf = _load_tensors(folder)
-    mine = to_hf_state_dict(model)  # same names; copy HF tensors into the views of our parameters
-    missing = sorted(set(mine) - set(hf))
-    if missing:
-        raise ConversionError(f"{folder}: missing weights {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    c = model.config
-    with torch.no_grad():
-        sd = model.state_dict()
-        sd["wte.weight"].copy_(hf["model.embed_tokens.weight"])
-        sd["norm_f.weight"].copy_(hf["model.norm.weight"])
-        if not c["tie_embeddings"]:
-            sd["lm_head.weight"].copy_(hf["lm_head.weight"])
-        for i in range(c["n_layers"]):
-            src, dst = f"model.layers.{i}.", f"blocks.{i}."
-            sd[dst + "norm_1.weight"].copy_(hf[src + "input_layernorm.weight"])
-            sd[dst + "norm_2.weight"].copy_(hf[src + "post_attention_layernorm.weight"])
-            kinds = ("weight", "bias") if c["bias"] else ("weight",)
-            for kind in kinds:
-                sd[dst + f"attn.wqkv.{kind}"].copy_(torch.cat(
-                    [hf[src + f"self_attn.{p}_proj.{kind}"] for p in ("q", "k", "v")], dim=0))
-                sd[dst + f"attn.out_proj.{kind}"].copy_(hf[src + f"self_attn.o_proj.{kind}"])
-                for proj in ("gate_proj", "up_proj", "down_proj"):
-                    sd[dst + f"ffn.{proj}.{kind}"].copy_(hf[src + f"mlp.{proj}.{kind}"])
-    return model
+    state = from_hf_state_dict(_load_tensors(folder), kwargs, str(folder))
+    state = {k: v.float() for k, v in state.items()}
+    return build_with_weights(kwargs, state, f"the weights in {folder}").train()

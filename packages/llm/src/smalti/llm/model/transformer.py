@@ -82,6 +82,8 @@ class LLM(nn.Module):
             linear|llama3, factor, ...}``), ``alibi_bias_max``.
         qk_norm: normalise queries and keys per head; ``clip_qkv``, ``softmax_scale`` as in MPT.
         bias: biases in every linear layer and norm (MPT's ``no_bias: true`` is ``bias: false``).
+        attn_bias / ffn_bias: biases in the attention (``wqkv``, ``out_proj``) or the FFN projections only,
+            overriding ``bias`` there (Hugging Face Llama's ``attention_bias`` and ``mlp_bias``); default ``bias``.
         norm_type: ``layernorm``, ``rmsnorm``, ``low_precision_layernorm`` or ``low_precision_rmsnorm``.
         ffn_type: ``mlp``, ``glu`` or ``moe`` (with ``moe: {num_experts, top_k, loss_weight, ...}``).
         activation: ``gelu``, ``gelu_tanh``, ``silu`` or ``relu``.
@@ -110,6 +112,8 @@ class LLM(nn.Module):
         clip_qkv: float | None = None,
         softmax_scale: float | None = None,
         bias: bool = False,
+        attn_bias: bool | None = None,
+        ffn_bias: bool | None = None,
         norm_type: str = "layernorm",
         norm_eps: float = 1e-5,
         ffn_type: str = "mlp",
@@ -136,12 +140,14 @@ class LLM(nn.Module):
         # sum is MegaBlocks' batched loss rather than n_layers times it.
         layer_moe = {"num_layers": n_layers, **moe} if ffn_type == "moe" and moe else moe
         hidden = int(ffn_hidden_size) if ffn_hidden_size else int(expansion_ratio * d_model)
+        attn_bias = bias if attn_bias is None else bool(attn_bias)
+        ffn_bias = bias if ffn_bias is None else bool(ffn_bias)
         self.config = {
             "d_model": d_model, "n_heads": n_heads, "n_layers": n_layers, "vocab_size": vocab_size,
             "max_seq_len": max_seq_len, "n_kv_heads": n_kv_heads, "ffn_hidden_size": hidden, "position": position,
             "rope_theta": rope_theta, "rope_scaling": dict(rope_scaling) if rope_scaling else None,
             "alibi_bias_max": alibi_bias_max, "qk_norm": qk_norm, "clip_qkv": clip_qkv, "softmax_scale": softmax_scale,
-            "bias": bias, "norm_type": norm_type, "norm_eps": norm_eps, "ffn_type": ffn_type, "activation": activation,
+            "bias": bias, "attn_bias": attn_bias, "ffn_bias": ffn_bias, "norm_type": norm_type, "norm_eps": norm_eps, "ffn_type": ffn_type, "activation": activation,
             "moe": dict(moe) if moe else None, "tie_embeddings": tie_embeddings,
             "attn_uses_sequence_id": attn_uses_sequence_id, "init_std": init_std,
         }
@@ -158,9 +164,9 @@ class LLM(nn.Module):
             self.wpe = nn.Embedding(max_seq_len, d_model) if position == "learned" else None
             self.blocks = nn.ModuleList(
                 Block(
-                    Attention(d_model, n_heads, n_kv_heads, bias, qk_norm, norm_type, norm_eps, rotary, softmax_scale,
+                    Attention(d_model, n_heads, n_kv_heads, attn_bias, qk_norm, norm_type, norm_eps, rotary, softmax_scale,
                               clip_qkv),
-                    make_ffn(ffn_type, d_model, hidden, activation, bias, layer_moe),
+                    make_ffn(ffn_type, d_model, hidden, activation, ffn_bias, layer_moe),
                     make_norm(norm_type, d_model, norm_eps, bias),
                     make_norm(norm_type, d_model, norm_eps, bias),
                 )
