@@ -35,3 +35,8 @@ def test_config_option_instantiates_a_mix_of_streams(tmp_path, make_dataset):
     ds = hydra_utils.instantiate(mix)
     order = ds.epoch_order(0)
     assert int((order >= 30).sum()) == 30  # b is a quarter of the dataset but three quarters of the mix
+    # Curriculum through config: after 4 global batches of 4 samples, the mix becomes 1:1.
+    mix.proportion_schedule = [{"at": "4ba", "proportions": [1, 1]}]
+    order = hydra_utils.instantiate(mix).epoch_order(0)
+    # b: 3 in 4 of the first 16 samples, half of the other 24
+    assert [int((order[:16] >= 30).sum()), int((order[16:] >= 30).sum())] == [12, 12]

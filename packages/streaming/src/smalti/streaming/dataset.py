@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,11 +20,13 @@ from smalti.streaming.cache import ShardCache
 from smalti.streaming.errors import StreamingError
 from smalti.streaming.mds import INDEX, load_index, parse_size
 from smalti.streaming.order import (
+    SHUFFLES,
     group_by_node,
     pad_to_batches,
     select_samples,
     sequential_order,
     shuffle_order,
+    split_selection,
     stream_counts,
 )
 from smalti.streaming.storage import download_file
@@ -30,6 +34,35 @@ from smalti.streaming.storage import download_file
 log = logging.getLogger(__name__)
 
 BATCHING_METHODS = ("random", "stratified", "per_stream", "device_per_stream")
+PARTITION_ALGOS = ("orig", "relaxed")
+SCHEDULE_UNITS = ("ep", "ba", "sp")
+STALE_TMP_S = 15 * 60  # a download's temporary file untouched this long belongs to a dead process
+_SEGMENT_SEED = 1_000_003  # seed offset between the segments of an epoch with a mid-epoch curriculum change
+_AT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE]\+?[0-9]+)?)\s*([a-z]+)\s*$")
+
+
+def parse_schedule_time(at: Any) -> tuple[int, str]:
+    """``"2ep"``, ``"100ba"``, ``"3200sp"`` (or smalti-core's ``Time``) -> ``(value, unit)``.
+
+    ``dur`` and ``tok`` are refused: the dataset cannot tell where they fall in its sample order.
+    """
+    if hasattr(at, "value") and hasattr(at, "unit"):  # smalti.core.time.Time, without importing smalti-core
+        value, unit = at.value, str(getattr(at.unit, "value", at.unit))
+    else:
+        match = _AT.match(str(at))
+        if not match:
+            raise StreamingError(f"proportion_schedule: cannot read at={at!r}; give a whole number followed by "
+                                 "ep, ba or sp (e.g. '2ep', '100ba', '3200sp')")
+        value, unit = float(match.group(1)), match.group(2)
+    if unit in ("dur", "tok"):
+        raise StreamingError(f"proportion_schedule: at={at!r} is in '{unit}', which the dataset cannot place in "
+                             "its sample order (it knows neither max_duration nor tokens per sample); use ep, ba "
+                             "(global batches) or sp (global samples)")
+    if unit not in SCHEDULE_UNITS:
+        raise StreamingError(f"proportion_schedule: at={at!r} has unit {unit!r}; use one of ep, ba, sp")
+    if float(value) != int(value) or value < 0:
+        raise StreamingError(f"proportion_schedule: at={at!r} must be a whole, non-negative number of {unit}")
+    return int(value), unit
 
 
 @dataclass
@@ -117,7 +150,7 @@ class StreamingDataset(IterableDataset):
         shuffle_seed: int = 9176,
         shuffle_block_size: int | None = None,
         num_canonical_nodes: int | None = None,
-        partition_algo: str = "orig",
+        partition_algo: str = "relaxed",
         batching_method: str = "random",
         epoch_size: int | None = None,
         cache_limit: int | str | None = None,
@@ -129,6 +162,7 @@ class StreamingDataset(IterableDataset):
         allow_unsafe_types: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
+        local_world_size: int | None = None,
         proportion_schedule: list[dict[str, Any]] | None = None,
     ) -> None:
         if streams is None:
@@ -140,18 +174,29 @@ class StreamingDataset(IterableDataset):
         streams = [Stream(**dict(s)) if isinstance(s, Mapping) else s for s in streams]  # mappings from YAML
         if batching_method not in BATCHING_METHODS:
             raise StreamingError(f"batching_method={batching_method!r} is not one of {', '.join(BATCHING_METHODS)}")
-        if partition_algo not in ("orig", "relaxed"):
-            raise StreamingError(f"partition_algo={partition_algo!r} must be 'orig' or 'relaxed' (both give the "
-                                 "same topology-independent global batches here)")
+        if partition_algo not in PARTITION_ALGOS:
+            raise StreamingError(f"partition_algo={partition_algo!r} is not one of {', '.join(PARTITION_ALGOS)}")
+        if shuffle_algo not in SHUFFLES:
+            raise StreamingError(f"shuffle_algo={shuffle_algo!r} is not one of {', '.join(SHUFFLES)}")
         self.streams = streams
-        env_rank, env_world, local_rank, local_world = _world()
+        env_rank, env_world, _, env_local_world = _world()
         explicit = rank is not None or world_size is not None
         self.rank = env_rank if rank is None else rank
         self.world_size = env_world if world_size is None else world_size
-        # Processes that share this node's cache directory split the downloads (see smalti.streaming.cache).
-        self.local_rank, self.local_world = (0, 1) if explicit else (local_rank, local_world)
         if not 0 <= self.rank < self.world_size:
             raise StreamingError(f"rank={self.rank} is not in a world of {self.world_size}")
+        # Ranks are numbered node by node; the processes of one node share its cache directory and split the
+        # downloads (see smalti.streaming.cache).
+        if local_world_size is None:
+            local_world_size = env_local_world
+            if explicit and (self.world_size % local_world_size or local_world_size > self.world_size):
+                local_world_size = 1  # the environment describes another world than the one given here
+        if local_world_size < 1 or self.world_size % local_world_size:
+            raise StreamingError(f"local_world_size={local_world_size} (ranks per node) must divide the world "
+                                 f"size {self.world_size}")
+        self.local_world = local_world_size
+        self.local_rank = self.rank % self.local_world
+        self.physical_nodes = self.world_size // self.local_world
         self.replication = replication or 1
         if self.world_size % self.replication:
             raise StreamingError(f"replication={self.replication} must divide the world size {self.world_size}")
@@ -162,7 +207,14 @@ class StreamingDataset(IterableDataset):
         self.batch_size = batch_size or 1
         self.shuffle, self.shuffle_algo, self.shuffle_seed = shuffle, shuffle_algo, shuffle_seed
         self.shuffle_block_size = shuffle_block_size
-        self.num_canonical_nodes = num_canonical_nodes or 1
+        self.partition_algo = partition_algo
+        self._ncn_given = num_canonical_nodes is not None
+        if num_canonical_nodes is None:  # mosaicml-streaming's default: the first run's node count (x64 for py*s)
+            num_canonical_nodes = self.physical_nodes * (64 if shuffle_algo in ("py1s", "py2s") else 1)
+        if num_canonical_nodes < 1:
+            raise StreamingError(f"num_canonical_nodes={num_canonical_nodes} must be a positive number")
+        self.num_canonical_nodes = num_canonical_nodes
+        self._check_partition()
         self.batching_method = batching_method
         self.epoch_size = epoch_size
         self.predownload = 8 * self.batch_size if predownload is None else predownload
@@ -170,6 +222,7 @@ class StreamingDataset(IterableDataset):
         self.validate_hash = validate_hash
         self.allow_unsafe_types = allow_unsafe_types
         self.proportion_schedule = self._check_schedule(proportion_schedule or [], len(streams))
+        self._stream_names = [s.name for s in streams]
         self.epoch = 0
         self._resume: tuple[int, int] | None = None  # (epoch, global samples already consumed in it)
         self._consumed = 0  # samples this process handed out in the current epoch (this rank's share)
@@ -189,6 +242,8 @@ class StreamingDataset(IterableDataset):
         self.num_samples = int(self._shard_starts[-1])
         if self.num_samples == 0:
             raise StreamingError(f"streams {[s.name for s in streams]} hold no samples")
+        self._stream_sizes = [int(sum(shards[s][1]["samples"] for s in ids)) for ids in self._stream_shards]
+        self._epoch_plan(0)  # bad weights (a stream without a proportion among proportions) fail here
         self.cache_limit = parse_size(cache_limit) if cache_limit is not None else None
         if self.cache_limit is not None:
             largest = max((e["raw_data"]["bytes"] + ((e.get("zip_data") or {}).get("bytes") or 0)) for _, e in shards)
@@ -196,31 +251,91 @@ class StreamingDataset(IterableDataset):
                 raise StreamingError(f"cache_limit={self.cache_limit} bytes is smaller than the largest shard "
                                      f"({largest} bytes with its zip); raise cache_limit")
         self.cache = ShardCache(streams, shards, self.cache_limit, download_retry, download_timeout, validate_hash)
+        self._remove_stale_downloads()
+
+    def _check_partition(self) -> None:
+        ncn, nodes = self.num_canonical_nodes, self.physical_nodes
+        if self.partition_algo == "orig" and ncn % nodes and nodes % ncn:
+            raise StreamingError(
+                f"partition_algo='orig' needs the node count ({nodes} = world size {self.world_size} / "
+                f"{self.local_world} ranks per node) to divide num_canonical_nodes={ncn} or be a multiple of it; "
+                "change num_canonical_nodes or use partition_algo='relaxed'"
+            )
+
+    def _remove_stale_downloads(self) -> None:
+        """Delete temporary download files that a killed process left behind (untouched for ``STALE_TMP_S``)."""
+        dirs = {self.cache.raw_path(i).parent for i in range(len(self._shards))}
+        dirs |= {s.local_dir() for s in self.streams}
+        cutoff = time.time() - STALE_TMP_S
+        for folder in dirs:
+            if not folder.is_dir():
+                continue
+            for tmp in folder.glob(".*.tmp"):
+                try:
+                    if tmp.stat().st_mtime < cutoff:
+                        tmp.unlink()
+                        log.debug("removed stale temporary download %s", tmp)
+                except FileNotFoundError:
+                    pass
 
     @staticmethod
-    def _check_schedule(schedule: list[dict[str, Any]], num_streams: int) -> list[tuple[int, list[float]]]:
-        """``[{"at": "2ep", "proportions": [1, 3]}, ...]`` -> sorted ``(epoch, proportions)``."""
+    def _check_schedule(schedule: list[dict[str, Any]], num_streams: int) -> list[tuple[int, str, list[float]]]:
+        """``[{"at": "100ba", "proportions": [1, 3]}, ...]`` -> ``(value, unit, proportions)`` in the given order."""
         out = []
         for item in schedule:
-            at = str(item.get("at", ""))
-            if not at.endswith("ep") or not at[:-2].isdigit():
-                raise StreamingError(f"proportion_schedule: 'at' must be a whole number of epochs like '2ep', got {at!r}")
-            props = [float(p) for p in item.get("proportions", [])]
+            if not isinstance(item, Mapping) or "at" not in item:
+                raise StreamingError(f"proportion_schedule: each entry needs 'at' and 'proportions', got {item!r}")
+            value, unit = parse_schedule_time(item["at"])
+            props = [float(p) for p in item.get("proportions") or []]
             if len(props) != num_streams or min(props, default=0) < 0 or not sum(props):
-                raise StreamingError(f"proportion_schedule at {at}: give {num_streams} non-negative proportions, "
-                                     f"got {item.get('proportions')}")
-            out.append((int(at[:-2]), props))
-        return sorted(out)
+                raise StreamingError(f"proportion_schedule at {item['at']}: give {num_streams} non-negative "
+                                     f"proportions (not all zero), got {item.get('proportions')}")
+            out.append((value, unit, props))
+        return out
+
+    def _epoch_plan(self, epoch: int) -> tuple[int, list[tuple[int, list[tuple[str, float | int | None]]]]]:
+        """Epoch ``epoch``'s sample count before padding, and its segments ``(first offset, stream weights)``.
+
+        A schedule entry takes effect at a global sample position: ``Nep`` at the start of epoch N, ``Xba``
+        after X global batches, ``Ysp`` after Y samples. Epochs are laid end to end at their padded lengths
+        (whole global batches), each as long as the weights at its start make it. An entry that falls inside
+        an epoch starts a new segment there.
+        """
+        global_batch = self.batch_size * self.dp_world
+        base = [s.weight for s in self.streams]
+        starts: list[int] = []
+        start = 0
+        for e in range(epoch + 1):
+            starts.append(start)
+            points = []
+            for i, (value, unit, props) in enumerate(self.proportion_schedule):
+                if unit == "ep":
+                    if value <= e:
+                        points.append((starts[value], i, props))
+                else:
+                    points.append((value * global_batch if unit == "ba" else value, i, props))
+            points.sort(key=lambda p: (p[0], p[1]))
+            weights = base
+            for pos, _, props in points:
+                if pos <= start:
+                    weights = [("proportion", p) for p in props]
+            total = int(sum(stream_counts(self._stream_sizes, weights, self.epoch_size, 0, self._stream_names)))
+            segments = [(0, weights)]
+            for pos, _, props in points:
+                if start < pos < start + total:
+                    seg = (pos - start, [("proportion", p) for p in props])
+                    if segments[-1][0] == seg[0]:
+                        segments[-1] = seg
+                    else:
+                        segments.append(seg)
+            if e == epoch:
+                return total, segments
+            start += -(-total // global_batch) * global_batch
+        raise AssertionError("unreachable")
 
     def weights_for_epoch(self, epoch: int) -> list[tuple[str, float | int | None]]:
-        """The streams' weights in ``epoch``: their own, or the latest ``proportion_schedule`` entry reached."""
-        chosen = None
-        for start, props in self.proportion_schedule:
-            if epoch >= start:
-                chosen = props
-        if chosen is None:
-            return [s.weight for s in self.streams]
-        return [("proportion", p) for p in chosen]
+        """The streams' weights at the start of ``epoch``: their own, or the latest ``proportion_schedule`` entry."""
+        return self._epoch_plan(epoch)[1][0][1]
 
     # ------------------------------------------------------------------ index and shards
 
@@ -265,7 +380,7 @@ class StreamingDataset(IterableDataset):
         """The global sample order of ``epoch``, padded to whole global batches (a pure function of the settings)."""
         global_batch = self.batch_size * self.dp_world
         key = (epoch, global_batch, self.batching_method, self.shuffle, self.shuffle_algo, self.shuffle_seed,
-               self.shuffle_block_size, self.num_canonical_nodes, self.epoch_size)
+               self.shuffle_block_size, self.num_canonical_nodes, self.epoch_size, repr(self.proportion_schedule))
         order = self._order_cache.get(key)
         if order is None:
             order = self._compute_order(epoch, global_batch)
@@ -274,37 +389,72 @@ class StreamingDataset(IterableDataset):
         return order
 
     def _compute_order(self, epoch: int, global_batch: int) -> np.ndarray:
-        sizes = [sum(self._shards[s][1]["samples"] for s in ids) for ids in self._stream_shards]
-        counts = stream_counts(sizes, self.weights_for_epoch(epoch), self.epoch_size, self.shuffle_seed + epoch)
-        per_stream = [select_samples(self._shard_ids(ids), n, self.shuffle_seed + 1000 * si, epoch)
-                      for si, (ids, n) in enumerate(zip(self._stream_shards, counts))]
+        total, segments = self._epoch_plan(epoch)
+        names = self._stream_names
+        if len(segments) == 1:
+            seg_counts = [stream_counts(self._stream_sizes, segments[0][1], self.epoch_size,
+                                        self.shuffle_seed + epoch, names)]
+        else:
+            ends = [offset for offset, _ in segments[1:]] + [total]
+            seg_counts = [stream_counts(self._stream_sizes, weights, end - offset,
+                                        self.shuffle_seed + epoch + _SEGMENT_SEED * k, names)
+                          for k, ((offset, weights), end) in enumerate(zip(segments, ends))]
+        # Each stream's samples for the whole epoch, then cut into the segments' shares (whole shard runs).
+        per_segment: list[list[list[np.ndarray]]] = [[] for _ in seg_counts]
+        for si, ids in enumerate(self._stream_shards):
+            counts = [c[si] for c in seg_counts]
+            chosen = select_samples(self._shard_ids(ids), sum(counts), self.shuffle_seed + 1000 * si, epoch)
+            parts = [chosen] if len(counts) == 1 else split_selection(
+                chosen, counts, self.shuffle_seed + epoch + 1000 * si + _SEGMENT_SEED)
+            for k, part in enumerate(parts):
+                per_segment[k].append(part)
+        random = self.batching_method == "random" or len(self.streams) == 1
+        orders, nodes = [], []
+        for k, per_stream in enumerate(per_segment):
+            order, node = self._arrange(per_stream, epoch, global_batch, self.shuffle_seed + _SEGMENT_SEED * k)
+            orders.append(order)
+            nodes.append(node)
+        order = np.concatenate(orders) if orders else np.zeros(0, dtype=np.int64)
+        if not random:
+            return order
+        node = np.concatenate(nodes)
+        return group_by_node(pad_to_batches(order, global_batch), pad_to_batches(node, global_batch), global_batch)
+
+    def _arrange(self, per_stream: list[list[np.ndarray]], epoch: int, global_batch: int,
+                 seed: int) -> tuple[np.ndarray, np.ndarray]:
+        """Order one segment's samples (per stream, per shard) by the shuffle and the batching method.
+
+        ``random``: the shuffled order and each entry's canonical node, unpadded. The other methods: whole
+        global batches (an incomplete last one is dropped) and no node labels.
+        """
 
         def order_of(shards: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
             if not self.shuffle:
                 return sequential_order(shards, self.num_canonical_nodes)
-            return shuffle_order(shards, self.shuffle_algo, self.shuffle_seed, epoch, self.num_canonical_nodes,
+            return shuffle_order(shards, self.shuffle_algo, seed, epoch, self.num_canonical_nodes,
                                  self.shuffle_block_size)
 
+        empty = np.zeros(0, dtype=np.int64)
         if self.batching_method == "random" or len(self.streams) == 1:
-            order, nodes = order_of([s for shards in per_stream for s in shards])
-            padded = pad_to_batches(order, global_batch)
-            return group_by_node(padded, pad_to_batches(nodes, global_batch), global_batch)
+            return order_of([s for shards in per_stream for s in shards])
         orders = [order_of(shards)[0] for shards in per_stream]
-        rng = np.random.default_rng(self.shuffle_seed + epoch)
+        rng = np.random.default_rng(seed + epoch)
         if self.batching_method == "stratified":
             share = np.array([len(o) for o in orders], dtype=np.float64)
+            if not share.sum():
+                return empty, empty
             per_batch = np.floor(share / share.sum() * global_batch).astype(int)
             for i in np.argsort(-(share / share.sum() * global_batch - per_batch))[: global_batch - per_batch.sum()]:
                 per_batch[i] += 1
             n_batches = min(len(o) // c for o, c in zip(orders, per_batch) if c) if per_batch.any() else 0
             batches = [np.concatenate([o[b * c : (b + 1) * c] for o, c in zip(orders, per_batch)])
                        for b in range(n_batches)]
-            return np.concatenate(batches) if batches else np.zeros(0, dtype=np.int64)
+            return (np.concatenate(batches) if batches else empty), empty
         chunk = global_batch if self.batching_method == "per_stream" else self.batch_size
         chunks = [o[i : i + chunk] for o in orders for i in range(0, len(o) - chunk + 1, chunk)]
         chunks = [chunks[i] for i in rng.permutation(len(chunks))]
         usable = len(chunks) - len(chunks) % (global_batch // chunk)
-        return np.concatenate(chunks[:usable]) if usable else np.zeros(0, dtype=np.int64)
+        return (np.concatenate(chunks[:usable]) if usable else empty), empty
 
     def _remaining_grid(self, epoch: int) -> np.ndarray:
         """The epoch's global batches still to come, one row each; ``-1`` pads a partial last batch."""
@@ -375,10 +525,20 @@ class StreamingDataset(IterableDataset):
         elif not from_beginning:
             num_samples += resumed
         return {"epoch": self.epoch, "sample_in_epoch": int(num_samples),
-                "num_canonical_nodes": self.num_canonical_nodes, "shuffle_seed": self.shuffle_seed}
+                "num_canonical_nodes": self.num_canonical_nodes, "shuffle_seed": self.shuffle_seed,
+                "partition_algo": self.partition_algo, "physical_nodes": self.physical_nodes}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at ``state``: the next iteration of that epoch starts after ``sample_in_epoch`` global samples."""
+        """Resume at ``state``: the next iteration of that epoch starts after ``sample_in_epoch`` global samples.
+
+        Without an explicit ``num_canonical_nodes``, the checkpoint's is adopted (as mosaicml-streaming does),
+        so a run resumed on another node count keeps its sample order.
+        """
+        ncn = state.get("num_canonical_nodes")
+        if ncn is not None and not self._ncn_given and ncn != self.num_canonical_nodes:
+            self.num_canonical_nodes = int(ncn)
+            self._order_cache = {}
+            self._check_partition()
         if state.get("num_canonical_nodes", self.num_canonical_nodes) != self.num_canonical_nodes or \
                 state.get("shuffle_seed", self.shuffle_seed) != self.shuffle_seed:
             raise StreamingError(

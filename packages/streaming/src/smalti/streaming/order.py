@@ -135,17 +135,24 @@ def rank_batches(order: np.ndarray, batch_size: int, dp_rank: int, dp_world: int
 
 
 def stream_counts(sizes: list[int], weights: list[tuple[str, float | int | None]], epoch_size: int | None,
-                  seed: int) -> list[int]:
+                  seed: int, names: list[str] | None = None) -> list[int]:
     """Samples to take from each stream this epoch from its ``proportion``, ``repeat`` or ``choose``.
 
     Proportions are relative and scaled to ``epoch_size`` (default: the total); leftovers from rounding go
-    to streams picked with ``seed``. ``repeat`` and ``choose`` are absolute; the kinds cannot be mixed.
+    to streams picked with ``seed``. If one stream has a proportion, every stream needs one. ``repeat`` and
+    ``choose`` are absolute (a stream with neither is read once); with ``epoch_size`` they are scaled to
+    exactly ``epoch_size`` samples, the rounding remainder going to the largest fractional parts.
     """
     kinds = {kind for kind, value in weights if value is not None}
     if "proportion" in kinds and kinds - {"proportion"}:
         raise StreamingError("streams mix proportion with repeat/choose; use relative or absolute weights, not both")
     if "proportion" in kinds:
-        props = np.array([v if v is not None else 0.0 for _, v in weights], dtype=np.float64)
+        unweighted = [i for i, (_, value) in enumerate(weights) if value is None]
+        if unweighted:
+            shown = ", ".join(names[i] if names else f"#{i}" for i in unweighted)
+            raise StreamingError(f"stream {shown} has no proportion while other streams have one; give every "
+                                 "stream a proportion (it would otherwise get no samples)")
+        props = np.array([v for _, v in weights], dtype=np.float64)
         total = epoch_size or sum(sizes)
         exact = props / props.sum() * total
         counts = np.floor(exact).astype(np.int64)
@@ -164,9 +171,34 @@ def stream_counts(sizes: list[int], weights: list[tuple[str, float | int | None]
         else:
             counts.append(size)
     if epoch_size is not None and sum(counts):
-        scale = epoch_size / sum(counts)
-        counts = [int(round(c * scale)) for c in counts]
+        exact = np.array(counts, dtype=np.float64) * (epoch_size / sum(counts))
+        scaled = np.floor(exact).astype(np.int64)
+        short = int(epoch_size - scaled.sum())
+        for i in np.argsort(-(exact - scaled), kind="stable")[:short]:
+            scaled[i] += 1
+        counts = scaled.tolist()
     return counts
+
+
+def split_selection(pieces: list[np.ndarray], counts: list[int], seed: int) -> list[list[np.ndarray]]:
+    """Cut a stream's selected samples (per-shard arrays) into consecutive parts of ``counts`` samples.
+
+    The pieces are put in a ``seed``-random order first, so every part gets a random run of whole shards
+    (cut at the part boundaries) rather than always the same end of the stream.
+    """
+    order = [pieces[i] for i in np.random.default_rng(seed).permutation(len(pieces))]
+    parts: list[list[np.ndarray]] = [[] for _ in counts]
+    part, room = 0, counts[0] if counts else 0
+    for piece in order:
+        while len(piece):
+            while room == 0 and part + 1 < len(counts):
+                part += 1
+                room = counts[part]
+            take = piece[:room] if room else piece
+            parts[part].append(take)
+            room -= min(room, len(take))
+            piece = piece[len(take):]
+    return parts
 
 
 def select_samples(shards: list[np.ndarray], count: int, seed: int, epoch: int) -> list[np.ndarray]:
