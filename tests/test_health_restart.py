@@ -62,13 +62,21 @@ def test_a_hung_rank_is_ended_by_the_watchdog_and_the_restart_resumes_from_the_c
     code, out = run(cmd, faulty)
     assert code == 0, out[-4000:]
     assert marker.exists()
-    report = json.loads((reports / "hang-report.json").read_text())
+    # the hang was in attempt 0; the restarted attempt 1 finished without one, so it wrote no report
+    assert not list(reports.glob("*attempt1*"))
+    report = json.loads((reports / "hang-report-attempt0.json").read_text())
     assert report["stuck_ranks"] == [1], report
+    assert report["stuck_hooks"] == {"1": "on_batch_end"}
+    assert report["stuck_plugins"] == {"1": "hang: HangOnce.on_batch_end"}
 
     from smalti.core.loggers import read_jsonl
 
-    steps = [r["step"] for r in read_jsonl(faulty / "outputs" / "faulty" / "metrics.jsonl")
-             if "loss/train/total" in r["metrics"]]
+    log_path = faulty / "outputs" / "faulty" / "metrics.jsonl"
+    # the watchdog logged that it fired, and handed the report to the loggers, before rank 0 exited
+    assert any(r["metrics"].get("health/watchdog/fired") == 1.0 for r in read_jsonl(log_path))
+    assert {a["name"] for a in read_jsonl(log_path, kind="artifact")} >= {"hang-report-attempt0.txt",
+                                                                           "hang-report-attempt0.json"}
+    steps = [r["step"] for r in read_jsonl(log_path) if "loss/train/total" in r["metrics"]]
     # batches 1-3 ran, rank 1 hung after 3; the restart resumed after the batch-2 checkpoint, not from batch 0
     assert steps.count(1) == 1 and steps[-3:] == [4, 5, 6] and 3 in steps[3:]
     assert json.loads((faulty / "digest.json").read_text()) == json.loads((reference / "digest.json").read_text())

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from smalti.core.errors import ConfigError
-from smalti.health.watchdog import HANG_EXIT_CODE, HangWatchdog, write_hang_report
+from smalti.health.watchdog import HANG_EXIT_CODE, HangWatchdog, position, write_hang_report
 from smalti.testing import run_torchrun
 
 SCRIPT = Path(__file__).parent / "scripts" / "slow_rank_run.py"
@@ -27,24 +27,71 @@ def test_a_rank_asleep_in_a_step_is_reported_and_the_run_exits_nonzero(tmp_path)
     assert by_rank[0]["last_event"] in ("before_backward", "after_backward")
     hang_started = float((tmp_path / "hang-started").read_text())
     assert by_rank[1]["time"] - hang_started < 3 + 5  # timeout + 5 s
+    assert report["stuck_hooks"] == {"1": "on_after_forward"}
+    assert report["stuck_plugins"] == {"1": "hang: HangOnRank1.on_after_forward"}
     text = (tmp_path / "hang-report.txt").read_text()
-    assert text.startswith("stuck rank(s): 1")
+    assert text.startswith("stuck rank(s): 1 (in on_after_forward, hang: HangOnRank1.on_after_forward)")
     assert "===== rank 0 stacks =====" in text and "===== rank 1 stacks =====" in text
-    assert "on_after_forward" in (tmp_path / "stacks-rank1.txt").read_text()  # the sleeping hook, by name
+    assert "on_after_forward" in (tmp_path / "stacks-rank1-attempt0.txt").read_text()  # the sleeping hook, by name
+    assert (tmp_path / "hang-report-attempt0.txt").read_text() == text
     assert f"exitcode  : {HANG_EXIT_CODE}" in out.stdout + out.stderr
+
+
+def test_a_rank_stuck_in_a_hook_dispatched_after_the_watchdogs_is_the_one_blamed(tmp_path):
+    # The watchdog's on_batch_end has counted batch 3 on rank 1 before the later callback hangs there, while
+    # healthy rank 0 goes on into batch 4 and waits in its collectives: rank 0 must not look further behind.
+    out = run_torchrun(SCRIPT, 2, ["hang_late", str(tmp_path)], timeout=90)
+    assert out.returncode != 0
+    report = json.loads((tmp_path / "hang-report.json").read_text())
+    assert report["stuck_ranks"] == [1], report
+    assert report["stuck_hooks"] == {"1": "on_batch_end"}
+    assert report["stuck_plugins"] == {"1": "late: HangAtBatchEndOnRank1.on_batch_end"}
+    by_rank = {e["rank"]: e for e in report["ranks"]}
+    assert (by_rank[1]["step"], by_rank[1]["phase"]) == (3, "batch_end")
+    assert by_rank[0]["step"] == 4 and by_rank[0]["hook"] != "on_batch_end"
+    assert (tmp_path / "hang-report.txt").read_text().startswith("stuck rank(s): 1 (in on_batch_end, late: ")
+
+
+def _entry(rank, world, step=None, phase=None, **extra):
+    entry = {"rank": rank, "world_size": world, "host": "h", "pid": 1, "batch": 7, "last_event": "before_backward",
+             "seconds_without_progress": 9.0}
+    if step is not None:
+        entry.update(step=step, phase=phase)
+    return {**entry, **extra}
+
+
+def test_positions_order_a_whole_step_by_the_batch_count():
+    # timestamp.batch advances after after_optimizer_step: the events before it belong to the next step
+    assert position(3, "after_optimizer_step")[0] == position(4, "batch_end")[0] == 4
+    order = [position(3, "batch_end"), position(3, "eval_batch_end"), position(3, "batch_checkpoint"),
+             position(3, "epoch_end"), position(3, "epoch_start"), position(3, "before_dataloader"),
+             position(3, "before_backward"), position(3, "after_optimizer_step"), position(4, "batch_end")]
+    assert order == sorted(order) and len(set(order)) == len(order)
+
+
+def test_only_the_current_restart_attempts_files_are_merged(tmp_path):
+    # attempt 0 hung with rank 0 behind; attempt 1 hangs with rank 1 behind and rank 0 not reporting (yet)
+    (tmp_path / "rank0-attempt0.json").write_text(json.dumps(_entry(0, 2, 2, "before_forward")))
+    (tmp_path / "rank1-attempt0.json").write_text(json.dumps(_entry(1, 2, 3, "before_forward")))
+    (tmp_path / "rank1-attempt1.json").write_text(json.dumps(_entry(1, 2, 5, "batch_end", hook="on_batch_end")))
+    report = write_hang_report(tmp_path, attempt=1)
+    assert report["restart_attempt"] == 1 and [e["rank"] for e in report["ranks"]] == [1]
+    assert report["stuck_ranks"] == [0] and report["missing_ranks"] == [0]
+    assert write_hang_report(tmp_path, attempt=0)["stuck_ranks"] == [0]
+    assert json.loads((tmp_path / "hang-report-attempt1.json").read_text())["restart_attempt"] == 1
+    # a file of another torchelastic run with the same attempt number is left out too
+    (tmp_path / "rank0-attempt1.json").write_text(json.dumps(_entry(0, 2, 9, "batch_end", run_id="old")))
+    assert write_hang_report(tmp_path, attempt=1, run_id="new")["missing_ranks"] == [0]
+    assert write_hang_report(tmp_path, attempt=1, run_id="old")["stuck_ranks"] == [1]
 
 
 def test_report_with_every_rank_at_the_same_place_blames_none(tmp_path):
     for rank in (0, 1):
-        (tmp_path / f"rank{rank}.json").write_text(json.dumps({
-            "rank": rank, "world_size": 3, "host": "h", "pid": 1, "batch": 7, "last_event": "before_backward",
-            "seconds_without_progress": 9.0}))
-    report = write_hang_report(tmp_path)
+        (tmp_path / f"rank{rank}-attempt0.json").write_text(json.dumps(_entry(rank, 3)))
+    report = write_hang_report(tmp_path, attempt=0)
     assert report["stuck_ranks"] == [2] and report["missing_ranks"] == [2]  # rank 2 never reported
-    (tmp_path / "rank2.json").write_text(json.dumps({
-        "rank": 2, "world_size": 3, "host": "h", "pid": 1, "batch": 7, "last_event": "before_backward",
-        "seconds_without_progress": 9.0}))
-    assert write_hang_report(tmp_path)["stuck_ranks"] == []
+    (tmp_path / "rank2-attempt0.json").write_text(json.dumps(_entry(2, 3)))
+    assert write_hang_report(tmp_path, attempt=0)["stuck_ranks"] == []
     assert "suspect a collective" in (tmp_path / "hang-report.txt").read_text()
 
 

@@ -1,6 +1,8 @@
 """Trains a small regressor on 2 gloo ranks (DDP) with health plugins; one rank is made slow or hung.
 
     slow_rank_run.py hang OUT_DIR      rank 1 sleeps 120 s inside batch 3: the watchdog must end the run
+    slow_rank_run.py hang_late OUT_DIR rank 1 sleeps in on_batch_end of batch 3, in a callback dispatched after
+                                       the watchdog's own on_batch_end (which has already counted the batch)
     slow_rank_run.py slow OUT_DIR F    rank 1's forward takes F times longer: the straggler detector flags it
     slow_rank_run.py even OUT_DIR      nobody is slow
 """
@@ -41,14 +43,24 @@ class HangOnRank1(Callback):
             time.sleep(120)
 
 
+class HangAtBatchEndOnRank1(Callback):
+    def on_batch_end(self, state) -> None:
+        if state.rank == 1 and state.timestamp.batch == 3:
+            (out / "hang-started").write_text(str(time.time()))
+            time.sleep(120)
+
+
 torch.distributed.init_process_group("gloo")
 rank = torch.distributed.get_rank()
 loader = build_dataloader(SyntheticRegression(512), 8, dp_rank=rank, dp_world_size=2, seed=0)
 torch.manual_seed(0)
 straggler = StragglerDetector(interval=5, factor=1.5)
-callbacks = {"hang": HangOnRank1(), "watchdog": HangWatchdog(timeout_s=3, report_dir=str(out), poll_s=0.2,
-                                                             grace_s=2.0)}
-if mode != "hang":
+watchdog = HangWatchdog(timeout_s=3, report_dir=str(out), poll_s=0.2, grace_s=2.0)
+# config order is dispatch order: "hang" runs before the watchdog's hooks, "late" after them
+callbacks = {"hang": HangOnRank1(), "watchdog": watchdog}
+if mode == "hang_late":
+    callbacks = {"watchdog": watchdog, "late": HangAtBatchEndOnRank1()}
+elif mode != "hang":
     callbacks = {"straggler": straggler}
 Trainer(PacedMLP(rank), loader, "20ba", optimizers=lambda p: torch.optim.SGD(p, lr=1e-2),
         callbacks=callbacks).fit()

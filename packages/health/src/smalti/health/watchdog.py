@@ -1,12 +1,16 @@
 """Hang watchdog: when training makes no progress for ``timeout_s``, dump every rank's stacks and exit.
 
 Every rank runs a daemon thread that watches the time since the last finished batch (train or eval). The
-trainer hooks record which event each rank was last in. On a time-out each rank writes, into
-``report_dir``, its own stacks (``faulthandler``, every thread) and a JSON line of where it was; after a
-short grace period (until every rank has written) each rank merges what the ranks wrote into ``hang-report.json`` and
-``hang-report.txt``, naming the rank(s) furthest behind as the stuck ones, and every rank exits with
-:data:`HANG_EXIT_CODE` so torchrun's elastic agent restarts the group (and autoresume picks up the last
-checkpoint). Nothing here uses a collective: the process group is what is hung. ``kill -USR2 PID`` dumps
+trainer hooks record where each rank was last: the batch count (``state.timestamp.batch``) and the event, so
+positions compare across ranks as (step, phase). On a time-out each rank also reads its training thread's
+live stack to name the hook (and the plugin running it) it is stuck in, then writes, into ``report_dir``,
+its own stacks (``faulthandler``, every thread) and a JSON line of where it was, both named with the
+torchelastic restart attempt (``rank{r}-attempt{a}.json``, ``stacks-rank{r}-attempt{a}.txt``). After a short
+grace period (until every rank of this attempt has written) each rank merges this attempt's files into
+``hang-report-attempt{a}.json``/``.txt`` (copied to ``hang-report.json``/``.txt``, the latest), naming the
+rank(s) furthest behind and their hooks, logs ``health/watchdog/fired`` and the report through the loggers,
+and exits with :data:`HANG_EXIT_CODE` so torchrun's elastic agent restarts the group (and autoresume picks
+up the last checkpoint). Nothing here uses a collective: the process group is what is hung. ``kill -USR2 PID`` dumps
 a rank's stacks to stderr on demand (SIGUSR1 is left for checkpoint-on-signal).
 
 Set ``timeout_s`` above the slowest legitimate pause between batches (a synchronous checkpoint save, an
@@ -36,25 +40,51 @@ log = logging.getLogger(__name__)
 #: Exit code of a rank the watchdog ended (any non-zero code makes torchrun restart the group).
 HANG_EXIT_CODE = 124
 
-#: The trainer events a step passes through, in order: a rank whose last event is earlier is further behind.
+#: The trainer events of one step, in the order they fire. Events up to ``after_optimizer_step`` run before the
+#: trainer advances ``state.timestamp.batch``; the rest (from ``batch_end``) after it, so a rank's step is
+#: ``timestamp.batch + 1`` in the first part and ``timestamp.batch`` in the second (see :func:`position`).
 STEP_EVENTS = (
-    "fit_start", "epoch_start", "before_dataloader", "after_dataloader", "batch_start", "before_forward",
-    "after_forward", "before_backward", "after_backward", "before_optimizer_step", "after_optimizer_step",
-    "batch_end", "eval_start", "eval_batch_end", "eval_end", "batch_checkpoint", "epoch_end",
+    "fit_start", "epoch_start", "before_dataloader", "after_dataloader", "batch_start", "before_train_batch",
+    "microbatch_start", "before_forward", "after_forward", "before_loss", "after_loss", "before_backward",
+    "after_backward", "microbatch_end", "after_train_batch", "before_optimizer_step", "after_optimizer_step",
+    "batch_end", "eval_before_all", "eval_start", "eval_batch_start", "eval_before_forward", "eval_after_forward",
+    "eval_batch_end", "eval_end", "eval_after_all", "batch_checkpoint", "epoch_end", "epoch_checkpoint", "fit_end",
 )
+_ADVANCED_FROM = STEP_EVENTS.index("batch_end")
+
+#: The environment variable torchelastic sets to the restart attempt (0 on the first run).
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
+
+
+def restart_attempt() -> int:
+    """This process's torchelastic restart attempt (``$TORCHELASTIC_RESTART_COUNT``; 0 outside torchrun)."""
+    value = os.environ.get(RESTART_ENV, "0")
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"${RESTART_ENV}={value!r} is not an integer") from None
+
+
+def position(batch: int, event: str) -> tuple[int, int]:
+    """``(step, phase)`` of a rank whose ``state.timestamp.batch`` is ``batch`` at ``event``: ordered over the run."""
+    if event not in STEP_EVENTS:
+        return batch, -1
+    phase = STEP_EVENTS.index(event)
+    return (batch + 1 if phase < _ADVANCED_FROM else batch), phase
 
 
 def _recorder(event: str):
-    def hook(self: HangWatchdog) -> None:
+    def hook(self: HangWatchdog, state: Any) -> None:
         self._last_event = event
+        self._batch = state.timestamp.batch
 
     hook.__name__ = f"on_{event}"
-    hook.__doc__ = f"Remember that this rank reached ``{event}``."
+    hook.__doc__ = f"Remember that this rank reached ``{event}`` (and its batch count)."
     return hook
 
 
 class HangWatchdog(Callback):
-    """Ends a run whose ranks stop making progress, with a report naming the stuck rank and its stacks."""
+    """Ends a run whose ranks stop making progress, with a report naming the stuck rank, its hook and stacks."""
 
     def __init__(self, timeout_s: float = 600.0, first_batch_timeout_s: float | None = None,
                  report_dir: str | None = None, poll_s: float = 1.0, grace_s: float = 3.0,
@@ -76,6 +106,9 @@ class HangWatchdog(Callback):
         self._rank, self._world = 0, 1
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._train_thread: int | None = None
+        self._state: Any = None
+        self._logger: Any = None
         self._run_name = "smalti-run"
         self.fired = False
 
@@ -85,21 +118,26 @@ class HangWatchdog(Callback):
     on_before_dataloader = _recorder("before_dataloader")
     on_after_dataloader = _recorder("after_dataloader")
     on_batch_start = _recorder("batch_start")
+    on_before_train_batch = _recorder("before_train_batch")
     on_before_forward = _recorder("before_forward")
     on_after_forward = _recorder("after_forward")
     on_before_backward = _recorder("before_backward")
     on_after_backward = _recorder("after_backward")
+    on_after_train_batch = _recorder("after_train_batch")
     on_before_optimizer_step = _recorder("before_optimizer_step")
     on_after_optimizer_step = _recorder("after_optimizer_step")
     on_eval_start = _recorder("eval_start")
     on_eval_end = _recorder("eval_end")
     on_batch_checkpoint = _recorder("batch_checkpoint")
     on_epoch_end = _recorder("epoch_end")
+    on_epoch_checkpoint = _recorder("epoch_checkpoint")
 
-    def on_fit_start(self, state: Any) -> None:
+    def on_fit_start(self, state: Any, logger: Any) -> None:
         """Start watching; register the on-demand stack dump."""
         self._rank, self._world = state.rank, state.world_size
         self._run_name = state.run_name
+        self._state, self._logger = state, logger
+        self._train_thread = threading.get_ident()
         self._last_event = "fit_start"
         self._batch = state.timestamp.batch
         self._last_progress = time.monotonic()
@@ -117,8 +155,9 @@ class HangWatchdog(Callback):
         """A finished eval batch is progress too (long evals must not look like hangs)."""
         self._progress("eval_batch_end", state.timestamp.batch)
 
-    def on_fit_end(self) -> None:
+    def on_fit_end(self, state: Any) -> None:
         self._last_event = "fit_end"
+        self._batch = state.timestamp.batch
         self._stop.set()
 
     def on_close(self) -> None:
@@ -149,31 +188,121 @@ class HangWatchdog(Callback):
         """Where the reports go: ``report_dir`` or ``./smalti-health/<run_name>``."""
         return Path(self.report_dir or Path("smalti-health") / self._run_name)
 
+    def where(self, idle: float) -> dict[str, Any]:
+        """This rank's entry of the report: its position, the hooks its training thread is in, and timing."""
+        in_hooks = hooks_in_progress(self._train_thread, self._plugin_manager()) if self._train_thread else []
+        batch = self._state.timestamp.batch if self._state is not None else self._batch
+        # Within one event the plugins run in the same order on every rank: the place in that order breaks ties
+        # (a rank stuck in an early plugin's hook is behind a peer waiting in a later plugin's collective).
+        pos = (*position(self._batch, self._last_event), self._own_impl_index(self._last_event))
+        stuck_in = next((h for h in in_hooks if h["hook"].removeprefix("on_") in STEP_EVENTS), None)
+        if stuck_in is not None:  # the hook being run is at or past the last event the watchdog saw
+            pos = max(pos, (*position(batch, stuck_in["hook"].removeprefix("on_")), stuck_in["impl_index"]))
+        return {
+            "rank": self._rank, "world_size": self._world, "host": socket.gethostname(), "pid": os.getpid(),
+            "restart_attempt": restart_attempt(), "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
+            "batch": batch, "step": pos[0], "phase": STEP_EVENTS[pos[1]] if pos[1] >= 0 else self._last_event,
+            "impl_index": pos[2],
+            "last_event": self._last_event, "in_hooks": in_hooks,
+            "hook": in_hooks[-1]["hook"] if in_hooks else None,
+            "plugin": in_hooks[-1]["plugin"] if in_hooks else None,
+            "seconds_without_progress": round(idle, 3), "timeout_s": self._limit(), "time": time.time(),
+        }
+
+    def _plugin_manager(self) -> Any:
+        pm = getattr(self._state, "plugin_manager", None)
+        if pm is None:
+            from smalti.core.plugins.manager import get_plugin_manager
+
+            pm = get_plugin_manager()
+        return pm
+
+    def _own_impl_index(self, event: str) -> int:
+        """Where this watchdog's implementation of ``on_<event>`` comes in that hook's call order (-1: none)."""
+        caller = getattr(self._plugin_manager().hook, f"on_{event}", None)
+        impls = caller.get_hookimpls() if caller is not None else []
+        return next((len(impls) - 1 - i for i, impl in enumerate(impls) if impl.plugin is self), -1)
+
     def _fire(self, idle: float) -> None:
         self.fired = True
         folder = self.folder()
         folder.mkdir(parents=True, exist_ok=True)
-        where = {
-            "rank": self._rank, "world_size": self._world, "host": socket.gethostname(), "pid": os.getpid(),
-            "batch": self._batch, "last_event": self._last_event, "seconds_without_progress": round(idle, 3),
-            "timeout_s": self._limit(), "time": time.time(),
-        }
-        with open(folder / f"stacks-rank{self._rank}.txt", "w") as f:
+        attempt = restart_attempt()
+        where = self.where(idle)
+        hook = f"in hook {where['hook']} ({where['plugin']})" if where["hook"] else "in no hook"
+        with open(folder / f"stacks-rank{self._rank}-attempt{attempt}.txt", "w") as f:
             f.write(f"rank {self._rank} on {where['host']} pid {where['pid']}: no progress for {idle:.1f} s; "
-                    f"last event {self._last_event} at batch {self._batch}\n")
+                    f"step {where['step']} at {where['phase']}, {hook}; last event {self._last_event}\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
-        _write_atomic(folder / f"rank{self._rank}.json", json.dumps(where))
-        log.error("hang watchdog: rank %d made no progress for %.1f s (last event %s, batch %d); stacks in %s",
-                  self._rank, idle, self._last_event, self._batch, folder)
+        _write_atomic(folder / f"rank{self._rank}-attempt{attempt}.json", json.dumps(where))
+        log.error("hang watchdog: rank %d made no progress for %.1f s (step %d at %s, %s); stacks in %s",
+                  self._rank, idle, where["step"], where["phase"], hook, folder)
         deadline = time.monotonic() + self.grace_s
-        while time.monotonic() < deadline and len(list(folder.glob("rank*.json"))) < self._world:
+        while time.monotonic() < deadline and len(_entries(folder, attempt, where["run_id"])) < self._world:
             time.sleep(0.1)
         # Every rank writes the merged report (atomically): the first to exit makes torchrun stop the others.
-        write_hang_report(folder)
+        report = write_hang_report(folder, attempt, run_id=where["run_id"])
+        self._log_report(folder, attempt, report)
         _flush_loggers(self.grace_s)
         sys.stderr.flush()
         os._exit(self.exit_code)
+
+    def _log_report(self, folder: Path, attempt: int, report: dict[str, Any]) -> None:
+        """``health/watchdog/fired`` and the report through the core logging hooks, bounded (a logger may hang)."""
+        logger = self._logger
+        if logger is None:
+            return
+        metrics = {"health/watchdog/fired": 1.0, "health/watchdog/stuck_ranks": float(len(report["stuck_ranks"])),
+                   "health/watchdog/seconds_without_progress": float(time.monotonic() - self._last_progress)}
+
+        def send() -> None:
+            logger.log_metrics(metrics)
+            if self._rank == 0 or self._rank in report["stuck_ranks"]:
+                for suffix in ("txt", "json"):
+                    logger.log_artifact(str(folder / f"hang-report-attempt{attempt}.{suffix}"))
+
+        try:
+            call_with_deadline(send, deadline_s=max(self.grace_s, 1.0), what="watchdog report logging")
+        except Exception as exc:  # a logger stuck on the network must not keep a hung rank alive
+            log.warning("hang watchdog: could not log the report: %s", exc)
+
+
+def hooks_in_progress(thread_id: int, pm: Any = None) -> list[dict[str, Any]]:
+    """The hooks thread ``thread_id`` is running now, outermost first, each with the plugin whose code runs and
+    that plugin's place in the hook's call order (``impl_index``, 0 = called first).
+
+    ``pm`` (default: the process's plugin manager) names the plugins. Read from the thread's live stack: every
+    pluggy call frame (``_multicall``) names its hook, and the frame it called is the running implementation
+    (its ``self`` is the plugin). Costs nothing until a rank hangs.
+    """
+    frame = sys._current_frames().get(thread_id)
+    chain = []
+    while frame is not None:
+        chain.append(frame)
+        frame = frame.f_back
+    chain.reverse()
+    hooks: list[dict[str, Any]] = []
+    for outer, inner in zip(chain, chain[1:] + [None], strict=True):
+        if outer.f_code.co_name != "_multicall" or "pluggy" not in outer.f_code.co_filename:
+            continue
+        local = outer.f_locals
+        hook_name = local.get("hook_name")
+        impls, current = list(local.get("hook_impls") or ()), local.get("hook_impl")
+        # pluggy calls the impls last-registered first; the index says how far through the hook this rank got
+        order = next((len(impls) - 1 - i for i, impl in enumerate(impls) if impl is current), -1)
+        plugin_name = None
+        if inner is not None:
+            impl = inner.f_locals.get("self")
+            if pm is None:
+                from smalti.core.plugins.manager import get_plugin_manager
+
+                pm = get_plugin_manager()
+            name = pm.get_name(impl) if impl is not None and pm.is_registered(impl) else None
+            where = f"{type(impl).__name__}.{inner.f_code.co_name}" if impl is not None else inner.f_code.co_name
+            plugin_name = f"{name}: {where}" if name else where
+        hooks.append({"hook": str(hook_name), "plugin": plugin_name, "impl_index": order})
+    return hooks
 
 
 def _flush_loggers(timeout_s: float) -> None:
@@ -190,37 +319,65 @@ def _flush_loggers(timeout_s: float) -> None:
                 log.warning("hang watchdog: could not flush %s: %s", type(plugin).__name__, exc)
 
 
-def _position(entry: dict[str, Any]) -> tuple[int, int]:
-    event = entry.get("last_event", "")
-    return int(entry.get("batch", 0)), STEP_EVENTS.index(event) if event in STEP_EVENTS else -1
+def _position(entry: dict[str, Any]) -> tuple[int, int, int]:
+    if "step" in entry and entry.get("phase") in STEP_EVENTS:
+        return int(entry["step"]), STEP_EVENTS.index(entry["phase"]), int(entry.get("impl_index", -1))
+    return (*position(int(entry.get("batch", 0)), entry.get("last_event", "")), -1)
 
 
-def write_hang_report(folder: Path) -> dict[str, Any]:
-    """Merge the ranks' files in ``folder`` into ``hang-report.json`` and ``.txt``; return the report.
+def _entries(folder: Path, attempt: int, run_id: str | None = None) -> list[dict[str, Any]]:
+    entries = []
+    for path in folder.glob(f"rank*-attempt{attempt}.json"):
+        try:
+            entry = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # replaced under us; the atomic writer makes this rare
+        if run_id is None or entry.get("run_id") in (None, run_id):
+            entries.append(entry)
+    return sorted(entries, key=lambda e: e["rank"])
 
-    The stuck ranks are those furthest behind (lowest batch, then earliest event in :data:`STEP_EVENTS`);
-    when every rank is at the same place none is singled out (a collective or the network is the suspect).
+
+def write_hang_report(folder: Path, attempt: int | None = None, run_id: str | None = None) -> dict[str, Any]:
+    """Merge restart ``attempt``'s rank files in ``folder`` into ``hang-report-attempt{a}.json`` and ``.txt``.
+
+    ``attempt`` defaults to this process's (:func:`restart_attempt`); files of other attempts (an earlier hang
+    that the agent restarted from) and, with ``run_id``, of other torchelastic runs are left out. The stuck
+    ranks are those furthest behind by (step, phase, place in the hook's plugin order; see :func:`position`);
+    when every rank is at the same place none is singled out (a collective or the network is the suspect). The report is also copied to
+    ``hang-report.json``/``.txt`` (the latest). Returns the report.
     """
-    entries = sorted((json.loads(p.read_text()) for p in folder.glob("rank*.json")), key=lambda e: e["rank"])
+    attempt = restart_attempt() if attempt is None else attempt
+    entries = _entries(folder, attempt, run_id)
     world = max((e.get("world_size", 1) for e in entries), default=1)
     missing = sorted(set(range(world)) - {e["rank"] for e in entries})
     positions = {e["rank"]: _position(e) for e in entries}
-    behind = min(positions.values(), default=(0, 0))
+    behind = min(positions.values(), default=(0, 0, 0))
     stuck = [r for r, p in positions.items() if p == behind] if len(set(positions.values())) > 1 else []
-    report = {"stuck_ranks": stuck + missing, "missing_ranks": missing, "ranks": entries}
-    _write_atomic(folder / "hang-report.json", json.dumps(report, indent=2))
+    by_rank = {e["rank"]: e for e in entries}
+    report = {"restart_attempt": attempt, "stuck_ranks": stuck + missing, "missing_ranks": missing,
+              "stuck_hooks": {str(r): by_rank[r].get("hook") for r in stuck},
+              "stuck_plugins": {str(r): by_rank[r].get("plugin") for r in stuck}, "ranks": entries}
+    text = json.dumps(report, indent=2)
+    _write_atomic(folder / f"hang-report-attempt{attempt}.json", text)
+    _write_atomic(folder / "hang-report.json", text)
     lines = []
     if stuck or missing:
-        lines.append(f"stuck rank(s): {', '.join(map(str, stuck + missing))}"
+        named = [f"{r} (in {by_rank[r].get('hook') or 'no hook'}"
+                 + (f", {by_rank[r]['plugin']}" if by_rank[r].get("plugin") else "") + ")" for r in stuck]
+        lines.append(f"stuck rank(s): {', '.join(named + [str(r) for r in missing])}"
                      + (f" (no report from {', '.join(map(str, missing))})" if missing else ""))
     else:
         lines.append("every rank stopped at the same place: suspect a collective, the network or a shared resource")
+    lines.append(f"restart attempt {attempt}")
     for e in entries:
-        lines.append(f"rank {e['rank']} on {e['host']} (pid {e['pid']}): batch {e['batch']}, last event "
-                     f"{e['last_event']}, {e['seconds_without_progress']} s without progress")
+        hooks = " > ".join(f"{h['hook']} [{h['plugin']}]" for h in e.get("in_hooks", [])) or "none"
+        lines.append(f"rank {e['rank']} on {e['host']} (pid {e['pid']}): step {e.get('step', e['batch'])} at "
+                     f"{e.get('phase', e['last_event'])}, last event {e['last_event']}, in hooks: {hooks}; "
+                     f"{e['seconds_without_progress']} s without progress")
     for e in entries:
-        stacks = folder / f"stacks-rank{e['rank']}.txt"
+        stacks = folder / f"stacks-rank{e['rank']}-attempt{attempt}.txt"
         lines.append(f"\n===== rank {e['rank']} stacks =====\n" + (stacks.read_text() if stacks.exists() else "(none)"))
+    _write_atomic(folder / f"hang-report-attempt{attempt}.txt", "\n".join(lines) + "\n")
     _write_atomic(folder / "hang-report.txt", "\n".join(lines) + "\n")
     return report
 
