@@ -49,3 +49,19 @@ def test_bad_settings_name_the_key():
         ThroughputAlarm()
     with pytest.raises(ConfigError, match="action='restart'"):
         ThroughputAlarm(min_mfu=0.3, action="restart")
+
+
+@pytest.mark.world_size(2, timeout=120)
+def test_one_low_rank_makes_both_ranks_check_and_stop_together():
+    # Rank 1's floor is out of reach and rank 0's is not: the ranks disagree on "low". Both must still run the
+    # checks (which hold collectives: a rank left out would hang its peer) and both must stop at the same batch.
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    alarm = ThroughputAlarm(min_samples_per_sec=1e12 if rank == 1 else 1e-6, interval=2, patience=2,
+                            action="stop", check_seconds=0.05)
+    with pytest.raises(TrainingError, match="throughput alarm at batch 4: ") as raised:
+        fit(alarm)
+    (results,) = alarm.alarms
+    assert {r.name.split("/")[0] for r in results} == {"compute", "all_reduce"}
+    assert ("samples/s < 1e+12" if rank == 1 else "below the floor on another rank") in str(raised.value)

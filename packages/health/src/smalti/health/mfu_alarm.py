@@ -1,10 +1,12 @@
 """Throughput/MFU alarm: when the run stays below a floor, find out why and (optionally) stop it.
 
 Every ``interval`` batches it measures samples/s (and MFU when the model has ``flops_per_batch`` and the
-device's peak is known, as the core's speed monitor does). Below ``min_samples_per_sec`` or ``min_mfu`` for
-``patience`` intervals in a row it runs the quick compute and collective checks on every rank, logs their
-metrics and a report, and with ``action: stop`` raises so the run ends non-zero and torchrun's agent
-restarts it (with ``cordon_file`` set, a rank whose compute check failed cordons its host first).
+device's peak is known, as the core's speed monitor does). The ranks agree on each interval's verdict: a MAX
+all-reduce of the low flag on the default group makes an interval low everywhere when it is low on any rank.
+Below ``min_samples_per_sec`` or ``min_mfu`` for ``patience`` intervals in a row it runs the quick compute
+and collective checks on every rank, logs their metrics and a report, and with ``action: stop`` raises on
+every rank so the run ends non-zero and torchrun's agent restarts it (with ``cordon_file`` set, a rank whose
+compute check failed cordons its host first).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 import torch
 
-from smalti.core import Callback
+from smalti.core import Callback, distributed
 from smalti.core.errors import ConfigError, TrainingError
 from smalti.health.results import CheckResult, Verdict, merged_metrics
 
@@ -86,7 +88,12 @@ class ThroughputAlarm(Callback):
         metrics = {"health/mfu_alarm/samples_per_sec": rate, "health/mfu_alarm/low_intervals": 0.0}
         if mfu is not None:
             metrics["health/mfu_alarm/mfu"] = mfu
-        self._low = self._low + 1 if low else 0
+        # Ranks measure alone and can disagree; the checks below run collectives and action=stop must end every
+        # rank, so the interval counts as low when it is low on any rank (one small all-reduce per interval).
+        any_low = bool(distributed.all_reduce_max(int(bool(low)), state.device))
+        if any_low and not low:
+            low.append("below the floor on another rank")
+        self._low = self._low + 1 if any_low else 0
         metrics["health/mfu_alarm/low_intervals"] = float(self._low)
         if self._low < self.patience:
             logger.log_metrics(metrics)
