@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -9,7 +11,7 @@ from smalti.llm import LLM
 from smalti.llm.data.text import TokenizedText
 from smalti.llm.errors import ICLError
 from smalti.llm.icl import ICLTask, evaluate_tasks, load_tasks
-from smalti.llm.icl.evaluate import normalize_answer
+from smalti.llm.icl.evaluate import generate_greedy, normalize_answer
 from smalti.llm.tokenizer import load_tokenizer
 
 
@@ -73,7 +75,7 @@ class _Parrot(torch.nn.Module):
             self.start = ids.shape[1]
         step = min(ids.shape[1] - self.start, len(self.answer) - 1)
         logits = torch.zeros(ids.shape[0], ids.shape[1], self.vocab)
-        logits[:, -1, self.answer[step]] = 1.0
+        logits[:, :, self.answer[step]] = 1.0
         return {"logits": logits}
 
 
@@ -96,3 +98,64 @@ def test_bad_task_files_are_named(tmp_path):
         task.examples()
     with pytest.raises(ICLError, match="icl_task_type"):
         ICLTask(label="x", dataset_uri=str(path), icl_task_type="code_evaluation")
+
+
+def _learned_position_model() -> LLM:
+    torch.manual_seed(1)
+    # Float64 so that batching changes nothing but rounding far below any argmax margin.
+    return LLM(d_model=64, n_heads=4, n_layers=2, vocab_size=2048, max_seq_len=128, position="learned",
+               init_std=0.1).double().eval()
+
+
+def test_generation_does_not_depend_on_the_rest_of_the_batch(tmp_path):
+    """With learned absolute positions, a prompt's greedy answer is the same alone and batched with longer and
+    shorter prompts (right padding: every prompt starts at position 0)."""
+    tok = load_tokenizer()
+    model = _learned_position_model()
+    records = [json.loads(line) for line in load_tasks("default")[3].path().read_text().splitlines()[:8]]
+    contexts = [r["context"] if i % 2 else "Then " + r["context"] + " and far away beyond the"
+                for i, r in enumerate(records)]
+    prompts = [tok.encode(c) for c in contexts]
+    assert len({len(p) for p in prompts}) > 3  # lengths differ, so batching pads
+    alone = [generate_greedy(model, [p], 4, tok.pad_id)[0] for p in prompts]
+    assert len({tuple(a) for a in alone}) > 1  # the model's answers depend on the prompt
+    with torch.no_grad():
+        assert generate_greedy(model, prompts, 4, tok.pad_id) == alone
+        assert generate_greedy(model, prompts[::-1], 4, tok.pad_id) == alone[::-1]
+
+    # Through the evaluator: answers taken from the prompts alone are all matched in batches of 8.
+    answers = [tok.decode(a).split("\n")[0] for a in alone]
+    keep = [i for i, a in enumerate(answers) if normalize_answer(a)]
+    assert len(keep) >= 4
+    path = tmp_path / "gen.jsonl"
+    path.write_text("".join(json.dumps({"context": contexts[i], "answer": answers[i]}) + "\n" for i in keep))
+    for batch_size in (1, 8):
+        task = ICLTask(label="g", dataset_uri=str(path), icl_task_type="generation_task_with_answers",
+                       max_new_tokens=4, batch_size=batch_size, continuation_delimiter="")
+        assert evaluate_tasks([task], model, tok, torch.device("cpu")) == {"icl/g/0shot/accuracy": 1.0}
+
+
+def test_icl_callback_logs_on_its_interval():
+    """The ICL callback in a Trainer with interval 2ba: icl/* metrics are logged at batches 2, 4 and 6 (and
+    not again at fit end, which is batch 6)."""
+    from smalti.core import Trainer
+    from smalti.core.data import build_dataloader
+    from smalti.llm.icl.callback import ICLEval
+    from smalti.testing import MetricsRecorder
+
+    torch.manual_seed(0)
+    model = LLM(d_model=32, n_heads=2, n_layers=1, vocab_size=2048, max_seq_len=64)
+    tasks = [{"label": "mc", "dataset_uri": "smalti-llm:mc_phrases.jsonl", "icl_task_type": "multiple_choice",
+              "max_examples": 8},
+             {"label": "gen", "dataset_uri": "smalti-llm:gen_places.jsonl",
+              "icl_task_type": "generation_task_with_answers", "max_new_tokens": 2, "max_examples": 4}]
+    icl = ICLEval(tasks=tasks, interval="2ba", at_fit_end=True)
+    sink = MetricsRecorder()
+    trainer = Trainer(model, build_dataloader(TokenizedText(max_seq_len=64), 4), "6ba",
+                      optimizers=lambda p: torch.optim.AdamW(p, lr=1e-3), eval_interval=None,
+                      callbacks={"icl": icl}, loggers={"sink": sink})
+    trainer.fit()
+    trainer.close()
+    for key in ("icl/mc/0shot/accuracy", "icl/gen/0shot/accuracy"):
+        assert sink.steps(key) == [2, 4, 6], sink.rows
+        assert all(0.0 <= v <= 1.0 for v in sink.values(key))

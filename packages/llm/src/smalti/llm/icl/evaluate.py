@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from smalti.llm.errors import ICLError
 from smalti.llm.icl.tasks import ICLTask
 from smalti.llm.tokenizer import Tokenizer
 
@@ -144,7 +145,7 @@ def evaluate_task(task: ICLTask, model: Any, tokenizer: Tokenizer, device: torch
 
 def _generation_correct(task: ICLTask, model: Any, tokenizer: Tokenizer, records: list[dict[str, Any]],
                         mine: list[int], k: int, max_len: int, device: torch.device) -> float:
-    """Greedy generation in batches of left-padded prompts; padding is kept out of attention by sequence ids."""
+    """Greedy generation for this rank's examples in batches; the normalised text must start with an answer."""
     n_batches = _max_over_ranks(-(-len(mine) // task.batch_size), device)
     correct = 0.0
     for b in range(n_batches):
@@ -154,14 +155,8 @@ def _generation_correct(task: ICLTask, model: Any, tokenizer: Tokenizer, records
                              + task.continuation_delimiter.rstrip())[-(max_len - task.max_new_tokens):]
             for i in idx
         ] or [[tokenizer.pad_id]]
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), tokenizer.pad_id, dtype=torch.long)
-        seq = torch.full((len(prompts), width), -1, dtype=torch.long)
-        for r, p in enumerate(prompts):
-            ids[r, width - len(p):] = torch.tensor(p)
-            seq[r, width - len(p):] = 0
-        new = _greedy(model, ids.to(device), seq.to(device), task.max_new_tokens)
-        for row, i in zip(new.tolist(), idx):
+        new = generate_greedy(model, prompts, task.max_new_tokens, tokenizer.pad_id, device)
+        for row, i in zip(new, idx):
             text = tokenizer.decode(row)
             text = text.split(task.example_delimiter)[0] if task.example_delimiter else text
             answers = [records[i]["answer"], *records[i].get("aliases", [])]
@@ -170,17 +165,35 @@ def _generation_correct(task: ICLTask, model: Any, tokenizer: Tokenizer, records
     return correct
 
 
-def _greedy(model: Any, ids: torch.Tensor, seq: torch.Tensor, steps: int) -> torch.Tensor:
-    """``steps`` greedy tokens (always all of them, so sharded ranks stay in step)."""
+@torch.no_grad()
+def generate_greedy(model: Any, prompts: list[list[int]], steps: int, pad_id: int,
+                    device: torch.device | None = None) -> list[list[int]]:
+    """``steps`` greedy tokens after each of ``prompts``, decoded together as one batch.
+
+    Rows are right-padded: every prompt starts at position 0, whatever the other prompts' lengths, so learned
+    absolute positions see the same positions as for the prompt alone, and causal attention keeps the padding
+    (always after a row's last real token) out of every prediction. Each row's next token is read at its own
+    last position and written after it. Always runs ``steps`` forward passes (sharded ranks stay in step).
+    """
+    lengths = [len(p) for p in prompts]
+    if min(lengths, default=0) < 1:
+        raise ICLError(f"generation needs non-empty prompts; prompt lengths were {lengths}")
+    longest = max(lengths)
+    ids = torch.full((len(prompts), longest + steps), pad_id, dtype=torch.long)
+    for r, p in enumerate(prompts):
+        ids[r, : len(p)] = torch.tensor(p, dtype=torch.long)
+    ids = ids.to(device) if device is not None else ids
+    rows = torch.arange(len(prompts), device=ids.device)
+    ends = torch.tensor(lengths, device=ids.device)  # where each row's next token goes
     new = []
-    for _ in range(steps):
-        out = model({"input_ids": ids, "sequence_id": seq})
+    for step in range(steps):
+        out = model({"input_ids": ids[:, : longest + step]})
         logits = out["logits"] if isinstance(out, dict) else out
-        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        nxt = logits[rows, ends - 1].argmax(-1)
+        ids[rows, ends] = nxt
+        ends = ends + 1
         new.append(nxt)
-        ids = torch.cat([ids, nxt], 1)
-        seq = torch.cat([seq, torch.zeros_like(nxt)], 1)
-    return torch.cat(new, 1)
+    return torch.stack(new, 1).tolist() if new else [[] for _ in prompts]
 
 
 def evaluate_tasks(tasks: list[ICLTask], model: Any, tokenizer: Tokenizer, device: torch.device | None = None,
