@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from collections.abc import Iterable, Iterator
@@ -36,7 +37,7 @@ def expand_inputs(inputs: Iterable[str | os.PathLike]) -> list[Path]:
         if path.is_dir():
             found = sorted(p for p in path.rglob("*") if p.is_file() and _kind(p) is not None)
             if not found:
-                raise DataError(f"input folder {path} holds no .txt, .jsonl/.json or .parquet files")
+                raise DataError(f"input folder {path} holds no .txt, .jsonl/.json/.jsonl.gz or .parquet files")
             out.extend(found)
         elif path.is_file():
             out.append(path)
@@ -66,19 +67,28 @@ def iter_records(files: Iterable[str | os.PathLike]) -> Iterator[dict[str, Any]]
                 if para.strip():
                     yield {"text": para.strip()}
         elif kind == "jsonl":
-            with path.open(encoding="utf-8") as fh:
-                for lineno, line in enumerate(fh, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        yield json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise DataError(f"{path}:{lineno} is not valid JSON ({exc.msg})") from exc
+            yield from _iter_jsonl(path)
         else:
             import pyarrow.parquet as pq
 
             table = pq.read_table(path)
             yield from table.to_pylist()
+
+
+def _iter_jsonl(path: Path) -> Iterator[dict[str, Any]]:
+    """Records of a JSONL file, gzip-compressed when its name ends in ``.gz``."""
+    gz = path.name.lower().endswith(".gz")
+    try:
+        with (gzip.open(path, "rt", encoding="utf-8") if gz else path.open(encoding="utf-8")) as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{path}:{lineno} is not valid JSON ({exc.msg})") from exc
+    except (gzip.BadGzipFile, EOFError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path} cannot be read as {'gzip-compressed ' if gz else ''}UTF-8 JSONL ({exc})") from exc
 
 
 def iter_documents(files: Iterable[str | os.PathLike], text_key: str = "text") -> Iterator[str]:
