@@ -37,3 +37,27 @@ def test_train_and_load_by_path(tmp_path):
 def test_hub_names_are_refused():
     with pytest.raises(TokenizerError, match="never downloads"):
         load_tokenizer("EleutherAI/gpt-neox-20b")
+
+
+def test_make_tokenizer_rebuilds_the_shipped_file_byte_for_byte(tmp_path, capsys):
+    from smalti.llm import make_tokenizer
+    from smalti.llm.tokenizer import shipped_tokenizer_path
+
+    problems = make_tokenizer.source_mismatches()
+    if problems:  # another Python's help text: the merges would differ, and make_tokenizer refuses (tested below)
+        pytest.skip("; ".join(problems))
+    out = tmp_path / "rebuilt.json"
+    assert make_tokenizer.main(["--output", str(out)]) == 0
+    assert "2048 tokens" in capsys.readouterr().out
+    assert out.read_bytes() == shipped_tokenizer_path().read_bytes()
+
+
+def test_make_tokenizer_refuses_different_training_text(tmp_path, monkeypatch, capsys):
+    from smalti.llm import make_tokenizer
+
+    monkeypatch.setattr(make_tokenizer, "topics_text", lambda: "Some other help text.\n\nAnother topic.")
+    out = tmp_path / "tok.json"
+    assert make_tokenizer.main(["--output", str(out)]) == 2
+    assert "pydoc_data.topics" in capsys.readouterr().err and not out.exists()
+    tok = make_tokenizer.make_tokenizer(out, allow_other_sources=True)
+    assert out.is_file() and tok.decode(tok.encode(TEXT)) == TEXT
