@@ -8,7 +8,8 @@
 
 Exit codes:
     0   healthy (or, for ``cordon``, done)
-    1   a check failed (``gpu`` verdict fail, ``collectives`` below ``--min-busbw``, ``compute`` below a bound)
+    1   a check failed (``gpu`` verdict fail, ``collectives`` an op's large-message mean busbw below
+        ``--min-busbw``, ``compute`` below a bound)
     2   bad arguments or input (the message names the value at fault)
     4   ``gpu``: there is no GPU or NVML on this machine
     93  ``preflight``: this node must not run the job (cordoned, or a check failed): do not restart here
@@ -38,11 +39,15 @@ def _parser() -> argparse.ArgumentParser:
     col = sub.add_parser("collectives", help="collective bandwidth sweep on the current process group")
     col.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter,all_to_all")
     col.add_argument("--min-bytes", type=int, default=1 << 10)
-    col.add_argument("--max-bytes", type=int, default=1 << 24)
+    col.add_argument("--max-bytes", type=int, default=None,
+                     help="largest message (default 256 MiB on NCCL, 16 MiB on gloo)")
     col.add_argument("--factor", type=int, default=4, help="size multiplier between steps of the sweep")
     col.add_argument("--iters", type=int, default=5)
     col.add_argument("--warmup", type=int, default=1)
-    col.add_argument("--min-busbw", type=float, default=None, help="GB/s; fail when any op/size is below it")
+    col.add_argument("--min-busbw", type=float, default=None,
+                     help="GB/s; fail when an op's mean busbw over the large sizes (see --gate-min-bytes) is below it")
+    col.add_argument("--gate-min-bytes", type=int, default=None,
+                     help="sizes the --min-busbw gate averages: at least this many bytes (default max-bytes / 16)")
     col.add_argument("--pairwise", action="store_true", help="also time send/recv between every pair of ranks")
     comp = sub.add_parser("compute", help="matmul FLOP/s of this device vs its peak and its peers")
     comp.add_argument("--seconds", type=float, default=1.0)
@@ -98,15 +103,17 @@ def _run(args: argparse.Namespace) -> int:
         return CHECK_FAILED_EXIT if worst(*(r.verdict for r in results)) in bad else 0
     if args.command == "collectives":
         from smalti.core import distributed
-        from smalti.health.collectives import run_collectives, run_pairwise
+        from smalti.health.collectives import default_max_bytes, run_collectives, run_pairwise
 
         distributed.init_process_group()
         try:
             ops = [o.strip() for o in args.ops.split(",") if o.strip()]
-            results = run_collectives(ops, _sizes(args.min_bytes, args.max_bytes, args.factor), args.iters,
-                                      args.warmup, min_busbw_gbps=args.min_busbw)
+            max_bytes = args.max_bytes or default_max_bytes()
+            results = run_collectives(ops, _sizes(args.min_bytes, max_bytes, args.factor),
+                                      args.iters, args.warmup, min_busbw_gbps=args.min_busbw,
+                                      gate_min_bytes=args.gate_min_bytes)
             if args.pairwise:
-                results += run_pairwise(args.max_bytes, args.iters)
+                results += run_pairwise(max_bytes, args.iters)
         finally:
             distributed.shutdown()
         if distributed.get_rank() == 0:

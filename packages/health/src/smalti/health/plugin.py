@@ -9,5 +9,5 @@ hookimpl = pluggy.HookimplMarker("smalti")
 
 @hookimpl
 def smalti_config_searchpath() -> str:
-    """Add the ``health`` config group's options (watchdog, straggler, mfu_alarm, gpu_monitor, all)."""
+    """Add the ``health`` config group's options: watchdog, straggler, mfu_alarm, gpu_monitor."""
     return "pkg://smalti.health.conf"
