@@ -1,5 +1,6 @@
 """A fake NVML binding that replays recorded answers (no GPU on CI), shared by the GPU tests."""
 
+import ctypes
 import threading
 from types import SimpleNamespace
 
@@ -14,6 +15,8 @@ class RecordedNvml:
     ``temperature``, ``recovery`` (None: field unsupported), ``unsupported`` (set of call names),
     ``block`` (call name, or set of names, that never return), ``lost`` (True: its handle raises GpuIsLost).
     ``xids`` is a list of (device index, xid) pending events; ``init_block`` makes ``nvmlInit`` hang.
+    Handles are what real pynvml gives: ctypes device pointers, a new object on every call with the same
+    address for the same device (so ``==`` between two handles of one device is False, as on real NVML).
     """
 
     NVML_MEMORY_ERROR_TYPE_CORRECTED = 0
@@ -30,9 +33,17 @@ class RecordedNvml:
         self.calls = []
         self.released = threading.Event()
 
+    @staticmethod
+    def _handle(index):
+        return ctypes.cast(ctypes.c_void_p(0x1000 * (index + 1)), pynvml.c_nvmlDevice_t)
+
+    @staticmethod
+    def _index(handle):
+        return ctypes.cast(handle, ctypes.c_void_p).value // 0x1000 - 1
+
     def _dev(self, handle, call):
         self.calls.append(call)
-        dev = self.devices[handle]
+        dev = self.devices[self._index(handle)]
         if call in dev.get("unsupported", ()):
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
         block = dev.get("block", ())
@@ -55,7 +66,10 @@ class RecordedNvml:
     def nvmlDeviceGetHandleByIndex(self, i):
         if self.devices[i].get("lost"):
             raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
-        return i
+        return self._handle(i)
+
+    def nvmlDeviceGetIndex(self, h):
+        return self._index(h)
 
     def nvmlDeviceGetName(self, h):
         return self._dev(h, "nvmlDeviceGetName").get("name", "NVIDIA H100 80GB HBM3")
@@ -88,7 +102,7 @@ class RecordedNvml:
         if not self.xids:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_TIMEOUT)
         index, xid = self.xids.pop(0)
-        return SimpleNamespace(device=index, eventType=0x8, eventData=xid)
+        return SimpleNamespace(device=self._handle(index), eventType=0x8, eventData=xid)
 
     def nvmlEventSetFree(self, event_set):
         pass

@@ -12,6 +12,7 @@ device costs one deadline, not one per call. ``nvmlInit`` itself hanging is a ``
 from __future__ import annotations
 
 import contextlib
+import ctypes
 from typing import Any
 
 from smalti.health.deadline import DeadlineExceeded, call_with_deadline
@@ -144,11 +145,26 @@ class GpuChecker:
             except Exception:  # NVML_ERROR_TIMEOUT: nothing pending
                 break
             xid = int(getattr(data, "eventData", 0))
-            index = next((i for i, h in enumerate(self._handles) if h == getattr(data, "device", None)), -1)
+            index = self._device_index(getattr(data, "device", None))
             if int(getattr(data, "eventType", _XID_EVENT)) == _DBE_EVENT and not xid:
                 xid = 48
             seen.setdefault(index, []).append(xid)
         return seen
+
+    def _device_index(self, device: Any) -> int:
+        """Which of our GPUs an event's ``device`` handle is (-1: unknown, then it counts against every GPU).
+
+        pynvml handles are ctypes pointers: NVML gives the same address for a device each time, but every
+        call wraps it in a new Python object and pointers compare by identity, so compare addresses.
+        """
+        if device is None:
+            return -1
+        key = _handle_address(device)
+        index = next((i for i, h in enumerate(self._handles) if h is not None and _handle_address(h) == key), -1)
+        if index < 0:
+            with contextlib.suppress(Exception):
+                index = int(self._call("nvmlDeviceGetIndex", device))
+        return index if 0 <= index < len(self._handles) else -1
 
     # -------------------------------------------------------------- the check
 
@@ -264,3 +280,10 @@ def check_gpus(nvml: Any | None = None, call_deadline_s: float = 5.0) -> list[Ch
     finally:
         checker.close()
 
+
+def _handle_address(handle: Any) -> Any:
+    """The address a pynvml device handle points at (the handle itself when it is no pointer)."""
+    try:
+        return ctypes.cast(handle, ctypes.c_void_p).value
+    except (TypeError, ctypes.ArgumentError):
+        return handle
