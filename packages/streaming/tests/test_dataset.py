@@ -6,33 +6,26 @@ import torch
 from torch.utils.data import DataLoader
 
 from smalti.streaming import Stream, StreamingDataset, StreamingError
-from smalti.streaming.order import SHUFFLES, rank_batches
+from smalti.streaming.order import SHUFFLES
 
 
 def ids(ds, **loader_kw):
     return [int(i) for batch in DataLoader(ds, batch_size=ds.batch_size, **loader_kw) for i in batch["id"]]
 
 
-def global_batches(local, nodes, ranks, workers, algo="py1e", epoch=0):
-    """Global batches as the union of every rank's batch, computed the way each rank's workers would."""
-    world = nodes * ranks
-    per_rank = []
-    for rank in range(world):
-        ds = StreamingDataset(local=str(local), batch_size=8, shuffle=True, shuffle_algo=algo, num_canonical_nodes=4,
-                              shuffle_block_size=64, rank=rank, world_size=world)
-        order = ds.epoch_order(epoch)
-        by_worker = [rank_batches(order, 8, rank, world, w, workers) for w in range(workers)]
-        # The DataLoader yields worker 0's first batch, then worker 1's, ...
-        per_rank.append([by_worker[b % workers][b // workers] for b in range(sum(map(len, by_worker)))])
-    return [sorted(np.concatenate([r[b] for r in per_rank]).tolist()) for b in range(len(per_rank[0]))]
-
-
 @pytest.mark.parametrize("algo", SHUFFLES)
-def test_same_global_batches_on_any_topology(dataset_dir, algo):
-    reference = global_batches(dataset_dir, 1, 4, 1, algo)
-    assert global_batches(dataset_dir, 2, 2, 1, algo) == reference
-    assert global_batches(dataset_dir, 4, 1, 3, algo) == reference
-    assert global_batches(dataset_dir, 2, 2, 3, algo) == reference
+def test_every_shuffle_reads_each_sample_once_per_epoch_over_two_ranks(dataset_dir, algo):
+    def read(rank, epoch=0):
+        ds = StreamingDataset(local=str(dataset_dir), batch_size=8, shuffle=True, shuffle_algo=algo,
+                              num_canonical_nodes=4, shuffle_block_size=64, rank=rank, world_size=2)
+        ds.set_epoch(epoch)
+        return ids(ds)
+
+    first = read(0) + read(1)
+    assert len(first) == 1008 and set(first) == set(range(1003))  # 5 samples of padding
+    assert first[:504] != sorted(first[:504])  # shuffled
+    second = read(0, 1) + read(1, 1)
+    assert set(second) == set(range(1003)) and second != first
 
 
 def test_real_workers_yield_the_same_order(dataset_dir):
@@ -95,21 +88,37 @@ def test_stream_mixing_counts(tmp_path, make_dataset):
 
 @pytest.mark.parametrize("method", ["stratified", "per_stream", "device_per_stream"])
 def test_batching_methods_exact_counts(tmp_path, method, make_dataset):
-    write_dataset = make_dataset
-
-    a = write_dataset(tmp_path / "a", n=300)
-    b = write_dataset(tmp_path / "b", n=100)
+    a = make_dataset(tmp_path / "a", n=300)
+    b = make_dataset(tmp_path / "b", n=100)
     ds = StreamingDataset(streams=[Stream(local=str(a)), Stream(local=str(b))], batch_size=4, world_size=2, rank=0,
                           shuffle=True, batching_method=method)
-    batches = ds.epoch_order(0).reshape(-1, 8)
+    order = ds.epoch_order(0)
+    batches = order.reshape(-1, 8)  # global batches: 2 ranks x 4
     from_b = (batches >= 300).sum(1)
     if method == "stratified":
-        assert set(from_b.tolist()) == {2}  # 8 * 100/400 of every global batch
-    elif method == "per_stream":
-        assert set(from_b.tolist()) <= {0, 8}
+        # 6 from a and 2 from b in every global batch, until a stream runs out: 50 batches, every sample once.
+        assert len(batches) == 50 and from_b.tolist() == [2] * 50
+        assert sorted(order.tolist()) == list(range(400))
+        return
+    if method == "per_stream":
+        # Whole global batches from one stream: 300 // 8 = 37 from a, 100 // 8 = 12 from b.
+        assert sorted(from_b.tolist()) == [0] * 37 + [8] * 12
+        assert np.flatnonzero(from_b == 8).tolist() != list(range(37, 49))  # the batches of streams are shuffled
     else:
-        per_device = (batches.reshape(-1, 4) >= 300).sum(1)
-        assert set(per_device.tolist()) <= {0, 4}
+        # Each device batch from one stream: 300 // 4 = 75 from a, 100 // 4 = 25 from b (100 = 50 global).
+        per_device = (order.reshape(-1, 4) >= 300).sum(1)
+        assert sorted(per_device.tolist()) == [0] * 75 + [4] * 25
+        assert len(batches) == 50 and 4 in from_b.tolist()  # a global batch can mix the streams
+    assert len(set(order.tolist())) == len(order)  # no sample twice
+
+    def rank_ids(rank):
+        ds = StreamingDataset(streams=[Stream(local=str(a)), Stream(local=str(b))], batch_size=4, world_size=2,
+                              rank=rank, shuffle=True, batching_method=method)
+        return [batch["id"].tolist() for batch in DataLoader(ds, batch_size=4)]
+
+    # What the ranks really read: every device batch from one stream (ids of b are < 100, of a up to 299).
+    expected = [[int(i) - (300 if i >= 300 else 0) for i in row] for row in order.reshape(-1, 4)]
+    assert [x for pair in zip(rank_ids(0), rank_ids(1)) for x in pair] == expected
 
 
 def test_getitem_and_two_datasets_in_one_process(dataset_dir, tmp_path, make_dataset):

@@ -2,6 +2,7 @@
 
 import glob
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -13,22 +14,60 @@ from torch.utils.data import DataLoader
 from smalti.streaming import StreamingDataset
 
 
-def rank_batches_by_iterating(local, rank, world, workers):
-    ds = StreamingDataset(local=str(local), batch_size=8, shuffle=True, shuffle_algo="py1e", num_canonical_nodes=4,
-                          shuffle_block_size=64, rank=rank, world_size=world)
-    return [batch["id"].tolist() for batch in DataLoader(ds, batch_size=8, num_workers=workers)]
+def read_as_rank(env, remote, local, out, workers):
+    """One rank's process: the environment torchrun would give it, this node's cache, its batches to ``out``."""
+    os.environ.update(env)
+    ds = StreamingDataset(remote=str(remote), local=str(local), batch_size=8, shuffle=True, shuffle_algo="py1e",
+                          num_canonical_nodes=4, shuffle_block_size=64)
+    batches = [b["id"].tolist() for b in DataLoader(ds, batch_size=8, num_workers=workers)]
+    out.write_text(json.dumps({"batches": batches, "layout": [ds.physical_nodes, ds.local_world, ds.local_rank]}))
 
 
-@pytest.mark.parametrize(("nodes", "ranks", "workers"), [(2, 2, 1), (4, 1, 3), (1, 4, 3)])
-def test_iterated_global_batches_match_on_1x4_2x2_4x1_and_1_or_3_workers(dataset_dir, nodes, ranks, workers):
-    def global_batches(world, workers):
-        per_rank = [rank_batches_by_iterating(dataset_dir, r, world, workers) for r in range(world)]
-        assert len({len(r) for r in per_rank}) == 1
-        return [sorted(np.concatenate([r[b] for r in per_rank]).tolist()) for b in range(len(per_rank[0]))]
+def global_batches(per_rank):
+    assert len({len(r) for r in per_rank}) == 1
+    return [sorted(np.concatenate([r[b] for r in per_rank]).tolist()) for b in range(len(per_rank[0]))]
 
-    reference = global_batches(4, 0)  # 1 node x 4 ranks, samples read in the rank's own process
+
+@pytest.mark.parametrize(("nodes", "ranks", "workers"), [(2, 2, 3), (4, 1, 1)])
+def test_iterated_global_batches_match_on_1x4_2x2_4x1_and_1_or_3_workers(dataset_dir, tmp_path, nodes, ranks,
+                                                                          workers):
+    """Every rank a process (RANK/WORLD_SIZE/LOCAL_WORLD_SIZE as torchrun sets them), one cache per node."""
+    world = nodes * ranks
+    # Reference: 1 node x 4 ranks reading the dataset in place, each rank iterated in this process.
+    reference = global_batches([
+        [b["id"].tolist() for b in DataLoader(
+            StreamingDataset(local=str(dataset_dir), batch_size=8, shuffle=True, shuffle_algo="py1e",
+                             num_canonical_nodes=4, shuffle_block_size=64, rank=r, world_size=4,
+                             local_world_size=4), batch_size=8)]
+        for r in range(4)])
     assert {i for b in reference for i in b} == set(range(1003))  # every sample (plus padding repeats)
-    assert global_batches(nodes * ranks, workers) == reference
+    # Forked (torch is already imported here), like the DataLoader's own workers.
+    ctx = multiprocessing.get_context("fork")
+    procs = []
+    for rank in range(world):
+        env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % ranks),
+               "LOCAL_WORLD_SIZE": str(ranks)}
+        args = (env, dataset_dir, tmp_path / f"node{rank // ranks}", tmp_path / f"rank{rank}.json", workers)
+        procs.append(ctx.Process(target=read_as_rank, args=args))
+        procs[-1].start()
+    try:
+        for proc in procs:
+            proc.join(timeout=120)
+            assert proc.exitcode == 0, f"rank process exited with {proc.exitcode}"
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=10)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    assert [r["layout"] for r in results] == [[nodes, ranks, r % ranks] for r in range(world)]
+    per_rank = [r["batches"] for r in results]
+    assert global_batches(per_rank) == reference
+    # The node layout is real: each node's cache holds its canonical nodes' shards, about 1/nodes of them.
+    total = len(json.loads((dataset_dir / "index.json").read_text())["shards"])
+    cached = [{p.name for p in (tmp_path / f"node{n}").glob("shard.*")} for n in range(nodes)]
+    assert len(set().union(*cached)) == total
+    assert all(len(c) <= total // nodes + 3 for c in cached), [len(c) for c in cached]
 
 
 KILLED = r"""

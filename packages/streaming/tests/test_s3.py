@@ -1,11 +1,12 @@
 """StreamingDataset against a real S3 endpoint on loopback (moto's server), with faults injected by a proxy."""
 
+import json
 import time
 
 import pytest
 from torch.utils.data import DataLoader
 
-from smalti.streaming import ShardCorruptError, StreamingDataset, StreamingError
+from smalti.streaming import ShardCorruptError, Stream, StreamingDataset, StreamingError
 
 
 def ids(ds, **loader_kw):
@@ -16,18 +17,53 @@ def local_order(path):
     return ids(StreamingDataset(local=str(path), batch_size=8, shuffle=True))
 
 
-def test_s3_remote_with_cache_limit(dataset_dir, upload_dataset, tmp_path):
+def largest_shard(path):
+    """Bytes of the largest shard with its zip, as the cache limit counts them."""
+    entries = json.loads((path / "index.json").read_text())["shards"]
+    return max(e["raw_data"]["bytes"] + ((e.get("zip_data") or {}).get("bytes") or 0) for e in entries), len(entries)
+
+
+def cached_bytes(folder):
+    return sum(p.stat().st_size for p in folder.glob("shard.*"))
+
+
+KW = {"batch_size": 8, "shuffle": True, "shuffle_block_size": 64, "predownload": 0}
+
+
+def test_s3_remote_with_cache_limit(dataset_dir, upload_dataset, s3_proxy, tmp_path):
     remote = upload_dataset(dataset_dir)
-    largest = max(p.stat().st_size for p in dataset_dir.iterdir())
+    largest, shards = largest_shard(dataset_dir)
     with pytest.raises(StreamingError, match="cache_limit"):
-        StreamingDataset(remote=remote, local=str(tmp_path / "c0"), batch_size=8, cache_limit=100)
-    ds = StreamingDataset(remote=remote, local=str(tmp_path / "cache"), batch_size=8, shuffle=True,
-                          cache_limit=6 * largest)
+        StreamingDataset(remote=remote, local=str(tmp_path / "c0"), batch_size=8, cache_limit=largest - 1)
+    proxy = s3_proxy()
+    limit = 3 * largest
+    cache = tmp_path / "cache"
+    ds = StreamingDataset(remote=remote, local=str(cache), cache_limit=limit, **KW)
+    got, peak = [], 0
+    for sample in ds:  # in this process, without prefetching: every yield comes after the eviction
+        got.append(int(sample["id"]))
+        peak = max(peak, cached_bytes(cache))
+    assert peak <= limit
+    assert got == ids(StreamingDataset(local=str(dataset_dir), **KW))  # exactly the epoch, evictions or not
+    assert len(proxy.gets) == shards
+    assert sum(proxy.gets.values()) > shards, proxy.gets  # evicted shards were downloaded again when needed
+    assert len(list(cache.glob("shard.*"))) < shards
+
+
+def test_cache_limit_never_evicts_shards_that_exist_only_locally(dataset_dir, upload_dataset, make_dataset,
+                                                                 tmp_path):
+    remote = upload_dataset(dataset_dir)
+    own = make_dataset(tmp_path / "own", n=300, compression=None)  # no remote: the only copy
+    own_shards = {p.name: p.read_bytes() for p in own.glob("shard.*")}
+    largest = max(largest_shard(dataset_dir)[0], largest_shard(own)[0])
+    cache = tmp_path / "cache"
+    ds = StreamingDataset(streams=[Stream(remote=remote, local=str(cache)), Stream(local=str(own))],
+                          cache_limit=3 * largest, **KW)
     got = ids(ds)
-    assert set(got) == set(range(1003))
-    cached = sum(p.stat().st_size for p in (tmp_path / "cache").glob("shard.*"))
-    assert cached <= 6 * largest
-    assert got == local_order(dataset_dir)
+    assert len(got) == 1303 + (-1303) % 8
+    assert {p.name: p.read_bytes() for p in own.glob("shard.*")} == own_shards  # all still there, unchanged
+    assert cached_bytes(cache) <= 3 * largest  # while the downloaded ones were evicted to the limit
+    assert len(list(cache.glob("shard.*"))) < largest_shard(dataset_dir)[1]
 
 
 def test_s3_errors_and_slow_responses_still_give_exact_epoch(dataset_dir, upload_dataset, faulty_s3, tmp_path):
