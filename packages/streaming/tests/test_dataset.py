@@ -234,3 +234,76 @@ def test_corrupt_local_shard_names_shard_and_stream(tmp_path, make_dataset):
 
     with pytest.raises(ShardCorruptError, match=rf"{shard.name} of stream {data}.*xxh64"):
         ids(StreamingDataset(local=str(data), batch_size=8))
+
+
+def test_partition_algo_orig_needs_node_count_and_canonical_nodes_to_divide(dataset_dir):
+    def make(world, local_world, algo, ncn=None):
+        return StreamingDataset(local=str(dataset_dir), batch_size=8, world_size=world, rank=0,
+                                local_world_size=local_world, partition_algo=algo, num_canonical_nodes=ncn)
+
+    with pytest.raises(StreamingError, match=r"partition_algo='orig'.*node count \(3 .*num_canonical_nodes=2"):
+        make(3, 1, "orig", 2)
+    assert make(3, 1, "relaxed", 2).num_canonical_nodes == 2  # relaxed takes any node count
+    assert make(4, 2, "orig", 4).physical_nodes == 2  # 2 nodes divide 4 canonical nodes
+    assert make(4, 1, "orig", 2).physical_nodes == 4  # 4 nodes are a multiple of 2
+    with pytest.raises(StreamingError, match="partition_algo='fancy' is not one of orig, relaxed"):
+        make(1, 1, "fancy")
+    with pytest.raises(StreamingError, match="local_world_size=3 .* must divide the world size 4"):
+        make(4, 3, "relaxed")
+    state = make(4, 2, "orig").state_dict()
+    assert (state["partition_algo"], state["physical_nodes"], state["num_canonical_nodes"]) == ("orig", 2, 2)
+    # Resuming an orig run on 3 nodes with the checkpoint's 2 canonical nodes breaks the rule: said so.
+    with pytest.raises(StreamingError, match="partition_algo='orig'"):
+        make(3, 1, "orig").load_state_dict(state)
+
+
+def test_default_canonical_nodes_follow_the_first_run_and_survive_a_resume_on_another_layout(dataset_dir):
+    def make(world, local_world, rank, batch_size, **kw):
+        return StreamingDataset(local=str(dataset_dir), batch_size=batch_size, shuffle=True, world_size=world,
+                                rank=rank, local_world_size=local_world, **kw)
+
+    assert make(4, 2, 0, 8).num_canonical_nodes == 2  # the node count, as mosaicml-streaming does
+    assert make(4, 2, 0, 8, shuffle_algo="py1s").num_canonical_nodes == 128  # 64x for py1s/py2s
+    # First run: 2 nodes of 1 rank, batches of 8 (global 16). Its checkpoint after 10 global batches...
+    first = [ids(make(2, 1, r, 8)) for r in range(2)]
+    full = [sorted(first[0][i : i + 8] + first[1][i : i + 8]) for i in range(0, len(first[0]), 8)]
+    state = make(2, 1, 0, 8).state_dict(num_samples=160)
+    assert state["num_canonical_nodes"] == 2
+    # ...resumed on 1 node of 4 ranks with batches of 4 (still 16 global): the same remaining global batches.
+    resumed = []
+    for r in range(4):
+        ds = make(4, 4, r, 4)
+        assert ds.num_canonical_nodes == 1
+        ds.load_state_dict(state)
+        resumed.append(ids(ds))
+    tail = [sorted(sum((resumed[r][i : i + 4] for r in range(4)), [])) for i in range(0, len(resumed[0]), 4)]
+    assert tail == full[10:]
+    # An explicit, different value is a mismatch, not something to adopt.
+    with pytest.raises(StreamingError, match="num_canonical_nodes"):
+        make(4, 4, 0, 4, num_canonical_nodes=1).load_state_dict(state)
+
+
+def test_shuffle_algo_is_checked_when_the_dataset_is_made(dataset_dir):
+    with pytest.raises(StreamingError, match="shuffle_algo='py1b' is not one of naive, py1s, py2s, py1br, py1e"):
+        StreamingDataset(local=str(dataset_dir), batch_size=8, shuffle_algo="py1b")
+
+
+def test_stale_temporary_downloads_are_removed_and_fresh_ones_kept(dataset_dir, tmp_path):
+    import os
+    import shutil
+    import time
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    shutil.copy(dataset_dir / "index.json", cache / "index.json")
+    stale = cache / ".shard.00001.mds.zstd.k1lled.tmp"  # left by a SIGKILLed download an hour ago
+    fresh = cache / ".shard.00002.mds.zstd.runn1ng.tmp"  # another process is downloading it right now
+    unrelated = cache / "notes.tmp"
+    for path in (stale, fresh, unrelated):
+        path.write_bytes(b"partial")
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    os.utime(unrelated, (old, old))
+    ds = StreamingDataset(remote=str(dataset_dir), local=str(cache), batch_size=8)
+    assert not stale.exists() and fresh.exists() and unrelated.exists()
+    assert sorted(ids(ds)) == sorted(list(range(1003)) + list(range(5)))
