@@ -1,0 +1,118 @@
+"""What smalti-health's trainer plugins cost per step, and how fast the hang watchdog reports a hung rank.
+
+1. Trains the same MLP (about 10 ms a step on CPU) with the health plugins off and with every one on
+   (hang watchdog, straggler detector, throughput alarm, GPU monitor), alternating rounds so both see the
+   same machine noise; prints the median step times and the ratio on/off (goal: <= 1.01).
+2. Runs 2 gloo ranks under torchrun where rank 1 hangs inside a step, with the watchdog at ``--timeout``
+   seconds; prints the time from the hang to the merged report on disk (the report file's mtime, i.e. when
+   the last rank finished writing it; goal: within timeout + 5 s) and checks that it blames rank 1 alone.
+
+Everything runs on the CPU (``device="cpu"``), also on a GPU host, so the gloo ranks never land on CUDA.
+
+    python bench/health_overhead.py [--steps 300] [--rounds 4] [--timeout 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from smalti.core import Callback, Trainer
+from smalti.health.gpu_monitor import GpuMonitor
+from smalti.health.mfu_alarm import ThroughputAlarm
+from smalti.health.straggler import StragglerDetector
+from smalti.health.watchdog import HangWatchdog
+
+sys.path.insert(0, str(Path(__file__).parent))
+from trainer_overhead import Net, StepTimer, make_loader  # noqa: E402
+
+
+def health_plugins(report_dir: str) -> dict[str, Callback]:
+    return {
+        "watchdog": HangWatchdog(timeout_s=600, report_dir=report_dir),
+        "straggler": StragglerDetector(interval=50),
+        "mfu_alarm": ThroughputAlarm(min_samples_per_sec=1.0, interval=50),
+        "gpu_monitor": GpuMonitor(interval_s=60),
+    }
+
+
+def run(loader, width: int, plugins: dict[str, Callback]) -> list[float]:
+    torch.manual_seed(0)
+    timer = StepTimer()
+    Trainer(Net(width), loader, f"{len(loader)}ba", optimizers=functools.partial(torch.optim.AdamW, lr=1e-4),
+            callbacks={**plugins, "timer": timer}, eval_interval=None, device="cpu").fit()
+    return timer.times
+
+
+def hang_worker(out: Path, timeout: float) -> None:
+    """One rank of the hang measurement (run by torchrun): rank 1 sleeps in batch 5."""
+
+    class Hang(Callback):
+        def on_after_forward(self, state) -> None:
+            if state.rank == 1 and state.timestamp.batch == 5:
+                (out / "hang-started").write_text(str(time.time()))
+                time.sleep(timeout * 10 + 60)
+
+    torch.distributed.init_process_group("gloo")
+    loader = make_loader(40, 8, 64)
+    Trainer(Net(64), loader, "40ba", optimizers=functools.partial(torch.optim.SGD, lr=1e-3),
+            callbacks={"hang": Hang(), "watchdog": HangWatchdog(timeout_s=timeout, report_dir=str(out), poll_s=0.2,
+                                                                  grace_s=2.0)}, eval_interval=None,
+            device="cpu").fit()
+
+
+def time_to_report(timeout: float) -> float:
+    from smalti.testing import run_torchrun
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        proc = run_torchrun(__file__, 2, ["--hang-worker", str(out), "--timeout", str(timeout)],
+                            timeout=timeout * 4 + 120)
+        if not (out / "hang-report.json").exists():
+            raise SystemExit(f"no hang report; exit {proc.returncode}\n{(proc.stdout + proc.stderr)[-3000:]}")
+        started = float((out / "hang-started").read_text())
+        report = json.loads((out / "hang-report.json").read_text())
+        reported = (out / "hang-report.json").stat().st_mtime
+        print(f"watchdog: stuck ranks {report['stuck_ranks']} in {report['stuck_hooks']}, exit code {proc.returncode}")
+        if report["stuck_ranks"] != [1]:
+            raise SystemExit(f"the watchdog blamed {report['stuck_ranks']}, not [1]: {json.dumps(report)[:3000]}")
+        return reported - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--timeout", type=float, default=5.0)
+    parser.add_argument("--hang-worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.hang_worker:
+        hang_worker(Path(args.hang_worker), args.timeout)
+        return
+    loader = make_loader(args.steps, args.batch, args.width)
+    warmup = 10
+    off, on = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(args.rounds):
+            off += run(loader, args.width, {})[warmup:]
+            on += run(loader, args.width, health_plugins(tmp))[warmup:]
+    o, n = statistics.median(off) * 1e3, statistics.median(on) * 1e3
+    print(f"health plugins off  median step {o:7.3f} ms")
+    print(f"health plugins on   median step {n:7.3f} ms  (watchdog, straggler, mfu_alarm, gpu_monitor)")
+    print(f"ratio on / off = {n / o:.4f}   (goal <= 1.01)")
+    seconds = time_to_report(args.timeout)
+    print(f"hang to watchdog report: {seconds:.2f} s with timeout {args.timeout:g} s   (goal <= {args.timeout + 5:g} s)")
+
+
+if __name__ == "__main__":
+    main()
