@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -182,6 +183,42 @@ def test_weights_only_ignore_keys_and_strictness(tmp_path):
     with make_trainer("1ba", Checkpointer(load_path=str(tmp_path), load_weights_only=True, load_strict=False),
                       model=MLPRegressor(depth=3)) as loose:
         assert torch.equal(loose.state.model.blocks[1][0].weight, weights["blocks.1.0.weight"])
+
+
+def test_epoch_cadence_saves_at_each_epoch_end(tmp_path):
+    make_trainer("14ba", Checkpointer(str(tmp_path), save_interval="1ep", save_on_fit_end=False)).fit()  # 6 batches an epoch
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["ep1-ba6", "ep2-ba12"]
+    assert json.loads((tmp_path / "ep2-ba12" / "manifest.json").read_text())["timestamp"]["epoch"] == 2
+
+
+class SlowSave(Checkpointer):
+    """An async Checkpointer on a slow disk: staging blocks ``blocked_s`` and the commit takes ``commit_s``."""
+
+    def __init__(self, *args, blocked_s=0.4, commit_s=0.4, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.blocked_s, self.commit_s = blocked_s, commit_s
+
+    def save(self, state, logger):
+        time.sleep(self.blocked_s)
+        super().save(state, logger)
+
+    def _commit(self, *args):
+        time.sleep(self.commit_s)
+        return super()._commit(*args)
+
+
+def test_step_time_while_a_save_is_in_flight_is_reported_without_the_blocked_time(tmp_path):
+    recorder = MetricsRecorder()
+    make_trainer("6ba", SlowSave(str(tmp_path), save_interval="2ba", async_save=True),
+                 loggers={"rec": recorder}).fit()
+    in_flight = recorder.metrics["checkpoint/step_time_in_flight_s"]
+    # ba2's save is in flight during batches 3 and 4 (its commit takes 0.4 s), ba4's during 5 and 6
+    assert len(in_flight) == 4, recorder.metrics.keys()
+    assert max(in_flight) < 0.3  # a step's time excludes the save (>= 0.4 s blocked) that ran before it began
+    normal, ratio = recorder.metrics["checkpoint/step_time_s"], recorder.metrics["checkpoint/step_time_in_flight_ratio"]
+    assert len(normal) == len(ratio) == 4
+    for step, base, r in zip(in_flight, normal, ratio):
+        assert base > 0 and r == pytest.approx(step / base)
 
 
 class SendSignal(Callback):

@@ -3,22 +3,24 @@
 import functools
 import json
 import os
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from smalti.checkpoint import Checkpointer
+from smalti.checkpoint import Checkpointer, ReshardError
 
 SINGLE = """
 import functools, sys, torch
 from smalti.core import Trainer
 from smalti.core.data import build_dataloader
 from smalti.core.examples import MLPRegressor, SyntheticRegression
-from smalti.checkpoint import Checkpointer
+from smalti.checkpoint import Checkpointer, ReshardError
 from torch.distributed.checkpoint.state_dict import get_state_dict
 load, save, dump = sys.argv[1:4]
 torch.manual_seed(0)
@@ -33,7 +35,20 @@ torch.save({"model": model_sd, "optim": optim_sd, "batch": t.state.timestamp.bat
 """
 
 
-def make_trainer(parallelism, duration, checkpointer):
+SUPPORT = str(Path(__file__).parent / "support")
+STATEFUL_SAVE = """
+import functools, sys, torch
+from smalti.core import Trainer
+from smalti.core.examples import MLPRegressor
+from smalti.checkpoint import Checkpointer
+from stateful_loader import PositionLoader
+torch.manual_seed(0)
+Trainer(MLPRegressor(), PositionLoader(), "3ba", optimizers=functools.partial(torch.optim.AdamW, lr=1e-2),
+        callbacks={"checkpoint": Checkpointer(sys.argv[1], save_interval="3ba")}).fit()
+"""
+
+
+def make_trainer(parallelism, duration, checkpointer, callbacks=None):
     from smalti.core import Trainer
     from smalti.core.data import build_dataloader
     from smalti.core.examples import MLPRegressor, SyntheticRegression
@@ -41,7 +56,7 @@ def make_trainer(parallelism, duration, checkpointer):
     loader = build_dataloader(SyntheticRegression(256), 16, dp_rank=dist.get_rank(), dp_world_size=2, seed=5)
     torch.manual_seed(0)
     return Trainer(MLPRegressor(), loader, duration, optimizers=functools.partial(torch.optim.AdamW, lr=1e-2),
-                   parallelism=parallelism, callbacks={"checkpoint": checkpointer})
+                   parallelism=parallelism, callbacks={**(callbacks or {}), "checkpoint": checkpointer})
 
 
 def full_state(trainer):
@@ -64,10 +79,11 @@ def assert_nested_equal(a, b, where=""):
         assert a == b, where
 
 
-def run_single_process(load, save, dump):
+def run_single_process(load, save, dump, script=SINGLE):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                                                                "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")}
-    out = subprocess.run([sys.executable, "-c", SINGLE, load, save, dump], env=env, capture_output=True, text=True,
+    env["PYTHONPATH"] = os.pathsep.join([SUPPORT, *sys.path])
+    out = subprocess.run([sys.executable, "-c", script, load, save, dump], env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-4000:]
 
@@ -127,3 +143,48 @@ def test_hsdp_writes_from_the_first_replica_group_and_loads_fsdp_checkpoints(sha
     final = full_state(hsdp)
     with make_trainer(FSDP(), "4ba", Checkpointer(load_path=str(hsdp_dir))) as back:
         assert_nested_equal(final, full_state(back))
+
+
+@pytest.mark.world_size(2)
+def test_stateful_loader_position_does_not_follow_a_change_of_data_parallel_size(shared_tmp_path):
+    from smalti.core import Trainer
+    from smalti.core.examples import MLPRegressor
+    from smalti.core.parallelism import FSDP
+
+    sys.path.insert(0, SUPPORT)
+    from stateful_loader import PositionLoader
+
+    folder = shared_tmp_path / "one"
+    if dist.get_rank() == 0:  # saved by one process, 3 batches into its loader
+        run_single_process(str(folder), "", "", script=STATEFUL_SAVE)
+    dist.barrier()
+
+    def two_ranks(**options):
+        torch.manual_seed(0)
+        return Trainer(MLPRegressor(), PositionLoader(), "4ba", optimizers=functools.partial(torch.optim.AdamW, lr=1e-2),
+                       parallelism=FSDP(), callbacks={"checkpoint": Checkpointer(load_path=str(folder), **options)})
+
+    with pytest.raises(ReshardError, match=r"ep0-ba3.*saved by each of 1 ranks.*over 2 ranks.*load_ignore_keys"):
+        two_ranks()
+    with two_ranks(load_ignore_keys=["dataloader"]) as restarted:  # the documented way out
+        assert restarted.state.timestamp.batch == 3 and restarted.state.train_dataloader.position == 0
+
+
+@pytest.mark.world_size(2)
+def test_a_signal_on_one_rank_makes_every_rank_save_and_stop(shared_tmp_path):
+    from smalti.core import Callback
+    from smalti.core.parallelism import FSDP
+
+    class Preempt(Callback):
+        def on_batch_end(self, state):
+            if state.timestamp.batch == 3 and dist.get_rank() == 1:
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+    previous = signal.getsignal(signal.SIGUSR1)
+    trainer = make_trainer(FSDP(), "20ba", Checkpointer(str(shared_tmp_path / "ck"), save_interval="10ba",
+                                                        save_on_signal=["SIGUSR1"]), callbacks={"preempt": Preempt()})
+    trainer.fit()
+    assert trainer.state.timestamp.batch == 3  # rank 0 got no signal and stopped at the same batch
+    manifest = json.loads((shared_tmp_path / "ck" / "ep0-ba3" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and manifest["timestamp"]["batch"] == 3
+    assert signal.getsignal(signal.SIGUSR1) is previous

@@ -12,9 +12,9 @@ from smalti.core.data import build_dataloader
 from smalti.core.examples import MLPRegressor, SyntheticRegression
 
 
-def make_trainer(duration, checkpointer):
+def make_trainer(duration, checkpointer, model=None):
     torch.manual_seed(0)
-    return Trainer(MLPRegressor(), build_dataloader(SyntheticRegression(96), 16, seed=5), duration,
+    return Trainer(model or MLPRegressor(), build_dataloader(SyntheticRegression(96), 16, seed=5), duration,
                    optimizers=functools.partial(torch.optim.AdamW, lr=1e-2), callbacks={"checkpoint": checkpointer})
 
 
@@ -95,3 +95,38 @@ def test_corrupt_remote_object_is_skipped_on_autoresume(s3_server, s3_bucket, tm
     with make_trainer("6ba", Checkpointer(url, autoresume=True, local_cache_dir=str(tmp_path / "d"))) as resumed:
         assert resumed.state.timestamp.batch == 2
     assert "ep0-ba4/__0_0.distcp" in caplog.text and "sha256" in caplog.text
+
+
+def test_large_files_upload_in_parts_and_a_failed_part_is_retried(faulty_s3, s3_bucket, tmp_path):
+    url = f"s3://{s3_bucket}/big"
+    faulty_s3.fail("PUT", "partNumber=2", times=1, status=500)  # one UploadPart fails once
+    trainer = make_trainer("2ba", Checkpointer(url, save_interval="2ba", s3_multipart_mb=5,
+                                               local_cache_dir=str(tmp_path / "c")),
+                           model=MLPRegressor(hidden=1024, depth=3))
+    assert sum(p.numel() * 4 for p in trainer.state.model.parameters()) >= 6 << 20
+    trainer.fit()
+    shard = [(m, p.split("?")[1] if "?" in p else "", s) for m, p, s in faulty_s3.requests if "/big/ep0-ba2/__0_0.distcp" in p]
+    assert ("POST", "uploads", 200) in [(m, q.split("=")[0], s) for m, q, s in shard]  # CreateMultipartUpload
+    parts = [(q, s) for m, q, s in shard if m == "PUT" and "partNumber=" in q]
+    assert len({q for q, _ in parts}) >= 3  # a ~25 MB file in 5 MiB parts
+    failed = [q for q, s in parts if s == 500]
+    assert len(failed) == 1 and "partNumber=2" in failed[0] and (failed[0], 200) in parts  # retried
+    assert any(m == "POST" and "uploadId=" in q and s == 200 for m, q, s in shard)  # CompleteMultipartUpload
+    with make_trainer("2ba", Checkpointer(url, autoresume=True, local_cache_dir=str(tmp_path / "d")),
+                      model=MLPRegressor(hidden=1024, depth=3)) as resumed:
+        assert resumed.state.timestamp.batch == 2
+        for a, b in zip(trainer.state.model.parameters(), resumed.state.model.parameters()):
+            assert torch.equal(a, b)
+
+
+def test_load_path_on_s3(s3_bucket, s3_server, tmp_path):
+    url = f"s3://{s3_bucket}/src"
+    at2 = make_trainer("2ba", Checkpointer(None))
+    at2.fit()
+    make_trainer("4ba", Checkpointer(url, save_interval="2ba", local_cache_dir=str(tmp_path / "c"))).fit()
+    with make_trainer("6ba", Checkpointer(load_path=f"{url}/ep0-ba2", local_cache_dir=str(tmp_path / "d"))) as loaded:
+        assert loaded.state.timestamp.batch == 2
+        for a, b in zip(at2.state.model.parameters(), loaded.state.model.parameters()):
+            assert torch.equal(a, b)
+    with make_trainer("6ba", Checkpointer(load_path=url + "/", local_cache_dir=str(tmp_path / "e"))) as newest:
+        assert newest.state.timestamp.batch == 4  # a save folder: its newest committed checkpoint

@@ -6,11 +6,14 @@ import json
 import logging
 import shutil
 import signal
+import statistics
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from smalti.checkpoint import state_io
@@ -20,7 +23,6 @@ from smalti.checkpoint.naming import MANIFEST_NAME, folder_name, sort_key
 from smalti.checkpoint.resume import Found, default_cache_dir, newest_good, resolve_load_path
 from smalti.checkpoint.storage import S3Store, is_remote, open_store
 from smalti.checkpoint.writer import ReusedHostStager
-from smalti.core import distributed
 from smalti.core.errors import ConfigError
 from smalti.core.intervals import interval_fires
 from smalti.core.plugins import Callback
@@ -139,7 +141,10 @@ class Checkpointer(Callback):
         self._stop_after_save = False
         self._old_handlers: dict[int, Any] = {}
         self._failed = False
-        self._last_batch_end: float | None = None
+        self._signal_group: Any = None
+        self._step_start: float | None = None
+        self._step_in_flight = False
+        self._normal_steps: deque[float] = deque(maxlen=64)
         self._stager: ReusedHostStager | None = None
 
     # ------------------------------------------------------------------ helpers
@@ -158,10 +163,14 @@ class Checkpointer(Callback):
 
     def _setup_groups(self, state: Any) -> None:
         self._rank, self._world = state.rank, state.world_size
-        if not distributed.is_initialized() or self._group is not None:
+        if not (dist.is_available() and dist.is_initialized()) or self._group is not None:
             return
         self._group = state_io.gloo_group(None, self.timeout_s)
         self._writer_group = self._group
+        if self.signals:
+            # Its own group: the per-batch signal reduce runs in the training thread while an async save's
+            # finalize thread uses self._group, and two threads' collectives on one group could interleave.
+            self._signal_group = state_io.gloo_group(None, self.timeout_s)
         mesh = state.device_mesh
         names = list(getattr(mesh, "mesh_dim_names", None) or [])
         if mesh is not None and "dp_replicate" in names and mesh.size(names.index("dp_replicate")) > 1:
@@ -297,13 +306,25 @@ class Checkpointer(Callback):
 
     # ------------------------------------------------------------------ deciding when to save
 
+    def on_batch_start(self, state: Any, logger: Any) -> None:
+        self._step_start = time.perf_counter()
+        self._step_in_flight = self._thread is not None and self._thread.is_alive()
+
     def on_batch_end(self, state: Any, logger: Any) -> None:
-        now = time.perf_counter()
-        in_flight = self._thread is not None and self._thread.is_alive()
+        # A step is timed from its start to its end, so a save's own blocked time (at the checkpoint event,
+        # after batch end) never counts; a step that began while a save was in flight is an in-flight step.
         metrics: dict[str, float] = {}
-        if in_flight and self._last_batch_end is not None:
-            metrics["checkpoint/step_time_in_flight_s"] = now - self._last_batch_end
-        self._last_batch_end = now
+        if self._step_start is not None:
+            step = time.perf_counter() - self._step_start
+            if self._step_in_flight:
+                metrics["checkpoint/step_time_in_flight_s"] = step
+                if self._normal_steps:
+                    normal = statistics.median(self._normal_steps)
+                    metrics["checkpoint/step_time_s"] = normal
+                    metrics["checkpoint/step_time_in_flight_ratio"] = step / normal
+            else:
+                self._normal_steps.append(step)
+            self._step_start = None
         with self._lock:
             pending, self._metrics = self._metrics, []
         for item in pending:
@@ -311,7 +332,16 @@ class Checkpointer(Callback):
         if metrics:
             logger.log_metrics(metrics)
         if self.signals:
-            self._signal_save = bool(distributed.all_reduce_max(int(self._signal_flag), state.device))
+            self._signal_save = self._any_rank_signalled()
+
+    def _any_rank_signalled(self) -> bool:
+        """Whether a save-on-signal arrived on any rank: a MAX over a CPU tensor on a gloo group, so the
+        check costs no device synchronisation (an all_reduce on the training device would sync the GPU)."""
+        if self._signal_group is None:
+            return bool(self._signal_flag)
+        flag = torch.tensor([self._signal_flag], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._signal_group)
+        return bool(flag.item())
 
     def should_checkpoint(self, state: Any, event: Any) -> bool | None:
         event = str(event)
