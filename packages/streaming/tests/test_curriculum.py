@@ -113,3 +113,20 @@ def test_repeat_and_choose_scaled_to_exactly_epoch_size(epoch_size):
     unscaled = stream_counts([100, 50, 20], weights, None, 0)
     assert unscaled == [150, 33, 20]
     assert all(abs(c - u * epoch_size / 203) < 1 for c, u in zip(counts, unscaled))
+
+
+@pytest.mark.parametrize(("method", "unit", "before", "after"),
+                         [("per_stream", 10, (8, 2), (6, 24)), ("device_per_stream", 5, (16, 4), (12, 48))])
+def test_switch_with_single_stream_batches_is_exact_in_whole_batches(streams, method, unit, before, after):
+    a, b = streams
+    ds = StreamingDataset(streams=[Stream(local=a, proportion=4), Stream(local=b, proportion=1)], batch_size=5,
+                          rank=0, world_size=2, shuffle=True, epoch_size=400, batching_method=method,
+                          proportion_schedule=[{"at": "10ba", "proportions": [1, 4]}])
+    order = ds.epoch_order(0)
+    assert len(order) == 400  # no batch dropped: the switch lands exactly after global batch 10
+    b_first = ds._shard_starts[len(ds._stream_shards[0])]
+    units = (order.reshape(-1, unit) >= b_first).sum(1)
+    assert set(units.tolist()) == {0, unit}  # every batch (or device batch) from one stream
+    split = 100 // unit
+    assert ((units[:split] == 0).sum(), (units[:split] == unit).sum()) == before
+    assert ((units[split:] == 0).sum(), (units[split:] == unit).sum()) == after

@@ -396,8 +396,8 @@ class StreamingDataset(IterableDataset):
                                         self.shuffle_seed + epoch, names)]
         else:
             ends = [offset for offset, _ in segments[1:]] + [total]
-            seg_counts = [stream_counts(self._stream_sizes, weights, end - offset,
-                                        self.shuffle_seed + epoch + _SEGMENT_SEED * k, names)
+            seg_counts = [self._segment_counts(weights, end - offset, global_batch,
+                                               self.shuffle_seed + epoch + _SEGMENT_SEED * k)
                           for k, ((offset, weights), end) in enumerate(zip(segments, ends))]
         # Each stream's samples for the whole epoch, then cut into the segments' shares (whole shard runs).
         per_segment: list[list[list[np.ndarray]]] = [[] for _ in seg_counts]
@@ -419,6 +419,27 @@ class StreamingDataset(IterableDataset):
             return order
         node = np.concatenate(nodes)
         return group_by_node(pad_to_batches(order, global_batch), pad_to_batches(node, global_batch), global_batch)
+
+    def _segment_counts(self, weights: list[tuple[str, float | int | None]], size: int, global_batch: int,
+                        seed: int) -> list[int]:
+        """Per-stream samples of a ``size``-sample segment of a curriculum epoch.
+
+        The batching methods that keep streams apart in whole units (global batches for ``per_stream``, device
+        batches for ``device_per_stream``, every global batch's per-stream share for ``stratified``) get counts
+        in whole units, so a segment that is whole global batches long is used entirely and the next segment
+        starts exactly where the schedule says.
+        """
+        sizes, names = self._stream_sizes, self._stream_names
+        method = self.batching_method if len(self.streams) > 1 else "random"
+        if method == "stratified":
+            per_batch = stream_counts(sizes, weights, global_batch, seed, names)
+            return [c * (size // global_batch) for c in per_batch]
+        unit = {"per_stream": global_batch, "device_per_stream": self.batch_size}.get(method)
+        if unit is None:
+            return stream_counts(sizes, weights, size, seed, names)
+        if size < unit:
+            return [0] * len(sizes)
+        return [c * unit for c in stream_counts(sizes, weights, size // unit, seed, names)]
 
     def _arrange(self, per_stream: list[list[np.ndarray]], epoch: int, global_batch: int,
                  seed: int) -> tuple[np.ndarray, np.ndarray]:
