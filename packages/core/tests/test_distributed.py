@@ -67,6 +67,36 @@ def distributed_losses(parallelism, micro=None):
 
 
 @pytest.mark.world_size(2)
+def test_ddp_allocates_a_meta_built_model_before_wrapping():
+    """DDP keeps whole replicas: a meta-built model is filled before wrapping and rank 0's weights win."""
+    import functools
+
+    from smalti.core import Trainer
+    from smalti.core.data import build_dataloader
+    from smalti.core.examples import MLPRegressor, SyntheticRegression
+    from smalti.core.parallelism import DDP
+
+    class MetaMLP(MLPRegressor):
+        def init_weights(self):
+            for p in self.parameters():
+                torch.nn.init.normal_(p, std=0.02)
+
+    with torch.device("meta"):
+        model = MetaMLP()
+    torch.manual_seed(dist.get_rank())  # each rank would draw other weights
+    loader = build_dataloader(SyntheticRegression(64), 16, dp_rank=dist.get_rank(), dp_world_size=2)
+    trainer = Trainer(model, loader, "3ba", optimizers=functools.partial(torch.optim.SGD, lr=1e-2),
+                      parallelism=DDP())
+    trainer.fit()
+    flat = torch.cat([p.detach().flatten() for p in trainer.state.raw_model.parameters()])
+    assert not any(p.is_meta for p in trainer.state.raw_model.parameters())
+    gathered = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(gathered, flat)
+    torch.testing.assert_close(gathered[0], gathered[1], rtol=0, atol=0)
+    assert torch.isfinite(trainer.state.batch_loss)
+
+
+@pytest.mark.world_size(2)
 def test_ddp_matches_single_process(shared_tmp_path):
     from smalti.core.parallelism import DDP
 

@@ -168,6 +168,9 @@ class Trainer:
             self._event(Event.INIT)
             model = self.state.raw_model
             on_meta = any(p.is_meta for p in model.parameters())
+            if on_meta and not self.parallelism.shards_parameters:
+                self._materialize(model, device)
+                on_meta = False
             if not on_meta:
                 model = model.to(device)
             self.state.raw_model = model
@@ -268,7 +271,7 @@ class Trainer:
 
     @staticmethod
     def _materialize(model: nn.Module, device: torch.device) -> None:
-        """Allocate a model built on the meta device (after sharding, so each rank holds only its shards)."""
+        """Allocate a model built on the meta device and fill it with its ``init_weights()``."""
         init = getattr(model, "init_weights", None)
         if not callable(init):
             raise ConfigError(

@@ -19,6 +19,9 @@ class Parallelism:
     """
 
     name = "base"
+    #: Whether ``wrap`` shards parameters over ranks. A model built on the meta device is then allocated
+    #: after wrapping (each rank holds only its shards); otherwise before (DDP broadcasts rank 0's weights).
+    shards_parameters = False
 
     def __init__(self, backend: str | None = None, timeout_s: float = 600) -> None:
         self.backend = backend

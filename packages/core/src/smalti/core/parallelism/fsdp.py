@@ -33,6 +33,7 @@ class FSDP(Parallelism):
     """FSDP2: parameters sharded over the ``dp_shard`` mesh dimension, gathered per block for compute."""
 
     name = "fsdp"
+    shards_parameters = True
 
     def __init__(
         self,
