@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from smalti.core.errors import ConfigError
+from smalti.core.loggers import read_jsonl
 from smalti.health.watchdog import HANG_EXIT_CODE, HangWatchdog, position, write_hang_report
 from smalti.testing import run_torchrun
 
@@ -50,6 +51,11 @@ def test_a_rank_stuck_in_a_hook_dispatched_after_the_watchdogs_is_the_one_blamed
     assert (by_rank[1]["step"], by_rank[1]["phase"]) == (3, "batch_end")
     assert by_rank[0]["step"] == 4 and by_rank[0]["hook"] != "on_batch_end"
     assert (tmp_path / "hang-report.txt").read_text().startswith("stuck rank(s): 1 (in on_batch_end, late: ")
+    # before exiting, rank 0 logged that the watchdog fired and handed the report to its logger
+    metrics = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["metrics"]["health/watchdog/fired"] for r in metrics if "health/watchdog/fired" in r["metrics"]] == [1.0]
+    assert {a["name"] for a in read_jsonl(tmp_path / "metrics.jsonl", kind="artifact")} == {
+        "hang-report-attempt0.txt", "hang-report-attempt0.json"}
 
 
 def _entry(rank, world, step=None, phase=None, **extra):

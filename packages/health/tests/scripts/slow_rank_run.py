@@ -17,6 +17,7 @@ import torch
 from smalti.core import Callback, Trainer
 from smalti.core.data import build_dataloader
 from smalti.core.examples import MLPRegressor, SyntheticRegression
+from smalti.core.loggers.jsonl import JSONLLogger
 from smalti.health.straggler import StragglerDetector
 from smalti.health.watchdog import HangWatchdog
 
@@ -62,6 +63,7 @@ if mode == "hang_late":
     callbacks = {"watchdog": watchdog, "late": HangAtBatchEndOnRank1()}
 elif mode != "hang":
     callbacks = {"straggler": straggler}
+loggers = {"jsonl": JSONLLogger(str(out / "metrics.jsonl"))} if mode.startswith("hang") else {}
 Trainer(PacedMLP(rank), loader, "20ba", optimizers=lambda p: torch.optim.SGD(p, lr=1e-2),
-        callbacks=callbacks).fit()
+        callbacks=callbacks, loggers=loggers).fit()
 (out / f"flagged-rank{rank}.json").write_text(json.dumps(straggler.flagged))

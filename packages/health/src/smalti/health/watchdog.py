@@ -245,6 +245,11 @@ class HangWatchdog(Callback):
         report = write_hang_report(folder, attempt, run_id=where["run_id"])
         self._log_report(folder, attempt, report)
         _flush_loggers(self.grace_s)
+        # The first rank to exit makes torchrun kill the rest: wait (bounded) until every rank has logged.
+        _write_atomic(folder / f".done-rank{self._rank}-attempt{attempt}", str(time.time()))
+        deadline = time.monotonic() + self.grace_s
+        while time.monotonic() < deadline and len(list(folder.glob(f".done-rank*-attempt{attempt}"))) < self._world:
+            time.sleep(0.05)
         sys.stderr.flush()
         os._exit(self.exit_code)
 
