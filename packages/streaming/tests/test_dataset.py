@@ -253,8 +253,10 @@ def test_partition_algo_orig_needs_node_count_and_canonical_nodes_to_divide(data
     state = make(4, 2, "orig").state_dict()
     assert (state["partition_algo"], state["physical_nodes"], state["num_canonical_nodes"]) == ("orig", 2, 2)
     # Resuming an orig run on 3 nodes with the checkpoint's 2 canonical nodes breaks the rule: said so.
+    three = make(3, 1, "orig")
     with pytest.raises(StreamingError, match="partition_algo='orig'"):
-        make(3, 1, "orig").load_state_dict(state)
+        three.load_state_dict(state)
+    assert three.num_canonical_nodes == 3 and three.state_dict()["sample_in_epoch"] == 0  # left as it was
 
 
 def test_default_canonical_nodes_follow_the_first_run_and_survive_a_resume_on_another_layout(dataset_dir):

@@ -131,7 +131,12 @@ class StreamingDataset(IterableDataset):
 
     Each rank reads ``batch_size`` samples of every global batch; the global batches depend only on the
     seed, ``num_canonical_nodes`` and ``batch_size * data-parallel ranks`` (see :mod:`smalti.streaming.order`).
-    ``rank``/``world_size`` default to the process group or torchrun's environment. Call :meth:`set_epoch`
+    ``rank``/``world_size`` default to the process group or torchrun's environment, ``local_world_size`` (ranks
+    per node) to ``LOCAL_WORLD_SIZE``. ``num_canonical_nodes`` defaults to the node count (64x for
+    ``py1s``/``py2s``) and is kept from a checkpoint; ``partition_algo="orig"`` requires the node count to
+    divide it or be a multiple of it, ``"relaxed"`` (default) does not. ``proportion_schedule`` entries
+    (``{"at": "100ba" | "3200sp" | "2ep", "proportions": [...]}``) change the stream mix, mid-epoch
+    included (see the README). Call :meth:`set_epoch`
     before each epoch (smalti's trainer does; iterating in-process or through
     :class:`~smalti.streaming.StreamingDataLoader` also advances it). :meth:`state_dict` /
     :meth:`load_state_dict` resume mid-epoch without replaying it.
@@ -253,8 +258,8 @@ class StreamingDataset(IterableDataset):
         self.cache = ShardCache(streams, shards, self.cache_limit, download_retry, download_timeout, validate_hash)
         self._remove_stale_downloads()
 
-    def _check_partition(self) -> None:
-        ncn, nodes = self.num_canonical_nodes, self.physical_nodes
+    def _check_partition(self, ncn: int | None = None) -> None:
+        ncn, nodes = ncn or self.num_canonical_nodes, self.physical_nodes
         if self.partition_algo == "orig" and ncn % nodes and nodes % ncn:
             raise StreamingError(
                 f"partition_algo='orig' needs the node count ({nodes} = world size {self.world_size} / "
@@ -557,9 +562,9 @@ class StreamingDataset(IterableDataset):
         """
         ncn = state.get("num_canonical_nodes")
         if ncn is not None and not self._ncn_given and ncn != self.num_canonical_nodes:
+            self._check_partition(int(ncn))
             self.num_canonical_nodes = int(ncn)
             self._order_cache = {}
-            self._check_partition()
         if state.get("num_canonical_nodes", self.num_canonical_nodes) != self.num_canonical_nodes or \
                 state.get("shuffle_seed", self.shuffle_seed) != self.shuffle_seed:
             raise StreamingError(
