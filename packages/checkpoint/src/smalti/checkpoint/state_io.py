@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from smalti.checkpoint.errors import CheckpointError, ReshardError
-from smalti.checkpoint.writer import ReusedHostStager, make_writer
+from smalti.checkpoint.writer import HashingFileSystemWriter, ReusedHostStager
 from smalti.core.rng import load_rng_state_dict, rng_state_dict
 from smalti.core.state import State
 
@@ -103,7 +103,7 @@ def save_dcp(state_dict: dict[str, Any], folder: Path, group: Any, thread_count:
 
     Returns ``{file name: {"size", "sha256"}}`` of the files this rank wrote, hashed as they were written.
     """
-    writer = make_writer(folder, thread_count)
+    writer = HashingFileSystemWriter(folder, thread_count)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
         dcp.save(state_dict, storage_writer=writer, process_group=group, no_dist=group is None)
@@ -117,7 +117,7 @@ def async_save_dcp(
 
     Returns the write's future and the dict that receives ``{file name: {"size", "sha256"}}`` as files finish.
     """
-    writer = make_writer(folder, thread_count)
+    writer = HashingFileSystemWriter(folder, thread_count)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
         future = dcp.async_save(
