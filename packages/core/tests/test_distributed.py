@@ -76,13 +76,8 @@ def test_ddp_allocates_a_meta_built_model_before_wrapping():
     from smalti.core.examples import MLPRegressor, SyntheticRegression
     from smalti.core.parallelism import DDP
 
-    class MetaMLP(MLPRegressor):
-        def init_weights(self):
-            for p in self.parameters():
-                torch.nn.init.normal_(p, std=0.02)
-
     with torch.device("meta"):
-        model = MetaMLP()
+        model = MLPRegressor()
     torch.manual_seed(dist.get_rank())  # each rank would draw other weights
     loader = build_dataloader(SyntheticRegression(64), 16, dp_rank=dist.get_rank(), dp_world_size=2)
     trainer = Trainer(model, loader, "3ba", optimizers=functools.partial(torch.optim.SGD, lr=1e-2),

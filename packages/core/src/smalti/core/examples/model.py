@@ -27,6 +27,12 @@ class MLPRegressor(nn.Module):
         self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(a, b), nn.GELU()) for a, b in zip(dims, dims[1:]))
         self.head = nn.Linear(dims[-1], out_features)
 
+    def init_weights(self) -> None:
+        """Fill the parameters in place with torch's default ``Linear`` init (for a model built on meta)."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                module.reset_parameters()
+
     def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x = batch[0]
         for block in self.blocks:
