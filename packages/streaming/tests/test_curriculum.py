@@ -89,14 +89,6 @@ def test_schedule_units_dur_and_tok_are_refused_by_name(streams):
         mixed(streams, [{"at": "soon", "proportions": [1, 1]}])
 
 
-def test_core_time_objects_are_accepted(streams):
-    time = pytest.importorskip("smalti.core.time")
-    ds = mixed(streams, [{"at": time.Time.parse("10ba"), "proportions": [1, 3]}])
-    order = ds.epoch_order(0)
-    b_first = ds._shard_starts[len(ds._stream_shards[0])]
-    assert int((order[:100] >= b_first).sum()) == 25 and int((order[100:] >= b_first).sum()) == 225
-
-
 def test_stream_without_proportion_among_proportions_is_an_error(streams):
     with pytest.raises(StreamingError, match=r"stream b has no proportion"):
         stream_counts([300, 100], [("proportion", 1), ("none", None)], None, 0, ["a", "b"])
