@@ -3,7 +3,8 @@
 1. Trains an MLP (about 10 ms a step on CPU) with every health plugin (hang watchdog, straggler detector,
    throughput alarm, GPU monitor) registered, and takes them out of the plugin manager and back in every
    ``--block`` batches, so "on" and "off" steps alternate within one run; prints the median step time of
-   each phase and the ratio on/off (goal: <= 1.01).
+   each phase and the ratio on/off (goal: <= 1.01). The same is done, in the same rounds, with one callback
+   that does nothing, as a control: it shows how far the method itself moves the ratio on this machine.
 2. Runs 2 gloo ranks under torchrun where rank 1 hangs inside a step, with the watchdog at ``--timeout``
    seconds; prints the time from the hang to the merged report on disk (the report file's mtime, i.e. when
    the last rank finished writing it; goal: within timeout + 5 s) and checks that it blames rank 1 alone.
@@ -77,6 +78,13 @@ class Toggle(Callback):
         self.last = time.perf_counter()
 
 
+class NoOp(Callback):
+    """The control: a callback that does nothing at batch end, toggled like the health plugins."""
+
+    def on_batch_end(self) -> None:
+        pass
+
+
 def run(loader, width: int, plugins: dict[str, Callback], block: int) -> dict[bool, list[float]]:
     torch.manual_seed(0)
     toggle = Toggle(plugins, block)
@@ -136,19 +144,28 @@ def main() -> None:
         hang_worker(Path(args.hang_worker), args.timeout)
         return
     loader = make_loader(args.steps, args.batch, args.width)
-    off, on, paired = [], [], []
+    health: dict[bool, list[float]] = {True: [], False: []}
+    control: dict[bool, list[float]] = {True: [], False: []}
+    health_runs, control_runs = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(args.rounds):
-            times = run(loader, args.width, health_plugins(tmp), args.block)
-            on += times[True]
-            off += times[False]
-            paired.append(statistics.median(times[True]) / statistics.median(times[False]))
-    o, n = statistics.median(off) * 1e3, statistics.median(on) * 1e3
-    print(f"health plugins off  median step {o:7.3f} ms  ({len(off)} steps)")
-    print(f"health plugins on   median step {n:7.3f} ms  ({len(on)} steps; watchdog, straggler, mfu_alarm, gpu_monitor)")
-    print("per-run ratios on / off: " + ", ".join(f"{r:.4f}" for r in paired))
-    print(f"ratio on / off = {n / o:.4f} (pooled medians; median of runs {statistics.median(paired):.4f})"
+            for plugins, pooled, runs in ((health_plugins(tmp), health, health_runs),
+                                          ({"noop": NoOp()}, control, control_runs)):
+                times = run(loader, args.width, plugins, args.block)
+                for phase in (True, False):
+                    pooled[phase] += times[phase]
+                runs.append(statistics.median(times[True]) / statistics.median(times[False]))
+    o, n = statistics.median(health[False]) * 1e3, statistics.median(health[True]) * 1e3
+    ratio = n / o
+    control_ratio = statistics.median(control[True]) / statistics.median(control[False])
+    print(f"health plugins off  median step {o:7.3f} ms  ({len(health[False])} steps)")
+    print(f"health plugins on   median step {n:7.3f} ms  ({len(health[True])} steps; watchdog, straggler, mfu_alarm, "
+          "gpu_monitor)")
+    print("per-run ratios on / off: " + ", ".join(f"{r:.4f}" for r in health_runs))
+    print(f"ratio on / off = {ratio:.4f} (pooled medians; median of runs {statistics.median(health_runs):.4f})"
           "   (goal <= 1.01)")
+    print(f"control, one no-op callback toggled the same way: {control_ratio:.4f} (median of runs "
+          f"{statistics.median(control_runs):.4f}); health beyond the control: {ratio / control_ratio:.4f}")
     seconds = time_to_report(args.timeout)
     print(f"hang to watchdog report: {seconds:.2f} s with timeout {args.timeout:g} s   (goal <= {args.timeout + 5:g} s)")
 
