@@ -145,8 +145,19 @@ def test_hsdp_writes_from_the_first_replica_group_and_loads_fsdp_checkpoints(sha
         assert_nested_equal(final, full_state(back))
 
 
+def shared_data_fsdp():
+    """FSDP over both ranks that read the same data (one data-parallel share), as a sequence-parallel pair does."""
+    from smalti.core.parallelism import FSDP
+
+    class SharedData(FSDP):
+        dp_rank = 0
+        dp_world_size = 1
+
+    return SharedData()
+
+
 @pytest.mark.world_size(2)
-def test_stateful_loader_position_does_not_follow_a_change_of_data_parallel_size(shared_tmp_path):
+def test_stateful_loader_position_follows_the_data_parallel_share_not_the_rank(shared_tmp_path):
     from smalti.core import Trainer
     from smalti.core.examples import MLPRegressor
     from smalti.core.parallelism import FSDP
@@ -159,15 +170,29 @@ def test_stateful_loader_position_does_not_follow_a_change_of_data_parallel_size
         run_single_process(str(folder), "", "", script=STATEFUL_SAVE)
     dist.barrier()
 
-    def two_ranks(**options):
+    def two_ranks(parallelism, load_path=folder, **options):
         torch.manual_seed(0)
         return Trainer(MLPRegressor(), PositionLoader(), "4ba", optimizers=functools.partial(torch.optim.AdamW, lr=1e-2),
-                       parallelism=FSDP(), callbacks={"checkpoint": Checkpointer(load_path=str(folder), **options)})
+                       parallelism=parallelism, callbacks={"checkpoint": Checkpointer(load_path=str(load_path), **options)})
 
-    with pytest.raises(ReshardError, match=r"ep0-ba3.*saved by each of 1 ranks.*over 2 ranks.*load_ignore_keys"):
-        two_ranks()
-    with two_ranks(load_ignore_keys=["dataloader"]) as restarted:  # the documented way out
+    # 1 share -> 2 shares: the position cannot be split.
+    with pytest.raises(ReshardError, match=r"ep0-ba3.*each of 1 data-parallel ranks \(1 ranks\).*over 2 data-parallel "
+                                           r"ranks \(2 ranks\).*load_ignore_keys"):
+        two_ranks(FSDP())
+    with two_ranks(FSDP(), load_ignore_keys=["dataloader"]) as restarted:  # the documented way out
         assert restarted.state.timestamp.batch == 3 and restarted.state.train_dataloader.position == 0
+    # 1 share -> 2 ranks reading that one share: both continue the saved position.
+    with two_ranks(shared_data_fsdp()) as shared:
+        assert shared.state.dp_world_size == 1 and shared.state.train_dataloader.position == 3
+
+    # 2 shares on 2 ranks -> 2 ranks reading one share: the same world size, but the position cannot follow.
+    saved = shared_tmp_path / "two"
+    torch.manual_seed(0)
+    Trainer(MLPRegressor(), PositionLoader(), "3ba", optimizers=functools.partial(torch.optim.AdamW, lr=1e-2),
+            parallelism=FSDP(), callbacks={"checkpoint": Checkpointer(str(saved), save_interval="3ba")}).fit()
+    assert json.loads((saved / "ep0-ba3" / "manifest.json").read_text())["dp_world_size"] == 2
+    with pytest.raises(ReshardError, match=r"each of 2 data-parallel ranks \(2 ranks\).*over 1 data-parallel ranks"):
+        two_ranks(shared_data_fsdp(), load_path=saved / "ep0-ba3")
 
 
 @pytest.mark.world_size(2)

@@ -413,6 +413,7 @@ class Checkpointer(Callback):
             "name": name,
             "timestamp": state.timestamp.state_dict(),
             "world_size": state.world_size,
+            "dp_world_size": state.dp_world_size,
             "mesh_shape": list(state.device_mesh.mesh.shape) if state.device_mesh is not None else [],
             "mesh_dim_names": list(state.device_mesh.mesh_dim_names or []) if state.device_mesh is not None else [],
             "run_name": state.run_name,
@@ -554,7 +555,8 @@ class Checkpointer(Callback):
             manifest = build_manifest(
                 name, files, info["world_size"], info["mesh_shape"], info["mesh_dim_names"], info["timestamp"],
                 writer_ranks=sorted(dist.get_process_group_ranks(self._writer_group)) if self._writer_group is not None else [0],
-                extra={"run_name": info["run_name"], "bytes": sum(f["size"] for f in files.values())},
+                extra={"run_name": info["run_name"], "dp_world_size": info["dp_world_size"],
+                       "bytes": sum(f["size"] for f in files.values())},
             )
             if isinstance(self.store, S3Store):
                 self.store.put_bytes(f"{name}/{MANIFEST_NAME}", json.dumps(manifest, indent=1, sort_keys=True).encode())

@@ -66,6 +66,8 @@ def rank_local_state(state: State) -> dict[str, Any]:
     return {
         "rank": state.rank,
         "world_size": state.world_size,
+        "dp_rank": state.dp_rank,
+        "dp_world_size": state.dp_world_size,
         "timestamp": state.timestamp.state_dict(),
         "schedulers": [sched.state_dict() for sched in state.schedulers],
         "rng": rng_state_dict(),
@@ -191,14 +193,17 @@ def load_checkpoint(
     _load_rank_local(state, folder, manifest, ignore)
 
 
+def _read_rank_local(folder: Path, rank: int) -> dict[str, Any]:
+    path = folder / extra_relpath(rank)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {folder} has no {extra_relpath(rank)} for rank {rank}")
+    return torch.load(path, map_location="cpu", weights_only=False)  # our own file, checked against the manifest
+
+
 def _load_rank_local(state: State, folder: Path, manifest: dict[str, Any], ignore: list[str]) -> None:
     saved_world = int(manifest.get("world_size", 1))
     same_world = saved_world == state.world_size
-    source_rank = state.rank if same_world else 0
-    path = folder / extra_relpath(source_rank)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {folder} has no {extra_relpath(source_rank)} for rank {source_rank}")
-    extra = torch.load(path, map_location="cpu", weights_only=False)  # our own file, checked against the manifest
+    extra = _read_rank_local(folder, state.rank if same_world else 0)
     if not matches("timestamp", ignore):
         state.timestamp.load_state_dict(extra["timestamp"])
     if not matches("schedulers", ignore):
@@ -218,19 +223,33 @@ def _load_rank_local(state: State, folder: Path, manifest: dict[str, Any], ignor
                 "(each rank keeps the generators seeded at start)", folder, saved_world, state.world_size,
             )
     if not matches("dataloader", ignore) and extra.get("dataloader") is not None:
-        if not same_world:
-            raise ReshardError(
-                f"checkpoint {folder} holds a data loader position saved by each of {saved_world} ranks; it cannot "
-                f"be split over {state.world_size} ranks. Add 'dataloader' to load_ignore_keys to restart the "
-                "loader from its epoch start (samples of this epoch may repeat), or resume on the same number of ranks"
-            )
-        state.load_dataloader_state_dict(extra["dataloader"])
+        state.load_dataloader_state_dict(_loader_position(state, folder, manifest, extra))
     if not matches("grad_scaler", ignore) and state.grad_scaler is not None and extra.get("grad_scaler"):
         state.grad_scaler.load_state_dict(extra["grad_scaler"])
     if extra.get("device_train_microbatch_size") is not None and state.auto_microbatching:
         state.device_train_microbatch_size = extra["device_train_microbatch_size"]
     plugins = {name: value for name, value in (extra.get("plugins") or {}).items() if not matches(f"plugins.{name}", ignore)}
     state.load_plugin_state_dict(plugins)
+
+
+def _loader_position(state: State, folder: Path, manifest: dict[str, Any], extra: dict[str, Any]) -> Any:
+    """The saved data loader position of this rank's data-parallel share (the share, not the rank, owns it)."""
+    saved_world = int(manifest.get("world_size", 1))
+    saved_dp = int(manifest.get("dp_world_size", saved_world))
+    if saved_dp != state.dp_world_size:
+        raise ReshardError(
+            f"checkpoint {folder} holds a data loader position saved by each of {saved_dp} data-parallel ranks "
+            f"({saved_world} ranks); it cannot be split over {state.dp_world_size} data-parallel ranks "
+            f"({state.world_size} ranks). Add 'dataloader' to load_ignore_keys to restart the loader from its "
+            "epoch start (samples of this epoch may repeat), or resume with the same data-parallel size"
+        )
+    if extra.get("dp_rank", extra.get("rank")) == state.dp_rank:
+        return extra["dataloader"]
+    for rank in range(saved_world):  # another layout of the same shares (e.g. sequence-parallel groups added)
+        other = _read_rank_local(folder, rank)
+        if other.get("dp_rank", rank) == state.dp_rank:
+            return other["dataloader"]
+    raise ReshardError(f"checkpoint {folder} has no data loader position for data-parallel rank {state.dp_rank}")
 
 
 def gloo_group(ranks: list[int] | None = None, timeout_s: float = 600) -> Any:

@@ -41,6 +41,10 @@ class State:
     device_mesh: DeviceMesh | None = None
     rank: int = 0
     world_size: int = 1
+    #: Which share of each global batch this rank reads, and how many shares there are: ``rank``/``world_size``
+    #: unless ranks share data (a sequence-parallel group reads one share). Set once the model is wrapped.
+    dp_rank: int = 0
+    dp_world_size: int = 1
     device_train_microbatch_size: int | None = None
     auto_microbatching: bool = False
     grad_scaler: Any = None

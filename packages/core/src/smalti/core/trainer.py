@@ -178,6 +178,7 @@ class Trainer:
             if on_meta:
                 self._materialize(model, device)
             self.state.device_mesh = self.parallelism.device_mesh
+            self.state.dp_rank, self.state.dp_world_size = self.parallelism.dp_rank, self.parallelism.dp_world_size
             if compile:
                 self.state.model.compile()
             self.state.optimizers = self._build_optimizers(optimizers)
@@ -389,7 +390,7 @@ class Trainer:
         self._event(Event.BATCH_START)
         # Ranks of one sequence- or tensor-parallel group read the same samples: count them once. A model
         # under sequence parallelism counts only its own chunk's tokens, so tokens sum over every rank.
-        state.batch_num_samples = batch_size_of(batch) * self.parallelism.dp_world_size
+        state.batch_num_samples = batch_size_of(batch) * state.dp_world_size
         state.batch_num_tokens = num_tokens_of(state.raw_model, batch) * state.world_size
         while True:
             for opt in state.optimizers:
