@@ -23,6 +23,7 @@ from smalti.checkpoint.naming import MANIFEST_NAME, folder_name, sort_key
 from smalti.checkpoint.resume import Found, default_cache_dir, newest_good, resolve_load_path
 from smalti.checkpoint.storage import S3Store, is_remote, open_store
 from smalti.checkpoint.writer import ReusedHostStager
+from smalti.core import distributed
 from smalti.core.errors import ConfigError
 from smalti.core.intervals import interval_fires
 from smalti.core.plugins import Callback
@@ -258,15 +259,8 @@ class Checkpointer(Callback):
         replaceable = set(found.skipped_names) if found is not None and from_here else set()
         if self.overwrite:
             return replaceable
-        committed = []
-        for name in self.store.list_names():
-            if name in replaceable or name in self.committed:
-                continue
-            try:
-                if self.store.read_manifest(name) is not None:
-                    committed.append(name)
-            except CheckpointCorruptError:
-                continue  # an unreadable manifest: not a checkpoint, a save may replace it
+        committed = [name for name in self.store.list_names()
+                     if name not in replaceable and name not in self.committed and self._is_committed(name)]
         if from_here:
             conflicts = [n for n in committed if sort_key(n)[0] > state.timestamp.batch]
             why = f"this run loaded {found.name} (now at batch {state.timestamp.batch}) and would save over newer ones"
@@ -339,9 +333,7 @@ class Checkpointer(Callback):
         check costs no device synchronisation (an all_reduce on the training device would sync the GPU)."""
         if self._signal_group is None:
             return bool(self._signal_flag)
-        flag = torch.tensor([self._signal_flag], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._signal_group)
-        return bool(flag.item())
+        return bool(distributed.all_reduce_max(int(self._signal_flag), torch.device("cpu"), self._signal_group))
 
     def should_checkpoint(self, state: Any, event: Any) -> bool | None:
         event = str(event)
@@ -447,6 +439,14 @@ class Checkpointer(Callback):
             blocked = time.perf_counter() - start
             logger.log_metrics({"checkpoint/blocked_s": blocked})
 
+    def _is_committed(self, name: str) -> bool:
+        """Whether ``name`` in the save folder has a valid manifest (an unreadable one: not a checkpoint)."""
+        assert self.store is not None
+        try:
+            return self.store.read_manifest(name) is not None
+        except CheckpointCorruptError:
+            return False
+
     def _clear_stale(self, name: str, staging: Path) -> str | None:
         """Remove what an interrupted earlier save of the same name left, before writing anew.
 
@@ -454,10 +454,7 @@ class Checkpointer(Callback):
         ``overwrite`` is set; otherwise the reason not to save is returned.
         """
         assert self.store is not None
-        try:
-            committed = self.store.read_manifest(name) is not None
-        except CheckpointCorruptError:
-            committed = False
+        committed = self._is_committed(name)
         if committed and not self.overwrite and name not in self._replaceable:
             return (
                 f"{self.store.url}/{name} is a committed checkpoint of another run; it is not overwritten. "

@@ -65,12 +65,12 @@ def init_process_group(backend: str | None = None, timeout_s: float = 600) -> bo
     return True
 
 
-def all_reduce_max(value: int, device: torch.device) -> int:
-    """The largest ``value`` over all ranks (``value`` itself without a process group)."""
+def all_reduce_max(value: int, device: torch.device, group: Any = None) -> int:
+    """The largest ``value`` over the ranks of ``group`` (default: all; ``value`` itself without a process group)."""
     if not is_initialized():
         return value
     tensor = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
     return int(tensor.item())
 
 
