@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from smalti.core import Callback, Trainer
+from smalti.core import distributed
 from smalti.core.data import build_dataloader
 from smalti.core.examples import MLPRegressor, SyntheticRegression
 from smalti.core.loggers.jsonl import JSONLLogger
@@ -67,3 +68,4 @@ loggers = {"jsonl": JSONLLogger(str(out / "metrics.jsonl"))} if mode.startswith(
 Trainer(PacedMLP(rank), loader, "20ba", optimizers=lambda p: torch.optim.SGD(p, lr=1e-2),
         callbacks=callbacks, loggers=loggers).fit()
 (out / f"flagged-rank{rank}.json").write_text(json.dumps(straggler.flagged))
+distributed.shutdown()  # gloo aborts at exit ("terminate called without an active exception") if left running
