@@ -14,8 +14,7 @@ from pathlib import Path
 
 import torch
 
-from smalti.core import Callback, Trainer
-from smalti.core import distributed
+from smalti.core import Callback, Trainer, distributed
 from smalti.core.data import build_dataloader
 from smalti.core.examples import MLPRegressor, SyntheticRegression
 from smalti.core.loggers.jsonl import JSONLLogger
