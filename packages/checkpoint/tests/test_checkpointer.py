@@ -12,7 +12,7 @@ import torch
 
 from smalti.checkpoint import CheckpointCorruptError, Checkpointer, CheckpointError
 from smalti.checkpoint.cli import main as cli_main
-from smalti.core import Callback, LoggerDestination, Trainer
+from smalti.core import Algorithm, Callback, LoggerDestination, Trainer
 from smalti.core.data import build_dataloader
 from smalti.core.examples import MLPRegressor, SyntheticRegression
 
@@ -84,22 +84,28 @@ def _truncate(path):
     path.write_bytes(data[: len(data) // 2])
 
 
-def _flip(path):
+def _flip(path, at=None):
     data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x01
+    data[len(data) // 2 if at is None else at] ^= 0x01
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("damage", ["truncated_shard", "flipped_byte", "missing_manifest", "missing_rank_file"])
+@pytest.mark.parametrize("damage", ["truncated_shard", "flipped_byte", "flipped_header_byte", "missing_manifest",
+                                    "missing_rank_file"])
 def test_autoresume_reports_a_bad_newest_checkpoint_and_uses_the_previous(tmp_path, caplog, damage):
     make_trainer("4ba", Checkpointer(str(tmp_path), save_interval="2ba")).fit()
+    at_batch_2 = make_trainer("2ba")
+    at_batch_2.fit()
     newest = tmp_path / "ep0-ba4"
-    bad = {"truncated_shard": newest / "__0_0.distcp", "flipped_byte": newest / "__0_0.distcp",
-           "missing_manifest": newest / "manifest.json", "missing_rank_file": newest / "extra" / "rank0.pt"}[damage]
-    {"truncated_shard": _truncate, "flipped_byte": _flip}.get(damage, os.remove)(bad)
+    data = newest / "__0_0.distcp"
+    bad = {"missing_manifest": newest / "manifest.json", "missing_rank_file": newest / "extra" / "rank0.pt"}.get(damage, data)
+    {"truncated_shard": _truncate, "flipped_byte": _flip,  # a tensor's bytes: loads, then fails its sha256
+     "flipped_header_byte": lambda p: _flip(p, at=10),  # a zip header: torch.load fails before the sha256 ends
+     }.get(damage, os.remove)(bad)
     with caplog.at_level(logging.ERROR, logger="smalti.checkpoint"):
         resumed = make_trainer("6ba", Checkpointer(str(tmp_path), save_interval="2ba", autoresume=True))
     assert resumed.state.timestamp.batch == 2, caplog.text
+    assert_same_training_state(at_batch_2, resumed)  # nothing of the damaged checkpoint is left in the state
     assert str(newest if damage == "missing_manifest" else bad) in caplog.text
     resumed.fit()
     assert (tmp_path / "ep0-ba4" / "manifest.json").is_file()  # re-saved and committed
@@ -254,3 +260,59 @@ def test_cli_inspect_verifies_and_export_writes_safetensors(tmp_path, capsys):
     _flip(tmp_path / "ck" / "ep0-ba2" / "__0_0.distcp")
     assert cli_main(["inspect", str(tmp_path / "ck" / "ep0-ba2")]) == 1
     assert "__0_0.distcp" in capsys.readouterr().err
+
+
+class BumpWeightsAtEpochEnd(Algorithm):
+    """Writes into the parameters outside an optimizer step (as an EMA swap at evaluation does)."""
+
+    def on_epoch_end(self, state):
+        with torch.no_grad():
+            for p in state.model.parameters():
+                p.add_(1.0)
+
+
+class SnapshotAtSave(Callback):
+    def __init__(self):
+        self.weights = {}
+
+    def on_batch_checkpoint(self, state):
+        if state.checkpoint_requested:
+            self.weights[state.timestamp.batch] = {k: v.clone() for k, v in state.model.state_dict().items()}
+
+
+def test_an_async_save_holds_the_weights_of_its_batch_while_training_runs_on(tmp_path, monkeypatch):
+    from smalti.checkpoint.writer import ReusedHostStager
+
+    slow_copy = ReusedHostStager._copy
+
+    def copy_slowly(self, *args):
+        time.sleep(0.3)  # the next optimizer step and the epoch-end bump come long before the copy ends
+        return slow_copy(self, *args)
+
+    monkeypatch.setattr(ReusedHostStager, "_copy", copy_slowly)
+    snapshot, recorder = SnapshotAtSave(), MetricsRecorder()
+    trainer = make_trainer("8ba", Checkpointer(str(tmp_path), save_interval="3ba", async_save=True,
+                                               save_on_fit_end=False),
+                           callbacks={"bump": BumpWeightsAtEpochEnd(), "snapshot": snapshot},
+                           loggers={"rec": recorder})
+    trainer.fit()
+    waits = recorder.metrics["checkpoint/staging_wait_s"]
+    assert len(waits) == 2 and all(0.15 < w < 0.5 for w in waits), waits  # batch 4's step and ba6's epoch end
+    saved = sorted((p for p in tmp_path.iterdir() if p.is_dir()), key=lambda p: int(p.name.split("-ba")[1]))
+    assert [p.name for p in saved] == ["ep0-ba3", "ep0-ba6"]
+    for folder, batch in zip(saved, (3, 6)):
+        loaded = make_trainer("8ba", Checkpointer(load_path=str(folder)))
+        for name, value in loaded.state.model.state_dict().items():
+            assert torch.equal(value, snapshot.weights[batch][name]), (folder.name, name)
+        loaded.close()
+
+
+def test_a_load_path_naming_a_damaged_checkpoint_fails_and_one_naming_its_folder_takes_the_previous(tmp_path):
+    make_trainer("4ba", Checkpointer(str(tmp_path / "run"), save_interval="2ba")).fit()
+    bad = tmp_path / "run" / "ep0-ba4" / "__0_0.distcp"
+    _flip(bad)
+    with pytest.raises(CheckpointCorruptError, match="sha256") as err:
+        make_trainer("6ba", Checkpointer(load_path=str(tmp_path / "run" / "ep0-ba4")))
+    assert err.value.path == str(bad)
+    with make_trainer("6ba", Checkpointer(load_path=str(tmp_path / "run"))) as resumed:
+        assert resumed.state.timestamp.batch == 2

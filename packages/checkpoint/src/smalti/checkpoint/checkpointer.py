@@ -22,11 +22,11 @@ from smalti.checkpoint.manifest import VERIFY_LEVELS, build_manifest, hash_files
 from smalti.checkpoint.naming import MANIFEST_NAME, folder_name, sort_key
 from smalti.checkpoint.resume import Found, default_cache_dir, newest_good, resolve_load_path
 from smalti.checkpoint.storage import S3Store, is_remote, open_store
-from smalti.checkpoint.writer import ReusedHostStager
+from smalti.checkpoint.writer import ReusedHostStager, storage_key
 from smalti.core import distributed
 from smalti.core.errors import ConfigError
 from smalti.core.intervals import interval_fires
-from smalti.core.plugins import Callback
+from smalti.core.plugins import Callback, hookimpl
 from smalti.core.time import Time
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,11 @@ class Checkpointer(Callback):
         save_on_fit_end: also save when training ends (unless that batch was just saved).
         save_on_signal: signal names (``SIGTERM``, ``SIGUSR1``) that make every rank save after the current
             batch and then stop (preemption).
-        async_save: stage to host memory and write/upload in the background; the next save waits.
+        async_save: stage to host memory and write/upload in the background; the next save waits. Parameters
+            and optimizer state are copied to host memory on a helper thread while the next forward and
+            backward run; the next optimizer step (and the epoch, evaluation and fit-end events, before any
+            other plugin's hook) waits for that copy. Buffers are copied before the save returns. A plugin
+            that changes weights in other events must call :meth:`wait_for_staging` first.
         keep_last_n: keep the newest N committed checkpoints (``-1``: all). Deletes happen only after a
             newer checkpoint is committed.
         keep_every_n: additionally keep every checkpoint whose batch count is a multiple of N.
@@ -147,6 +151,8 @@ class Checkpointer(Callback):
         self._step_in_flight = False
         self._normal_steps: deque[float] = deque(maxlen=64)
         self._stager: ReusedHostStager | None = None
+        self._step_hooks: dict[int, Any] = {}
+        self._pending_data_check: Any = None
 
     # ------------------------------------------------------------------ helpers
 
@@ -207,18 +213,34 @@ class Checkpointer(Callback):
     def on_before_load(self, state: Any, logger: Any) -> None:
         self._setup_groups(state)
         start = time.perf_counter()
-        found, autoresumed = self._choose_checkpoint()
-        if found is None:
-            self._check_save_folder(state, None)
-            return
-        if self._rank != 0 and not (found.folder / MANIFEST_NAME).is_file():
-            # another node: fetch our own copy of what rank 0 chose
-            found = resolve_load_path(found.source, self.cache_dir, self.verify, **self._s3(found.source))
-        weights_only = self.load_weights_only and not autoresumed  # resuming this run restores everything
-        state_io.load_checkpoint(
-            state, found.folder, found.manifest, self._group, weights_only=weights_only,
-            ignore_keys=self.load_ignore_keys, strict=self.load_strict,
-        )
+        damaged: dict[str, str] = {}  # checkpoints whose data files failed their sha256 while they loaded
+        while True:
+            found, autoresumed = self._choose_checkpoint(damaged)
+            if found is None:
+                self._check_save_folder(state, None)
+                return
+            if self._rank != 0 and not (found.folder / MANIFEST_NAME).is_file():
+                # another node: fetch our own copy of what rank 0 chose
+                found = resolve_load_path(found.source, self.cache_dir, self.verify, **self._s3(found.source))
+            weights_only = self.load_weights_only and not autoresumed  # resuming this run restores everything
+            load_error: Exception | None = None
+            try:
+                state_io.load_checkpoint(
+                    state, found.folder, found.manifest, self._group, weights_only=weights_only,
+                    ignore_keys=self.load_ignore_keys, strict=self.load_strict,
+                )
+            except Exception as exc:  # a damaged data file may fail to parse: the sha256 verdict decides
+                load_error = exc
+            problem = self._data_verdict()
+            if problem is None:
+                if load_error is not None:
+                    raise load_error
+                break
+            if not autoresumed and not self._names_save_folder(found):
+                raise problem from load_error
+            # what was loaded came from a damaged checkpoint: every part of it is loaded again from an older one
+            log.error("checkpoint %s failed verification while loading (%s); loading the newest older one", found.source, problem)
+            damaged[found.name] = str(problem)
         self.loaded = found
         if not weights_only:
             self._last_saved_batch = state.timestamp.batch
@@ -228,6 +250,23 @@ class Checkpointer(Callback):
             log.info("loaded checkpoint %s in %.2f s; resuming at epoch %d, batch %d", found.source, seconds,
                      state.timestamp.epoch, state.timestamp.batch)
         self._check_save_folder(state, found)
+
+    def _names_save_folder(self, found: Found) -> bool:
+        """Whether ``load_path`` names a folder of checkpoints (so an older one may stand in), not one checkpoint."""
+        return bool(self.load_path) and found.source.rstrip("/") != str(self.load_path).rstrip("/")
+
+    def _data_verdict(self) -> CheckpointCorruptError | None:
+        """Rank 0 waits for the sha256 of the data files it was checking while they loaded; every rank gets
+        the verdict (``None``: good)."""
+        verdict: tuple[str, str | None] | None = None
+        if self._rank == 0 and self._pending_data_check is not None:
+            pending, self._pending_data_check = self._pending_data_check, None
+            try:
+                pending.result(timeout=self.timeout_s)
+            except CheckpointCorruptError as exc:
+                verdict = (str(exc), exc.path)
+        verdict = self._broadcast(verdict)
+        return None if verdict is None else CheckpointCorruptError(*verdict)
 
     def _in_save_folder(self, found: Found) -> bool:
         assert self.store is not None
@@ -277,19 +316,24 @@ class Checkpointer(Callback):
             "them, checkpoint.overwrite=true to replace them, or choose another checkpoint.save_folder"
         )
 
-    def _choose_checkpoint(self) -> tuple[Found | None, bool]:
-        """Rank 0 finds and verifies what to load; every rank gets its answer (or its error)."""
+    def _choose_checkpoint(self, damaged: dict[str, str]) -> tuple[Found | None, bool]:
+        """Rank 0 finds and verifies what to load (the data files' sha256 goes on while they load: see
+        :meth:`_data_verdict`); every rank gets its answer (or its error)."""
         choice: Any = None
         if self._rank == 0:
             try:
                 found, autoresumed = None, False
                 if self.autoresume and self.store is not None:
-                    found = newest_good(self.store, self.cache_dir, self.verify)
+                    found = newest_good(self.store, self.cache_dir, self.verify, defer_data=True, exclude=damaged)
                     autoresumed = found is not None
                     if found is None:
                         log.info("autoresume: no committed checkpoint in %s yet", self.store.url)
                 if found is None and self.load_path:
-                    found = resolve_load_path(self.load_path, None, self.verify, **self._s3(self.load_path))
+                    found = resolve_load_path(self.load_path, None, self.verify, defer_data=True, exclude=damaged,
+                                              **self._s3(self.load_path))
+                if found is not None:
+                    self._pending_data_check, found.pending = found.pending, None
+                    found.skipped_names = [*found.skipped_names, *(n for n in damaged if n not in found.skipped_names)]
                 choice = (found, autoresumed)
             except Exception as exc:  # sent to every rank so they fail together
                 choice = exc
@@ -372,6 +416,9 @@ class Checkpointer(Callback):
         self._failed = True
 
     def on_close(self, state: Any, logger: Any) -> None:
+        for handle in self._step_hooks.values():
+            handle.remove()
+        self._step_hooks.clear()
         for signum, handler in self._old_handlers.items():
             signal.signal(signum, handler)
         self._old_handlers.clear()
@@ -418,7 +465,8 @@ class Checkpointer(Callback):
             state_dict = state_io.dcp_state_dict(state)
             if self.async_save:
                 if self._stager is None:
-                    self._stager = ReusedHostStager()
+                    self._stager = ReusedHostStager(background=True)
+                self._stager.deferrable = self._guard_step_mutated_state(state)
                 future, records = state_io.async_save_dcp(
                     state_dict, staging, self._writer_group, self._stager, self.thread_count
                 )
@@ -438,6 +486,29 @@ class Checkpointer(Callback):
             self._finalize(None, staging, info)
             blocked = time.perf_counter() - start
             logger.log_metrics({"checkpoint/blocked_s": blocked})
+
+    def _guard_step_mutated_state(self, state: Any) -> set[int]:
+        """The storages of parameters and optimizer state (which only an optimizer step changes), with a
+        step pre-hook on every optimizer that waits for their background copy."""
+        keys = {storage_key(p) for p in state.model.parameters()}
+        for optimizer in state.optimizers:
+            if id(optimizer) not in self._step_hooks:
+                self._step_hooks[id(optimizer)] = optimizer.register_step_pre_hook(
+                    lambda *_: self.wait_for_staging()
+                )
+            keys |= {storage_key(t) for per_param in optimizer.state.values() for t in per_param.values()
+                     if isinstance(t, torch.Tensor)}
+        return keys
+
+    def wait_for_staging(self) -> None:
+        """Block until an async save's background copy to host memory is done (call before changing weights
+        or optimizer state outside an optimizer step); the wait is logged as ``checkpoint/staging_wait_s``."""
+        if self._stager is None:
+            return
+        waited = self._stager.wait_for_staging()
+        if waited > 0:
+            with self._lock:
+                self._metrics.append({"checkpoint/staging_wait_s": waited})
 
     def _is_committed(self, name: str) -> bool:
         """Whether ``name`` in the save folder has a valid manifest (an unreadable one: not a checkpoint)."""
@@ -587,3 +658,20 @@ class Checkpointer(Callback):
         for n in [c for c in committed if c not in keep] + [p for p in partial if p != newest]:
             log.info("retention: deleting %s/%s", self.store.url, n)
             self.store.delete(n)
+
+
+def _staging_guard(event: str) -> Any:
+    """A hook wrapper for ``event`` that waits for an async save's background copy before any plugin's hook
+    runs (an EMA swap at evaluation, for one, writes into the parameters)."""
+
+    @hookimpl(wrapper=True, specname=f"on_{event}")
+    def guard(self: Checkpointer) -> Any:
+        self.wait_for_staging()
+        return (yield)
+
+    guard.__name__ = guard.__qualname__ = f"staging_guard_{event}"
+    return guard
+
+
+for _event in ("epoch_start", "epoch_end", "eval_before_all", "before_optimizer_step", "fit_end", "close"):
+    setattr(Checkpointer, f"staging_guard_{_event}", _staging_guard(_event))

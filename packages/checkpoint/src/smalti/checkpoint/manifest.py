@@ -125,12 +125,16 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     return parse_manifest(path.read_bytes(), str(path))
 
 
-def verify_folder(folder: Path, level: str = "manifest", manifest: dict[str, Any] | None = None) -> dict[str, Any]:
+def verify_folder(
+    folder: Path, level: str = "manifest", manifest: dict[str, Any] | None = None, defer_data: bool = False
+) -> dict[str, Any]:
     """Check a local checkpoint folder against its manifest and return the manifest.
 
     ``none``: the manifest exists and parses. ``manifest``: also every listed file exists with its recorded
     size and sha256. ``full``: also DCP's ``.metadata`` refers only to listed files and to byte ranges inside
-    them. Raises :class:`CheckpointCorruptError` naming the first file at fault.
+    them. Raises :class:`CheckpointCorruptError` naming the first file at fault. With ``defer_data``, the
+    sha256 of the tensor data files (``*.distcp``) is left to :func:`verify_data_hashes`, so it can run
+    while they load; every other file (pickles among them) is still checked here, before anything reads it.
     """
     if level not in VERIFY_LEVELS:
         raise ValueError(f"verify={level!r} must be one of {', '.join(VERIFY_LEVELS)}")
@@ -148,6 +152,23 @@ def verify_folder(folder: Path, level: str = "manifest", manifest: dict[str, Any
                 f"checkpoint file {path} has {size} bytes but the manifest says {entry['size']} (truncated or overwritten)",
                 str(path),
             )
+    _check_hashes(folder, {rel: entry for rel, entry in files.items() if not (defer_data and is_data_file(rel))})
+    if level == "full":
+        _verify_dcp_metadata(folder, files)
+    return manifest
+
+
+def is_data_file(relpath: str) -> bool:
+    """Whether ``relpath`` is one of DCP's tensor data files (read with ``torch.load(weights_only=True)``)."""
+    return relpath.endswith(".distcp")
+
+
+def verify_data_hashes(folder: Path, manifest: dict[str, Any]) -> None:
+    """The sha256 check :func:`verify_folder` leaves out with ``defer_data``."""
+    _check_hashes(folder, {rel: entry for rel, entry in manifest["files"].items() if is_data_file(rel)})
+
+
+def _check_hashes(folder: Path, files: dict[str, dict[str, Any]]) -> None:
     hashed = hash_files(folder, files)
     for rel, entry in files.items():
         if hashed[rel]["sha256"] != entry["sha256"]:
@@ -156,9 +177,6 @@ def verify_folder(folder: Path, level: str = "manifest", manifest: dict[str, Any
                 f"{entry['sha256'][:16]}… (corrupted)",
                 str(folder / rel),
             )
-    if level == "full":
-        _verify_dcp_metadata(folder, files)
-    return manifest
 
 
 def _verify_dcp_metadata(folder: Path, files: dict[str, dict[str, Any]]) -> None:

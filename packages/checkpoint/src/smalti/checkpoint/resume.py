@@ -6,12 +6,14 @@ import hashlib
 import logging
 import os
 import tempfile
+import threading
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from smalti.checkpoint.errors import CheckpointCorruptError, CheckpointError, UncommittedCheckpointError
-from smalti.checkpoint.manifest import verify_folder
+from smalti.checkpoint.manifest import verify_data_hashes, verify_folder
 from smalti.checkpoint.naming import MANIFEST_NAME, parse_folder_name
 from smalti.checkpoint.storage import LocalStore, S3Store, Store, is_remote, open_store
 
@@ -29,6 +31,9 @@ class Found:
     skipped: list[str]
     #: names of the newer checkpoints passed over (partial, or failing verification)
     skipped_names: list[str] = field(default_factory=list)
+    #: with ``defer_data``: the sha256 check of the tensor data files, running while they load (raises
+    #: :class:`CheckpointCorruptError`); never sent to other ranks
+    pending: Future[None] | None = field(default=None, compare=False)
 
 
 def default_cache_dir(url: str) -> Path:
@@ -38,10 +43,12 @@ def default_cache_dir(url: str) -> Path:
 
 
 def fetch(
-    store: Store, name: str, cache_dir: Path, verify: str, manifest: dict[str, Any] | None = None
-) -> tuple[Path, dict[str, Any]]:
+    store: Store, name: str, cache_dir: Path, verify: str, manifest: dict[str, Any] | None = None,
+    defer_data: bool = False,
+) -> tuple[Path, dict[str, Any], Future[None] | None]:
     """A verified local copy of checkpoint ``name``; raises :class:`CheckpointCorruptError` naming the bad file.
 
+    With ``defer_data`` the data files' sha256 check is started in the background and returned as a future.
     Object-store failures that persist after the retries raise :class:`CheckpointUploadError` instead: they say
     nothing about the checkpoint itself.
     """
@@ -53,16 +60,32 @@ def fetch(
             f"{where}/{MANIFEST_NAME}",
         )
     if isinstance(store, S3Store):
-        local = cache_dir / name
-        store.download_checkpoint(name, local, manifest)
-        verify_folder(local, verify, manifest)
-        return local, manifest
-    folder = store.folder(name)
-    verify_folder(folder, verify, manifest)
-    return folder, manifest
+        folder = cache_dir / name
+        store.download_checkpoint(name, folder, manifest)
+    else:
+        folder = store.folder(name)
+    defer = defer_data and verify != "none"
+    verify_folder(folder, verify, manifest, defer_data=defer)
+    return folder, manifest, _in_background(verify_data_hashes, folder, manifest) if defer else None
 
 
-def newest_good(store: Store, cache_dir: Path, verify: str) -> Found | None:
+def _in_background(function: Any, *args: Any) -> Future[None]:
+    """Run ``function(*args)`` on a daemon thread; its outcome in a future."""
+    future: Future[None] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(function(*args))
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="smalti-ckpt-verify", daemon=True).start()
+    return future
+
+
+def newest_good(
+    store: Store, cache_dir: Path, verify: str, defer_data: bool = False, exclude: dict[str, str] | None = None
+) -> Found | None:
     """The newest checkpoint under ``store`` that has a valid manifest and verifies; report every one skipped.
 
     Only verification failures (no manifest, an invalid manifest, a file missing, truncated or with another
@@ -70,15 +93,21 @@ def newest_good(store: Store, cache_dir: Path, verify: str) -> Found | None:
     propagates, so a flaky object store fails the run (a launcher can retry it) instead of resuming from an
     older checkpoint or from scratch. When committed checkpoints exist but none verifies, this raises
     :class:`CheckpointCorruptError` rather than returning ``None`` (which would start the run afresh).
-    Returns ``None`` only when no folder holds a manifest.
+    Returns ``None`` only when no folder holds a manifest. ``exclude`` maps names already found damaged
+    (by a deferred data check) to why; they count as damaged. ``defer_data``: see :func:`fetch`.
     """
     skipped: list[str] = []
     names: list[str] = []
     damaged: list[str] = []
     for name in reversed(store.list_names()):
+        if exclude and name in exclude:
+            skipped.append(f"{name}: {exclude[name]}")
+            names.append(name)
+            damaged.append(f"{name}: {exclude[name]}")
+            continue
         try:
             manifest = store.read_manifest(name)
-            folder, manifest = fetch(store, name, cache_dir, verify, manifest)
+            folder, manifest, pending = fetch(store, name, cache_dir, verify, manifest, defer_data)
         except CheckpointCorruptError as exc:
             log.error("skipping checkpoint %s/%s: %s", store.url, name, exc)
             skipped.append(f"{name}: {exc}")
@@ -88,7 +117,7 @@ def newest_good(store: Store, cache_dir: Path, verify: str) -> Found | None:
             continue
         if skipped:
             log.warning("resuming from %s/%s, the newest good checkpoint; skipped newer: %s", store.url, name, "; ".join(skipped))
-        return Found(name, f"{store.url}/{name}", folder, manifest, skipped, names)
+        return Found(name, f"{store.url}/{name}", folder, manifest, skipped, names, pending)
     if damaged:
         raise CheckpointCorruptError(
             f"{store.url} holds committed checkpoints but none of them verifies, so the run does not start from "
@@ -99,21 +128,27 @@ def newest_good(store: Store, cache_dir: Path, verify: str) -> Found | None:
     return None
 
 
-def resolve_load_path(load_path: str, cache_dir: Path | None, verify: str, **s3_options: Any) -> Found:
-    """``load_path`` names a checkpoint folder, or a save folder (its newest good checkpoint is used)."""
+def resolve_load_path(
+    load_path: str, cache_dir: Path | None, verify: str, defer_data: bool = False,
+    exclude: dict[str, str] | None = None, **s3_options: Any,
+) -> Found:
+    """``load_path`` names a checkpoint folder, or a save folder (its newest good checkpoint is used).
+
+    ``defer_data``: see :func:`fetch`; ``exclude``: see :func:`newest_good`.
+    """
     path = str(load_path).rstrip("/")
     parent, _, last = path.rpartition("/")
     cache = cache_dir or default_cache_dir(parent or path)
     if parse_folder_name(last) is not None and parent:
         store = open_store(parent, **s3_options)
-        folder, manifest = fetch(store, last, cache, verify)
-        return Found(last, path, folder, manifest, [])
+        folder, manifest, pending = fetch(store, last, cache, verify, defer_data=defer_data)
+        return Found(last, path, folder, manifest, [], pending=pending)
     if not is_remote(path) and (Path(path) / MANIFEST_NAME).is_file():
         store = LocalStore(Path(path).parent)
-        folder, manifest = fetch(store, Path(path).name, cache, verify)
-        return Found(Path(path).name, path, folder, manifest, [])
+        folder, manifest, pending = fetch(store, Path(path).name, cache, verify, defer_data=defer_data)
+        return Found(Path(path).name, path, folder, manifest, [], pending=pending)
     store = open_store(path, **s3_options)
-    found = newest_good(store, cache_dir or default_cache_dir(store.url), verify)
+    found = newest_good(store, cache_dir or default_cache_dir(store.url), verify, defer_data, exclude)
     if found is None:
         raise CheckpointError(
             f"load_path={load_path!r} holds no committed checkpoint (no ep<N>-ba<M> folder with a valid {MANIFEST_NAME})"

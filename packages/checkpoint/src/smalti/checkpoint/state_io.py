@@ -122,10 +122,11 @@ def async_save_dcp(
     writer = HashingFileSystemWriter(folder, thread_count)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
-        future = dcp.async_save(
+        response = dcp.async_save(
             state_dict, storage_writer=writer, process_group=group, no_dist=group is None, async_stager=stager
         )
-    return future, writer.fs.records
+    # a stager that copies in the background makes DCP answer with (staging, upload) futures
+    return getattr(response, "upload_completion", response), writer.fs.records
 
 
 def matches(key: str, patterns: list[str]) -> bool:

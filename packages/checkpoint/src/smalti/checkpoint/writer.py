@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -99,34 +101,113 @@ def _layout(state_dict: Any) -> Any:
     return type(state_dict).__name__
 
 
+def _pair_up(source: Any, buffers: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """The staged state dict (``buffers``' tensors, ``source``'s other values); ``(source, buffer)`` tensor
+    pairs to copy are appended to ``pairs``."""
+    if isinstance(source, torch.Tensor):
+        if hasattr(source, "to_local"):  # DTensor: copy the local shard into the buffer DTensor's shard
+            pairs.append((source._local_tensor, buffers._local_tensor))
+        else:
+            pairs.append((source, buffers))
+        return buffers
+    if isinstance(source, dict):
+        return {key: _pair_up(value, buffers[key], pairs) for key, value in source.items()}
+    if isinstance(source, (list, tuple)):
+        staged = [_pair_up(value, buffers[i], pairs) for i, value in enumerate(source)]
+        return tuple(staged) if isinstance(source, tuple) else staged
+    return source
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """What identifies a tensor's memory (its storage's address), for :attr:`ReusedHostStager.deferrable`."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.untyped_storage().data_ptr()
+
+
 class ReusedHostStager(AsyncStager):
     """Copies a state dict into host buffers allocated once and reused by every later save of the same layout.
 
-    The copy is the only part of an async save the training loop waits for. Buffers are pinned when CUDA is
-    available (fast device-to-host copies). The caller must not stage again before the previous write is
-    done (the :class:`~smalti.checkpoint.Checkpointer` waits for the previous save first).
+    Buffers are pinned when CUDA is available (fast device-to-host copies). With ``background=True``, the
+    tensors whose storage is in :attr:`deferrable` (the caller sets it before each save to the parameters
+    and optimizer state, which only an optimizer step changes) are copied on a helper thread while the
+    training loop goes on with its next forward and backward; :meth:`wait_for_staging` must be called
+    before anything changes them (the :class:`~smalti.checkpoint.Checkpointer` calls it from an optimizer
+    step pre-hook and ahead of the events where plugins may touch weights). Every other tensor (buffers,
+    which a forward may update) is copied before :meth:`stage` returns. The caller must not stage again
+    before the previous write is done (the Checkpointer waits for the previous save first).
     """
 
     _synchronize_after_execute = False
 
-    def __init__(self) -> None:
+    def __init__(self, background: bool = False) -> None:
         self._cache: Any = None
         self._layout: Any = None
+        self._executor = ThreadPoolExecutor(1, "smalti-ckpt-stage") if background else None
+        self._pending: Future[Any] | None = None
+        self._stream: Any = None
+        #: storage keys (:func:`storage_key`) of the tensors that may be copied in the background
+        self.deferrable: set[int] = set()
 
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Copy ``state_dict`` into the cached host buffers (allocating them on first use or a layout change)."""
-        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any] | Future[dict[str, Any]]:
+        """Copy ``state_dict`` into the cached host buffers (allocating them on first use or a layout change);
+        a future of the staged dict when part of the copy runs in the background."""
+        from torch.distributed._state_dict_utils import _create_cpu_state_dict
 
+        self.wait_for_staging()
         layout = _layout(state_dict)
         if self._cache is None or layout != self._layout:
             self._cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
             self._layout = layout
-        return _copy_state_dict(state_dict, self._cache, non_blocking=False)
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        staged = _pair_up(state_dict, self._cache, pairs)
+        later = [pair for pair in pairs if self._executor is not None and storage_key(pair[0]) in self.deferrable]
+        deferred = {id(source) for source, _ in later}
+        for source, buffer in pairs:
+            if id(source) not in deferred:
+                buffer.copy_(source)
+        if not later:
+            return staged
+        ready = None
+        if any(source.is_cuda for source, _ in later):
+            ready = torch.cuda.Event()
+            ready.record()  # the copies must see what the training stream has computed so far
+        assert self._executor is not None
+        self._pending = self._executor.submit(self._copy, later, ready, staged)
+        return self._pending
+
+    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], ready: Any, staged: Any) -> Any:
+        if ready is None:
+            for source, buffer in pairs:
+                buffer.copy_(source)
+            return staged
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)
+            for source, buffer in pairs:
+                buffer.copy_(source, non_blocking=True)
+        self._stream.synchronize()
+        return staged
+
+    def wait_for_staging(self) -> float:
+        """Block until the background copy (if any) is done; the seconds waited. Re-raises its error."""
+        pending, self._pending = self._pending, None
+        if pending is None or pending.done():
+            if pending is not None:
+                pending.result()
+            return 0.0
+        start = time.perf_counter()
+        pending.result()
+        return time.perf_counter() - start
 
     def synchronize_staging(self) -> None:
-        """Nothing to wait for: :meth:`stage` copies synchronously."""
+        """Wait for the background copy (DCP calls this only when :meth:`stage` returned no future)."""
+        self.wait_for_staging()
 
     def close(self) -> None:
-        """Drop the host buffers."""
+        """Wait for any copy in flight, then drop the host buffers and the helper thread."""
+        self.wait_for_staging()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
         self._cache = None
         self._layout = None
