@@ -142,6 +142,7 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="DCP writer threads")
+    parser.add_argument("--buffered", action="store_true", help="save with direct_io=false (page cache + writeback)")
     args = parser.parse_args()
 
     from smalti.checkpoint import Checkpointer
@@ -188,7 +189,8 @@ def main() -> None:
     def our_side(rep: int) -> None:
         nonlocal saved_bytes
         folder = root / f"sync-{rep}"
-        ck = Checkpointer(str(folder), save_interval=None, save_on_fit_end=False, thread_count=args.threads)
+        ck = Checkpointer(str(folder), save_interval=None, save_on_fit_end=False, thread_count=args.threads,
+                          direct_io=not args.buffered)
         trainer = trained(ck)
         start = time.perf_counter()
         ck.save(trainer.state, Log())
@@ -209,7 +211,8 @@ def main() -> None:
             side(rep)
 
         folder = root / f"async-{rep}"
-        ck = Checkpointer(str(folder), save_interval=None, save_on_fit_end=False, async_save=True, thread_count=args.threads)
+        ck = Checkpointer(str(folder), save_interval=None, save_on_fit_end=False, async_save=True,
+                          thread_count=args.threads, direct_io=not args.buffered)
         trainer = trained(ck)
         start = time.perf_counter()
         ck.save(trainer.state, Log())  # the first async save also allocates the reused host staging buffers
@@ -234,7 +237,7 @@ def main() -> None:
           f"file system: {filesystem_type(root)}")
     print(f"page cache dropped before reads: {cold}; median of {args.repeats} (raw first in even repetitions, ours first in odd)")
     print(f"sha256 on this CPU: {sha256_rate(raw_data):.2f} GB/s per thread (every byte saved or loaded is hashed; "
-          f"{args.threads} writer thread(s), one file each)")
+          f"{args.threads} writer thread(s), one file each; {'buffered' if args.buffered else 'direct'} I/O)")
     print(f"raw write (best of 3 ways, + fsync)         {gb / med['raw_write']:8.2f} GB/s  ({med['raw_write']:.3f} s)")
     print("  each way: " + ", ".join(f"{how} {gb / med[f'raw_write_{how}']:.2f} GB/s" for how in RAW_WRITE_WAYS))
     print(f"save (DCP + sha256 + manifest)               {gb / med['save']:8.2f} GB/s  ({med['save']:.3f} s)   "

@@ -316,3 +316,26 @@ def test_a_load_path_naming_a_damaged_checkpoint_fails_and_one_naming_its_folder
     assert err.value.path == str(bad)
     with make_trainer("6ba", Checkpointer(load_path=str(tmp_path / "run"))) as resumed:
         assert resumed.state.timestamp.batch == 2
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_direct_io_setting_reaches_every_file_and_either_way_resumes_exactly(tmp_path, monkeypatch, direct_io):
+    import smalti.checkpoint.writer as writer
+
+    opened = []
+
+    class Spy(writer.HashingFile):
+        def __init__(self, path, direct=True):
+            super().__init__(path, direct=direct)
+            opened.append((os.path.basename(path), direct))
+
+    monkeypatch.setattr(writer, "HashingFile", Spy)
+    reference = make_trainer("6ba")
+    reference.fit()
+    make_trainer("3ba", Checkpointer(str(tmp_path), save_interval="3ba", direct_io=direct_io)).fit()
+    assert any(name.endswith(".distcp") for name, _ in opened)
+    assert {direct for _, direct in opened} == {direct_io}
+    resumed = make_trainer("6ba", Checkpointer(str(tmp_path), save_interval="3ba", autoresume=True))
+    assert resumed.state.timestamp.batch == 3
+    resumed.fit()
+    assert_same_training_state(reference, resumed)

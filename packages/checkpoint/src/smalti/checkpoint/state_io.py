@@ -100,12 +100,14 @@ def write_rank_local_state(folder: Path, state: State) -> tuple[str, dict[str, A
     return rel, {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
-def save_dcp(state_dict: dict[str, Any], folder: Path, group: Any, thread_count: int = 1) -> dict[str, dict[str, Any]]:
+def save_dcp(
+    state_dict: dict[str, Any], folder: Path, group: Any, thread_count: int = 1, direct_io: bool = True
+) -> dict[str, dict[str, Any]]:
     """Synchronous DCP save of ``state_dict`` by the ranks of ``group`` (``None``: a single process).
 
     Returns ``{file name: {"size", "sha256"}}`` of the files this rank wrote, hashed as they were written.
     """
-    writer = HashingFileSystemWriter(folder, thread_count)
+    writer = HashingFileSystemWriter(folder, thread_count, direct_io)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
         dcp.save(state_dict, storage_writer=writer, process_group=group, no_dist=group is None)
@@ -113,13 +115,18 @@ def save_dcp(state_dict: dict[str, Any], folder: Path, group: Any, thread_count:
 
 
 def async_save_dcp(
-    state_dict: dict[str, Any], folder: Path, group: Any, stager: ReusedHostStager, thread_count: int = 1
+    state_dict: dict[str, Any],
+    folder: Path,
+    group: Any,
+    stager: ReusedHostStager,
+    thread_count: int = 1,
+    direct_io: bool = True,
 ) -> tuple[Any, dict[str, dict[str, Any]]]:
     """Stage ``state_dict`` into ``stager``'s host buffers (blocking), then write it in a background thread.
 
     Returns the write's future and the dict that receives ``{file name: {"size", "sha256"}}`` as files finish.
     """
-    writer = HashingFileSystemWriter(folder, thread_count)
+    writer = HashingFileSystemWriter(folder, thread_count, direct_io)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
         response = dcp.async_save(
