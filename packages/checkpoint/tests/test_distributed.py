@@ -213,3 +213,49 @@ def test_a_signal_on_one_rank_makes_every_rank_save_and_stop(shared_tmp_path):
     manifest = json.loads((shared_tmp_path / "ck" / "ep0-ba3" / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and manifest["timestamp"]["batch"] == 3
     assert signal.getsignal(signal.SIGUSR1) is previous
+
+
+@pytest.mark.world_size(2)
+def test_ranks_split_the_data_hash_check_and_a_bad_file_in_either_share_falls_back(shared_tmp_path, monkeypatch):
+    import smalti.checkpoint.checkpointer as checkpointer
+    from smalti.core.parallelism import FSDP
+
+    folder = shared_tmp_path / "ckpt"
+    make_trainer(FSDP(), "4ba", Checkpointer(str(folder), save_interval="2ba")).fit()
+    at_batch_2 = make_trainer(FSDP(), "2ba", Checkpointer(str(shared_tmp_path / "ref"), save_interval=None,
+                                                          save_on_fit_end=False))
+    at_batch_2.fit()
+    reference = full_state(at_batch_2)
+    checked = []
+    real = checkpointer.verify_data_hashes
+
+    def spy(where, manifest, relpaths=None):
+        checked.append((where.name, sorted(relpaths)))
+        return real(where, manifest, relpaths)
+
+    monkeypatch.setattr(checkpointer, "verify_data_hashes", spy)
+    for bad in ("__0_0.distcp", "__1_0.distcp"):  # one lands in each rank's share
+        path = folder / "ep0-ba4" / bad
+        good = path.read_bytes()
+        dist.barrier()
+        if dist.get_rank() == 0:
+            flipped = bytearray(good)
+            flipped[len(flipped) // 2] ^= 0x01
+            path.write_bytes(bytes(flipped))
+        dist.barrier()
+        checked.clear()
+        resumed = make_trainer(FSDP(), "6ba", Checkpointer(str(folder), save_interval=None, save_on_fit_end=False,
+                                                          autoresume=True))
+        assert resumed.state.timestamp.batch == 2
+        assert_nested_equal(reference, full_state(resumed))
+        resumed.close()
+        # each rank hashed one of the two data files of each checkpoint tried: ep0-ba4 (bad), then ep0-ba2
+        everyone = [None, None]
+        dist.all_gather_object(everyone, checked)
+        for name in ("ep0-ba4", "ep0-ba2"):
+            shares = [files for rank_checks in everyone for where, files in rank_checks if where == name]
+            assert sorted(shares) == [["__0_0.distcp"], ["__1_0.distcp"]], everyone
+        dist.barrier()
+        if dist.get_rank() == 0:
+            path.write_bytes(good)
+        dist.barrier()

@@ -6,6 +6,7 @@ import json
 import logging
 import shutil
 import signal
+import socket
 import statistics
 import threading
 import time
@@ -18,9 +19,16 @@ import torch.distributed as dist
 
 from smalti.checkpoint import state_io
 from smalti.checkpoint.errors import CheckpointCorruptError, CheckpointError
-from smalti.checkpoint.manifest import VERIFY_LEVELS, build_manifest, hash_files, write_json_atomic
+from smalti.checkpoint.manifest import (
+    VERIFY_LEVELS,
+    build_manifest,
+    hash_files,
+    split_by_size,
+    verify_data_hashes,
+    write_json_atomic,
+)
 from smalti.checkpoint.naming import MANIFEST_NAME, folder_name, sort_key
-from smalti.checkpoint.resume import Found, default_cache_dir, newest_good, resolve_load_path
+from smalti.checkpoint.resume import Found, default_cache_dir, in_background, newest_good, resolve_load_path
 from smalti.checkpoint.storage import S3Store, is_remote, open_store
 from smalti.checkpoint.writer import ReusedHostStager, storage_key
 from smalti.core import distributed
@@ -198,6 +206,14 @@ class Checkpointer(Callback):
         dist.broadcast_object_list(box, src=0, group=self._group)
         return box[0]
 
+    def _gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, in rank order, on every rank."""
+        if self._group is None:
+            return [value]
+        out: list[Any] = [None] * self._world
+        dist.all_gather_object(out, value, group=self._group)
+        return out
+
     def _staging(self, name: str) -> Path:
         assert self.store is not None
         if isinstance(self.store, S3Store):
@@ -225,8 +241,9 @@ class Checkpointer(Callback):
                 self._check_save_folder(state, None)
                 return
             if self._rank != 0 and not (found.folder / MANIFEST_NAME).is_file():
-                # another node: fetch our own copy of what rank 0 chose
-                found = resolve_load_path(found.source, self.cache_dir, self.verify, **self._s3(found.source))
+                # another node: fetch our own copy of what rank 0 chose (its data files are checked as they load)
+                found = resolve_load_path(found.source, self.cache_dir, self.verify, defer_data=True, **self._s3(found.source))
+            self._start_data_check(found)
             weights_only = self.load_weights_only and not autoresumed  # resuming this run restores everything
             load_error: Exception | None = None
             try:
@@ -236,7 +253,7 @@ class Checkpointer(Callback):
                 )
             except Exception as exc:  # a damaged data file may fail to parse: the sha256 verdict decides
                 load_error = exc
-            problem = self._data_verdict()
+            problem = self._data_verdict(found)
             if problem is None:
                 if load_error is not None:
                     raise load_error
@@ -260,18 +277,40 @@ class Checkpointer(Callback):
         """Whether ``load_path`` names a folder of checkpoints (so an older one may stand in), not one checkpoint."""
         return bool(self.load_path) and found.source.rstrip("/") != str(self.load_path).rstrip("/")
 
-    def _data_verdict(self) -> CheckpointCorruptError | None:
-        """Rank 0 waits for the sha256 of the data files it was checking while they loaded; every rank gets
-        the verdict (``None``: good)."""
-        verdict: tuple[str, str | None] | None = None
-        if self._rank == 0 and self._pending_data_check is not None:
+    def _start_data_check(self, found: Found) -> None:
+        """Start hashing this rank's share of the data files left unchecked, in the background.
+
+        The ranks that read the same copy (same host, same folder) split the files between them by size, so
+        a checkpoint of many files is verified by many cores at once rather than by rank 0 alone. Copies on
+        other hosts are checked by their own ranks, even on a shared file system: a path says nothing about
+        whether two hosts see the same bytes.
+        """
+        copy = (socket.gethostname(), str(found.folder.resolve()), tuple(found.unchecked))
+        peers = [rank for rank, other in enumerate(self._gather(copy)) if other == copy]
+        share = split_by_size(found.unchecked, found.manifest, len(peers))[peers.index(self._rank)]
+        if share:
+            self._pending_data_check = in_background(verify_data_hashes, found.folder, found.manifest, share)
+
+    def _data_verdict(self, found: Found) -> CheckpointCorruptError | None:
+        """Each rank waits for the sha256 of its share of the data files (checked while they loaded); every
+        rank gets the verdict (``None``: good; else the lowest rank's finding)."""
+        finding: tuple[str, str, str | None] | None = None
+        if self._pending_data_check is not None:
             pending, self._pending_data_check = self._pending_data_check, None
             try:
                 pending.result(timeout=self.timeout_s)
             except CheckpointCorruptError as exc:
-                verdict = (str(exc), exc.path)
-        verdict = self._broadcast(verdict)
-        return None if verdict is None else CheckpointCorruptError(*verdict)
+                finding = ("corrupt", str(exc), exc.path)
+            except Exception as exc:  # e.g. a time-out or an unreadable file: not a verdict on the checkpoint
+                finding = ("error", f"checking the sha256 of the data files of {found.source}: {exc!r}", None)
+        for answer in self._gather(finding):
+            if answer is None:
+                continue
+            kind, message, path = answer
+            if kind == "error":
+                raise CheckpointError(message)
+            return CheckpointCorruptError(message, path)
+        return None
 
     def _in_save_folder(self, found: Found) -> bool:
         assert self.store is not None
@@ -337,7 +376,6 @@ class Checkpointer(Callback):
                     found = resolve_load_path(self.load_path, None, self.verify, defer_data=True, exclude=damaged,
                                               **self._s3(self.load_path))
                 if found is not None:
-                    self._pending_data_check, found.pending = found.pending, None
                     found.skipped_names = [*found.skipped_names, *(n for n in damaged if n not in found.skipped_names)]
                 choice = (found, autoresumed)
             except Exception as exc:  # sent to every rank so they fail together

@@ -163,9 +163,28 @@ def is_data_file(relpath: str) -> bool:
     return relpath.endswith(".distcp")
 
 
-def verify_data_hashes(folder: Path, manifest: dict[str, Any]) -> None:
-    """The sha256 check :func:`verify_folder` leaves out with ``defer_data``."""
-    _check_hashes(folder, {rel: entry for rel, entry in manifest["files"].items() if is_data_file(rel)})
+def data_files(manifest: dict[str, Any]) -> list[str]:
+    """The tensor data files a manifest lists (what :func:`verify_folder` leaves out with ``defer_data``)."""
+    return sorted(rel for rel in manifest["files"] if is_data_file(rel))
+
+
+def verify_data_hashes(folder: Path, manifest: dict[str, Any], relpaths: list[str] | None = None) -> None:
+    """The sha256 check of ``relpaths`` (default: every data file), which :func:`verify_folder` leaves out with
+    ``defer_data``; raises :class:`CheckpointCorruptError` naming the first bad file."""
+    files = manifest["files"]
+    _check_hashes(folder, {rel: files[rel] for rel in (data_files(manifest) if relpaths is None else relpaths)})
+
+
+def split_by_size(relpaths: list[str], manifest: dict[str, Any], parts: int) -> list[list[str]]:
+    """``relpaths`` in ``parts`` shares of about equal bytes (largest file first to the lightest share); every
+    rank computes the same split from the same manifest."""
+    shares: list[list[str]] = [[] for _ in range(max(1, parts))]
+    loads = [0] * len(shares)
+    for rel in sorted(relpaths, key=lambda r: (-manifest["files"][r]["size"], r)):
+        lightest = loads.index(min(loads))
+        shares[lightest].append(rel)
+        loads[lightest] += manifest["files"][rel]["size"]
+    return shares
 
 
 def _check_hashes(folder: Path, files: dict[str, dict[str, Any]]) -> None:

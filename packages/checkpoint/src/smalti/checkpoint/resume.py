@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from smalti.checkpoint.errors import CheckpointCorruptError, CheckpointError, UncommittedCheckpointError
-from smalti.checkpoint.manifest import verify_data_hashes, verify_folder
+from smalti.checkpoint.manifest import data_files, verify_folder
 from smalti.checkpoint.naming import MANIFEST_NAME, parse_folder_name
 from smalti.checkpoint.storage import LocalStore, S3Store, Store, is_remote, open_store
 
@@ -31,9 +31,9 @@ class Found:
     skipped: list[str]
     #: names of the newer checkpoints passed over (partial, or failing verification)
     skipped_names: list[str] = field(default_factory=list)
-    #: with ``defer_data``: the sha256 check of the tensor data files, running while they load (raises
-    #: :class:`CheckpointCorruptError`); never sent to other ranks
-    pending: Future[None] | None = field(default=None, compare=False)
+    #: with ``defer_data``: the tensor data files whose sha256 is still to be checked (by the loading ranks,
+    #: while the files load: see :func:`~smalti.checkpoint.manifest.verify_data_hashes`)
+    unchecked: list[str] = field(default_factory=list)
 
 
 def default_cache_dir(url: str) -> Path:
@@ -45,10 +45,11 @@ def default_cache_dir(url: str) -> Path:
 def fetch(
     store: Store, name: str, cache_dir: Path, verify: str, manifest: dict[str, Any] | None = None,
     defer_data: bool = False,
-) -> tuple[Path, dict[str, Any], Future[None] | None]:
-    """A verified local copy of checkpoint ``name``; raises :class:`CheckpointCorruptError` naming the bad file.
+) -> tuple[Path, dict[str, Any], list[str]]:
+    """A verified local copy of checkpoint ``name``, its manifest, and the data files left unchecked; raises
+    :class:`CheckpointCorruptError` naming the bad file.
 
-    With ``defer_data`` the data files' sha256 check is started in the background and returned as a future.
+    With ``defer_data`` the data files' sha256 is left to the caller (the list returned; else it is empty).
     Object-store failures that persist after the retries raise :class:`CheckpointUploadError` instead: they say
     nothing about the checkpoint itself.
     """
@@ -66,10 +67,10 @@ def fetch(
         folder = store.folder(name)
     defer = defer_data and verify != "none"
     verify_folder(folder, verify, manifest, defer_data=defer)
-    return folder, manifest, _in_background(verify_data_hashes, folder, manifest) if defer else None
+    return folder, manifest, data_files(manifest) if defer else []
 
 
-def _in_background(function: Any, *args: Any) -> Future[None]:
+def in_background(function: Any, *args: Any) -> Future[None]:
     """Run ``function(*args)`` on a daemon thread; its outcome in a future."""
     future: Future[None] = Future()
 
@@ -107,7 +108,7 @@ def newest_good(
             continue
         try:
             manifest = store.read_manifest(name)
-            folder, manifest, pending = fetch(store, name, cache_dir, verify, manifest, defer_data)
+            folder, manifest, unchecked = fetch(store, name, cache_dir, verify, manifest, defer_data)
         except CheckpointCorruptError as exc:
             log.error("skipping checkpoint %s/%s: %s", store.url, name, exc)
             skipped.append(f"{name}: {exc}")
@@ -117,7 +118,7 @@ def newest_good(
             continue
         if skipped:
             log.warning("resuming from %s/%s, the newest good checkpoint; skipped newer: %s", store.url, name, "; ".join(skipped))
-        return Found(name, f"{store.url}/{name}", folder, manifest, skipped, names, pending)
+        return Found(name, f"{store.url}/{name}", folder, manifest, skipped, names, unchecked)
     if damaged:
         raise CheckpointCorruptError(
             f"{store.url} holds committed checkpoints but none of them verifies, so the run does not start from "
@@ -141,12 +142,12 @@ def resolve_load_path(
     cache = cache_dir or default_cache_dir(parent or path)
     if parse_folder_name(last) is not None and parent:
         store = open_store(parent, **s3_options)
-        folder, manifest, pending = fetch(store, last, cache, verify, defer_data=defer_data)
-        return Found(last, path, folder, manifest, [], pending=pending)
+        folder, manifest, unchecked = fetch(store, last, cache, verify, defer_data=defer_data)
+        return Found(last, path, folder, manifest, [], unchecked=unchecked)
     if not is_remote(path) and (Path(path) / MANIFEST_NAME).is_file():
         store = LocalStore(Path(path).parent)
-        folder, manifest, pending = fetch(store, Path(path).name, cache, verify, defer_data=defer_data)
-        return Found(Path(path).name, path, folder, manifest, [], pending=pending)
+        folder, manifest, unchecked = fetch(store, Path(path).name, cache, verify, defer_data=defer_data)
+        return Found(Path(path).name, path, folder, manifest, [], unchecked=unchecked)
     store = open_store(path, **s3_options)
     found = newest_good(store, cache_dir or default_cache_dir(store.url), verify, defer_data, exclude)
     if found is None:
