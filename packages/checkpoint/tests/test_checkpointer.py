@@ -339,3 +339,16 @@ def test_direct_io_setting_reaches_every_file_and_either_way_resumes_exactly(tmp
     assert resumed.state.timestamp.batch == 3
     resumed.fit()
     assert_same_training_state(reference, resumed)
+
+
+def test_a_model_that_already_holds_gradients_still_gets_its_optimizer_state(tmp_path):
+    make_trainer("2ba", Checkpointer(str(tmp_path), save_interval="2ba")).fit()
+    at_batch_2 = make_trainer("2ba")
+    at_batch_2.fit()
+    torch.manual_seed(1)
+    model = MLPRegressor()
+    model(torch.randn(4, 16)).sum().backward()  # used before: every parameter has a .grad
+    resumed = make_trainer("4ba", Checkpointer(load_path=str(tmp_path), save_interval=None, save_on_fit_end=False),
+                           model=model)
+    assert resumed.state.optimizers[0].state, "no optimizer state was loaded"
+    assert_same_training_state(at_batch_2, resumed)

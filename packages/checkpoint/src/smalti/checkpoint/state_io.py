@@ -181,6 +181,11 @@ def load_checkpoint(
         )
     to_load: dict[str, Any] = {"model": wanted}
     if load_optim:
+        for optimizer in state.optimizers:
+            if not optimizer.state:
+                # DCP creates an empty optimizer's state (a zero-lr step) only when no parameter holds a gradient;
+                # with gradients left from earlier use of the model it would ask for, and load, no optimizer state
+                optimizer.zero_grad(set_to_none=True)
         _, optim_sd = get_state_dict(state.model, state.optimizers)
         to_load["optim"] = optim_sd
     planner = DefaultLoadPlanner(allow_partial_load=True)
