@@ -11,6 +11,7 @@ import statistics
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from smalti.checkpoint.manifest import (
     write_json_atomic,
 )
 from smalti.checkpoint.naming import MANIFEST_NAME, folder_name, sort_key
-from smalti.checkpoint.resume import Found, default_cache_dir, in_background, newest_good, resolve_load_path
+from smalti.checkpoint.resume import Found, default_cache_dir, newest_good, resolve_load_path
 from smalti.checkpoint.storage import S3Store, is_remote, open_store
 from smalti.checkpoint.writer import ReusedHostStager, storage_key
 from smalti.core import distributed
@@ -285,11 +286,13 @@ class Checkpointer(Callback):
         other hosts are checked by their own ranks, even on a shared file system: a path says nothing about
         whether two hosts see the same bytes.
         """
-        copy = (socket.gethostname(), str(found.folder.resolve()), tuple(found.unchecked))
+        # ranks with the same copy got the same Found (rank 0's, or a fetch of the same manifest), so the same
+        # unchecked files: the copy's identity is enough to agree on the split
+        copy = (socket.gethostname(), str(found.folder.resolve()))
         peers = [rank for rank, other in enumerate(self._gather(copy)) if other == copy]
         share = split_by_size(found.unchecked, found.manifest, len(peers))[peers.index(self._rank)]
         if share:
-            self._pending_data_check = in_background(verify_data_hashes, found.folder, found.manifest, share)
+            self._pending_data_check = _in_background(verify_data_hashes, found.folder, found.manifest, share)
 
     def _data_verdict(self, found: Found) -> CheckpointCorruptError | None:
         """Each rank waits for the sha256 of its share of the data files (checked while they loaded); every
@@ -701,6 +704,20 @@ class Checkpointer(Callback):
         for n in [c for c in committed if c not in keep] + [p for p in partial if p != newest]:
             log.info("retention: deleting %s/%s", self.store.url, n)
             self.store.delete(n)
+
+
+def _in_background(function: Any, *args: Any) -> Future[None]:
+    """Run ``function(*args)`` on a daemon thread (never joined at exit); its outcome in a future."""
+    future: Future[None] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(function(*args))
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="smalti-ckpt-verify", daemon=True).start()
+    return future
 
 
 def _staging_guard(event: str) -> Any:

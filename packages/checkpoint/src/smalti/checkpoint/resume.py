@@ -6,8 +6,6 @@ import hashlib
 import logging
 import os
 import tempfile
-import threading
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -68,20 +66,6 @@ def fetch(
     defer = defer_data and verify != "none"
     verify_folder(folder, verify, manifest, defer_data=defer)
     return folder, manifest, data_files(manifest) if defer else []
-
-
-def in_background(function: Any, *args: Any) -> Future[None]:
-    """Run ``function(*args)`` on a daemon thread; its outcome in a future."""
-    future: Future[None] = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(function(*args))
-        except BaseException as exc:
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name="smalti-ckpt-verify", daemon=True).start()
-    return future
 
 
 def newest_good(

@@ -192,13 +192,12 @@ class ReusedHostStager(AsyncStager):
     def wait_for_staging(self) -> float:
         """Block until the background copy (if any) is done; the seconds waited. Re-raises its error."""
         pending, self._pending = self._pending, None
-        if pending is None or pending.done():
-            if pending is not None:
-                pending.result()
+        if pending is None:
             return 0.0
         start = time.perf_counter()
+        already_done = pending.done()
         pending.result()
-        return time.perf_counter() - start
+        return 0.0 if already_done else time.perf_counter() - start
 
     def synchronize_staging(self) -> None:
         """Wait for the background copy (DCP calls this only when :meth:`stage` returned no future)."""
