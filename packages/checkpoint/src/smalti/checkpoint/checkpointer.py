@@ -409,12 +409,9 @@ class Checkpointer(Callback):
             else:
                 self._normal_steps.append(step)
             self._step_start = None
-        with self._lock:
-            pending, self._metrics = self._metrics, []
-        for item in pending:
-            metrics.update(item)
         if metrics:
             logger.log_metrics(metrics)
+        self._flush_metrics(logger)
         if self.signals:
             self._signal_save = self._any_rank_signalled()
 
@@ -472,6 +469,8 @@ class Checkpointer(Callback):
             self.wait()
 
     def _flush_metrics(self, logger: Any) -> None:
+        """Log what the background threads recorded, one call per record (two saves that finished within one
+        batch each keep their ``checkpoint/save_s``)."""
         with self._lock:
             pending, self._metrics = self._metrics, []
         for item in pending:
