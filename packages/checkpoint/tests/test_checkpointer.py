@@ -17,7 +17,7 @@ from smalti.core.data import build_dataloader
 from smalti.core.examples import MLPRegressor, SyntheticRegression
 
 
-def make_trainer(duration, checkpointer=None, model=None, callbacks=None, loggers=None):
+def make_trainer(duration, checkpointer=None, model=None, callbacks=None, loggers=None, optimizer=None):
     torch.manual_seed(0)
     plugins = dict(callbacks or {})
     if checkpointer is not None:
@@ -26,7 +26,7 @@ def make_trainer(duration, checkpointer=None, model=None, callbacks=None, logger
         model or MLPRegressor(),
         build_dataloader(SyntheticRegression(96), 16, seed=5),  # 6 batches per epoch
         duration,
-        optimizers=functools.partial(torch.optim.AdamW, lr=1e-2),
+        optimizers=optimizer or functools.partial(torch.optim.AdamW, lr=1e-2),
         callbacks=plugins,
         loggers=loggers,
     )
@@ -352,3 +352,36 @@ def test_a_model_that_already_holds_gradients_still_gets_its_optimizer_state(tmp
                            model=model)
     assert resumed.state.optimizers[0].state, "no optimizer state was loaded"
     assert_same_training_state(at_batch_2, resumed)
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_adam_state_made_from_the_checkpoint_loads_as_dcps_zero_lr_step_would(tmp_path, monkeypatch, amsgrad):
+    from smalti.checkpoint import state_io
+
+    adam = functools.partial(torch.optim.AdamW, lr=1e-2, amsgrad=amsgrad)
+    make_trainer("2ba", Checkpointer(str(tmp_path), save_interval="2ba"), optimizer=adam).fit()
+    reference = make_trainer("4ba", optimizer=adam)
+    reference.fit()
+    made = []
+    real = state_io._prefill_adam_state
+    monkeypatch.setattr(state_io, "_prefill_adam_state", lambda *args: made.append(real(*args)) or made[-1])
+    loader = functools.partial(Checkpointer, load_path=str(tmp_path), save_interval=None, save_on_fit_end=False)
+    prefilled = make_trainer("4ba", loader(), optimizer=adam)
+    assert made == [True]
+    monkeypatch.setattr(state_io, "_prefill_adam_state", lambda *args: False)
+    stepped = make_trainer("4ba", loader(), optimizer=adam)  # DCP creates the state with its zero-lr step
+    assert_same_training_state(prefilled, stepped)
+    prefilled.fit()
+    assert_same_training_state(reference, prefilled)
+
+
+def test_a_checkpoint_without_the_state_the_optimizer_keeps_gets_no_uninitialised_entries(tmp_path):
+    make_trainer("2ba", Checkpointer(str(tmp_path), save_interval="2ba")).fit()  # AdamW without amsgrad
+    saved = make_trainer("2ba")
+    saved.fit()
+    resumed = make_trainer("4ba", Checkpointer(load_path=str(tmp_path), save_interval=None, save_on_fit_end=False),
+                           optimizer=functools.partial(torch.optim.AdamW, lr=1e-2, amsgrad=True))
+    state, before = resumed.state.optimizers[0].state_dict()["state"], saved.state.optimizers[0].state_dict()["state"]
+    for idx in before:
+        assert torch.equal(state[idx]["exp_avg"], before[idx]["exp_avg"])
+        assert torch.count_nonzero(state[idx]["max_exp_avg_sq"]) == 0  # not in the checkpoint: made by DCP's zero step

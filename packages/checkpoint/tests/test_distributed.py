@@ -218,6 +218,7 @@ def test_a_signal_on_one_rank_makes_every_rank_save_and_stop(shared_tmp_path):
 @pytest.mark.world_size(2)
 def test_ranks_split_the_data_hash_check_and_a_bad_file_in_either_share_falls_back(shared_tmp_path, monkeypatch):
     import smalti.checkpoint.checkpointer as checkpointer
+    from smalti.checkpoint import state_io
     from smalti.core.parallelism import FSDP
 
     folder = shared_tmp_path / "ckpt"
@@ -227,13 +228,16 @@ def test_ranks_split_the_data_hash_check_and_a_bad_file_in_either_share_falls_ba
     at_batch_2.fit()
     reference = full_state(at_batch_2)
     checked = []
-    real = checkpointer.verify_data_hashes
+    real = checkpointer.ReadAhead
 
-    def spy(where, manifest, relpaths=None):
-        checked.append((where.name, sorted(relpaths)))
-        return real(where, manifest, relpaths)
+    def spy(where, files, *args):
+        checked.append((where.name, sorted(f.relpath for f in files if f.sha256)))
+        return real(where, files, *args)
 
-    monkeypatch.setattr(checkpointer, "verify_data_hashes", spy)
+    monkeypatch.setattr(checkpointer, "ReadAhead", spy)
+    prefilled = []  # AdamW's state is made from the checkpoint (sharded like the parameters), not by a zero-lr step
+    real_prefill = state_io._prefill_adam_state
+    monkeypatch.setattr(state_io, "_prefill_adam_state", lambda *args: prefilled.append(real_prefill(*args)) or prefilled[-1])
     for bad in ("__0_0.distcp", "__1_0.distcp"):  # one lands in each rank's share
         path = folder / "ep0-ba4" / bad
         good = path.read_bytes()
@@ -248,13 +252,15 @@ def test_ranks_split_the_data_hash_check_and_a_bad_file_in_either_share_falls_ba
                                                           autoresume=True))
         assert resumed.state.timestamp.batch == 2
         assert_nested_equal(reference, full_state(resumed))
+        assert prefilled and all(prefilled)
         resumed.close()
-        # each rank hashed one of the two data files of each checkpoint tried: ep0-ba4 (bad), then ep0-ba2
+        # each rank read ahead and hashed the data file it wrote (the one it loads) of each checkpoint tried:
+        # ep0-ba4 (bad), then ep0-ba2
         everyone = [None, None]
         dist.all_gather_object(everyone, checked)
         for name in ("ep0-ba4", "ep0-ba2"):
-            shares = [files for rank_checks in everyone for where, files in rank_checks if where == name]
-            assert sorted(shares) == [["__0_0.distcp"], ["__1_0.distcp"]], everyone
+            shares = [[files for where, files in everyone[rank] if where == name] for rank in range(2)]
+            assert shares == [[["__0_0.distcp"]], [["__1_0.distcp"]]], everyone
         dist.barrier()
         if dist.get_rank() == 0:
             path.write_bytes(good)

@@ -11,7 +11,6 @@ import statistics
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +22,14 @@ from smalti.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from smalti.checkpoint.manifest import (
     VERIFY_LEVELS,
     build_manifest,
+    data_files,
     hash_files,
     split_by_size,
-    verify_data_hashes,
     write_json_atomic,
+    writer_rank,
 )
 from smalti.checkpoint.naming import MANIFEST_NAME, folder_name, sort_key
+from smalti.checkpoint.read_ahead import AheadFile, ReadAhead
 from smalti.checkpoint.resume import Found, default_cache_dir, newest_good, resolve_load_path
 from smalti.checkpoint.storage import S3Store, is_remote, open_store
 from smalti.checkpoint.writer import ReusedHostStager, storage_key
@@ -87,7 +88,10 @@ class Checkpointer(Callback):
         thread_count: DCP writer threads per rank (one file each; each file is hashed on its own thread).
         direct_io: write checkpoint files with ``O_DIRECT`` where the file system allows it (no page-cache
             copy: the CPU is left to hashing). ``false`` writes through the page cache with early writeback,
-            which can be faster on disks whose direct-I/O path is slow, given cores to spare.
+            which can be faster on disks whose direct-I/O path is slow, given cores to spare. Loads read the
+            data files ahead with ``O_DIRECT`` too, unless this is ``false``.
+        read_ahead_mb: how far (MiB per rank) the background read of the data files may get ahead of the load
+            (it starts while the trainer builds the state to load into); the bytes wait in host memory.
         s3_retries, s3_multipart_mb, timeout_s: object-store retries, multipart threshold and time-outs.
     """
 
@@ -109,6 +113,7 @@ class Checkpointer(Callback):
         local_cache_dir: str | None = None,
         thread_count: int = 1,
         direct_io: bool = True,
+        read_ahead_mb: int = 1024,
         s3_retries: int = 5,
         s3_multipart_mb: int = 64,
         timeout_s: float = 600,
@@ -134,6 +139,7 @@ class Checkpointer(Callback):
         self.verify = verify
         self.thread_count = thread_count
         self.direct_io = direct_io
+        self.read_ahead_mb = read_ahead_mb
         self.timeout_s = timeout_s
         self.s3_options = {"retries": s3_retries, "multipart_threshold_mb": s3_multipart_mb, "timeout_s": min(timeout_s, 120)}
         self.store = open_store(self.save_folder, **self._s3(self.save_folder)) if self.save_folder else None
@@ -166,7 +172,7 @@ class Checkpointer(Callback):
         self._normal_steps: deque[float] = deque(maxlen=64)
         self._stager: ReusedHostStager | None = None
         self._step_hooks: dict[int, Any] = {}
-        self._pending_data_check: Any = None
+        self._read_ahead: ReadAhead | None = None
 
     # ------------------------------------------------------------------ helpers
 
@@ -244,13 +250,13 @@ class Checkpointer(Callback):
             if self._rank != 0 and not (found.folder / MANIFEST_NAME).is_file():
                 # another node: fetch our own copy of what rank 0 chose (its data files are checked as they load)
                 found = resolve_load_path(found.source, self.cache_dir, self.verify, defer_data=True, **self._s3(found.source))
-            self._start_data_check(found)
+            self._start_read_ahead(found)
             weights_only = self.load_weights_only and not autoresumed  # resuming this run restores everything
             load_error: Exception | None = None
             try:
                 state_io.load_checkpoint(
                     state, found.folder, found.manifest, self._group, weights_only=weights_only,
-                    ignore_keys=self.load_ignore_keys, strict=self.load_strict,
+                    ignore_keys=self.load_ignore_keys, strict=self.load_strict, read_ahead=self._read_ahead,
                 )
             except Exception as exc:  # a damaged data file may fail to parse: the sha256 verdict decides
                 load_error = exc
@@ -278,34 +284,47 @@ class Checkpointer(Callback):
         """Whether ``load_path`` names a folder of checkpoints (so an older one may stand in), not one checkpoint."""
         return bool(self.load_path) and found.source.rstrip("/") != str(self.load_path).rstrip("/")
 
-    def _start_data_check(self, found: Found) -> None:
-        """Start hashing this rank's share of the data files left unchecked, in the background.
+    def _start_read_ahead(self, found: Found) -> None:
+        """Start reading (and hashing, where still unchecked) this rank's share of the data files, in the
+        background, while the load builds the state it will read them into.
 
-        The ranks that read the same copy (same host, same folder) split the files between them by size, so
-        a checkpoint of many files is verified by many cores at once rather than by rank 0 alone. Copies on
-        other hosts are checked by their own ranks, even on a shared file system: a path says nothing about
-        whether two hosts see the same bytes.
+        The ranks that read the same copy (same host, same folder) split the files between them: each rank
+        takes the files it wrote when the world size is unchanged (the ones it will load), the rest go by
+        size, so a checkpoint of many files is read and verified by many cores at once rather than by rank 0
+        alone. Copies on other hosts are checked by their own ranks, even on a shared file system: a path
+        says nothing about whether two hosts see the same bytes.
         """
         # ranks with the same copy got the same Found (rank 0's, or a fetch of the same manifest), so the same
-        # unchecked files: the copy's identity is enough to agree on the split
+        # data files: the copy's identity is enough to agree on the split
         copy = (socket.gethostname(), str(found.folder.resolve()))
         peers = [rank for rank, other in enumerate(self._gather(copy)) if other == copy]
-        share = split_by_size(found.unchecked, found.manifest, len(peers))[peers.index(self._rank)]
-        if share:
-            self._pending_data_check = _in_background(verify_data_hashes, found.folder, found.manifest, share)
+        relpaths = data_files(found.manifest)
+        preferred: dict[str, int] = {}
+        if int(found.manifest.get("world_size", 1)) == self._world:
+            for rel in relpaths:
+                if writer_rank(rel) in peers:
+                    preferred[rel] = peers.index(writer_rank(rel))
+        share = split_by_size(relpaths, found.manifest, len(peers), preferred)[peers.index(self._rank)]
+        unchecked = set(found.unchecked)
+        files = [
+            AheadFile(rel, found.manifest["files"][rel]["size"], found.manifest["files"][rel]["sha256"] if rel in unchecked else None)
+            for rel in share
+        ]
+        if files:
+            self._read_ahead = ReadAhead(found.folder, files, self.read_ahead_mb << 20, self.direct_io)
 
     def _data_verdict(self, found: Found) -> CheckpointCorruptError | None:
-        """Each rank waits for the sha256 of its share of the data files (checked while they loaded); every
-        rank gets the verdict (``None``: good; else the lowest rank's finding)."""
+        """Each rank waits for the reading and sha256 of its share of the data files (checked while they
+        loaded); every rank gets the verdict (``None``: good; else the lowest rank's finding)."""
         finding: tuple[str, str, str | None] | None = None
-        if self._pending_data_check is not None:
-            pending, self._pending_data_check = self._pending_data_check, None
+        if self._read_ahead is not None:
+            read_ahead, self._read_ahead = self._read_ahead, None
             try:
-                pending.result(timeout=self.timeout_s)
+                read_ahead.finish(timeout=self.timeout_s)
             except CheckpointCorruptError as exc:
                 finding = ("corrupt", str(exc), exc.path)
             except Exception as exc:  # e.g. a time-out or an unreadable file: not a verdict on the checkpoint
-                finding = ("error", f"checking the sha256 of the data files of {found.source}: {exc!r}", None)
+                finding = ("error", f"reading the data files of {found.source}: {exc!r}", None)
         for answer in self._gather(finding):
             if answer is None:
                 continue
@@ -703,20 +722,6 @@ class Checkpointer(Callback):
         for n in [c for c in committed if c not in keep] + [p for p in partial if p != newest]:
             log.info("retention: deleting %s/%s", self.store.url, n)
             self.store.delete(n)
-
-
-def _in_background(function: Any, *args: Any) -> Future[None]:
-    """Run ``function(*args)`` on a daemon thread (never joined at exit); its outcome in a future."""
-    future: Future[None] = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(function(*args))
-        except BaseException as exc:
-            future.set_exception(exc)
-
-    threading.Thread(target=run, name="smalti-ckpt-verify", daemon=True).start()
-    return future
 
 
 def _staging_guard(event: str) -> Any:

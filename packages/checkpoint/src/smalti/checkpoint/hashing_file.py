@@ -26,7 +26,7 @@ from typing import Any
 
 CHUNK_BYTES = 16 << 20
 _BUFFERS = 3
-_ALIGN = 4096  # O_DIRECT needs offsets, lengths and addresses aligned to the logical block size (<= 4 KiB)
+ALIGN_BYTES = 4096  # O_DIRECT needs offsets, lengths and addresses aligned to the logical block size (<= 4 KiB)
 SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages; do not wait for it
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -182,7 +182,7 @@ class HashingFile:
                 sync_file_range(self._fd, start, offset - start, SYNC_FILE_RANGE_WRITE)
 
     def _write_tail(self, data: memoryview, offset: int) -> None:
-        aligned = len(data) // _ALIGN * _ALIGN
+        aligned = len(data) // ALIGN_BYTES * ALIGN_BYTES
         if aligned:
             self._write_at(data[:aligned], offset)
         if aligned < len(data):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -175,16 +176,26 @@ def verify_data_hashes(folder: Path, manifest: dict[str, Any], relpaths: list[st
     _check_hashes(folder, {rel: files[rel] for rel in (data_files(manifest) if relpaths is None else relpaths)})
 
 
-def split_by_size(relpaths: list[str], manifest: dict[str, Any], parts: int) -> list[list[str]]:
-    """``relpaths`` in ``parts`` shares of about equal bytes (largest file first to the lightest share); every
-    rank computes the same split from the same manifest."""
+def split_by_size(
+    relpaths: list[str], manifest: dict[str, Any], parts: int, preferred: dict[str, int] | None = None
+) -> list[list[str]]:
+    """``relpaths`` in ``parts`` shares of about equal bytes; every rank computes the same split from the same
+    manifest. A file named in ``preferred`` goes to that share (the rank that will load it); the others go,
+    largest first, to the lightest share."""
     shares: list[list[str]] = [[] for _ in range(max(1, parts))]
     loads = [0] * len(shares)
-    for rel in sorted(relpaths, key=lambda r: (-manifest["files"][r]["size"], r)):
-        lightest = loads.index(min(loads))
-        shares[lightest].append(rel)
-        loads[lightest] += manifest["files"][rel]["size"]
+    preferred = {rel: part for rel, part in (preferred or {}).items() if 0 <= part < len(shares)}
+    for rel in sorted(relpaths, key=lambda r: (r not in preferred, -manifest["files"][r]["size"], r)):
+        part = preferred.get(rel, loads.index(min(loads)))
+        shares[part].append(rel)
+        loads[part] += manifest["files"][rel]["size"]
     return shares
+
+
+def writer_rank(relpath: str) -> int | None:
+    """The rank that wrote DCP data file ``relpath`` (``__<rank>_<i>.distcp``), if the name says."""
+    match = re.fullmatch(r"__(\d+)_\d+\.distcp", relpath.rpartition("/")[2])
+    return int(match.group(1)) if match else None
 
 
 def _check_hashes(folder: Path, files: dict[str, dict[str, Any]]) -> None:

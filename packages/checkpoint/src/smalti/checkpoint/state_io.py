@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from smalti.checkpoint.errors import CheckpointError, ReshardError
+from smalti.checkpoint.read_ahead import ReadAhead, ReadAheadFileSystemReader
 from smalti.checkpoint.writer import HashingFileSystemWriter, ReusedHostStager
 from smalti.core.rng import load_rng_state_dict, rng_state_dict
 from smalti.core.state import State
@@ -143,9 +144,54 @@ def matches(key: str, patterns: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(c, p) for p in patterns for c in candidates)
 
 
-def saved_keys(folder: Path) -> set[str]:
-    """The flattened keys DCP stored in ``folder`` (``model.<fqn>``, ``optim.state.<fqn>.<name>``, ...)."""
-    return set(FileSystemReader(str(folder)).read_metadata().state_dict_metadata)
+def _adam_state_names(group: dict[str, Any]) -> set[str]:
+    return {"step", "exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if group.get("amsgrad") else set())
+
+
+def _prefill_adam_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metadata: Any) -> bool:
+    """Give an Adam/AdamW optimizer without state uninitialised state tensors for the checkpoint to fill.
+
+    Without state, DCP creates it with a zero-lr optimizer step: zero gradients and a full Adam update over
+    every parameter, which costs a large share of a load (and competes with the disk reads for the CPU).
+    Here each parameter gets exactly the state Adam keeps (``step``, ``exp_avg``, ``exp_avg_sq``, and
+    ``max_exp_avg_sq`` with ``amsgrad``), shaped and sharded like the parameter, with the dtypes the checkpoint
+    holds, and only when the checkpoint holds exactly those entries for every parameter (so every byte is
+    loaded over). Returns False, changing nothing, for other optimizers or any other checkpoint contents.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        return False
+    saved: dict[str, dict[str, Any]] = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        if key.startswith("optim.state."):
+            fqn, _, name = key.removeprefix("optim.state.").rpartition(".")
+            saved.setdefault(fqn, {})[name] = meta
+    fqn_of: dict[torch.nn.Parameter, str] = {}
+    for name, param in model.named_parameters():
+        fqns = _get_fqns(model, name)
+        if len(fqns) == 1:
+            fqn_of[param] = next(iter(fqns))
+    fills: list[tuple[torch.nn.Parameter, dict[str, torch.Tensor]]] = []
+    for group in optimizer.param_groups:
+        names = _adam_state_names(group)
+        for param in group["params"]:
+            entries = saved.get(fqn_of.get(param, ""), {})
+            if set(entries) != names or not all(isinstance(m, TensorStorageMetadata) for m in entries.values()):
+                return False
+            fill: dict[str, torch.Tensor] = {}
+            for name, meta in entries.items():
+                if name == "step" and meta.size == torch.Size([]):
+                    fill[name] = torch.zeros((), dtype=meta.properties.dtype)
+                elif name != "step" and meta.size == param.shape:
+                    fill[name] = torch.empty_like(param, dtype=meta.properties.dtype)
+                else:
+                    return False
+            fills.append((param, fill))
+    for param, fill in fills:
+        optimizer.state[param].update(fill)
+    return True
 
 
 def load_checkpoint(
@@ -156,10 +202,15 @@ def load_checkpoint(
     weights_only: bool = False,
     ignore_keys: list[str] | None = None,
     strict: bool = True,
+    read_ahead: ReadAhead | None = None,
 ) -> None:
-    """Load the checkpoint in local folder ``folder`` into ``state`` (resharding model and optimizers as needed)."""
+    """Load the checkpoint in local folder ``folder`` into ``state`` (resharding model and optimizers as needed).
+
+    ``read_ahead``: the data files being read in the background; DCP takes their bytes from it.
+    """
     ignore = list(ignore_keys or [])
-    stored = saved_keys(folder)
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    stored = set(metadata.state_dict_metadata)
     model_sd = get_model_state_dict(state.model)
     wanted = {k: v for k, v in model_sd.items() if not matches(f"model.{k}", ignore)}
     stored_model = {k.removeprefix("model.") for k in stored if k.startswith("model.")}
@@ -182,7 +233,7 @@ def load_checkpoint(
     to_load: dict[str, Any] = {"model": wanted}
     if load_optim:
         for optimizer in state.optimizers:
-            if not optimizer.state:
+            if not optimizer.state and not _prefill_adam_state(state.model, optimizer, metadata):
                 # DCP creates an empty optimizer's state (a zero-lr step) only when no parameter holds a gradient;
                 # with gradients left from earlier use of the model it would ask for, and load, no optimizer state
                 optimizer.zero_grad(set_to_none=True)
@@ -191,7 +242,7 @@ def load_checkpoint(
     planner = DefaultLoadPlanner(allow_partial_load=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
-        dcp.load(to_load, storage_reader=FileSystemReader(str(folder)), planner=planner, process_group=group, no_dist=group is None)
+        dcp.load(to_load, storage_reader=ReadAheadFileSystemReader(folder, read_ahead), planner=planner, process_group=group, no_dist=group is None)
     partial = len(wanted) != len(model_sd)
     options = StateDictOptions(strict=not partial)
     if load_optim:

@@ -1,0 +1,399 @@
+"""Reading checkpoint files ahead of the load, front to back, hashing every byte once on the way in.
+
+A load has work to do before DCP asks for any tensor bytes (reading ``.metadata``, building the state dict,
+creating the optimizer's state with a zero-lr step), and DCP's own reader then reads item by item through
+the page cache, with the sha256 check of the same files as a second pass. :class:`ReadAhead` starts
+reading this rank's files as soon as the checkpoint is chosen, in a background thread, with ``O_DIRECT``
+where the file system allows it (no page-cache copy for the CPU to make), and feeds every chunk to sha256
+in a second thread. What it read waits in memory (up to ``window_bytes`` ahead of the loader) until
+:class:`ReadAheadFileSystemReader` hands it to DCP: the disk works while the trainer builds its state,
+and each byte is read from the disk once, for both the load and the check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import fcntl
+import hashlib
+import io
+import mmap
+import os
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+
+from smalti.checkpoint.errors import CheckpointCorruptError, CheckpointError
+from smalti.checkpoint.hashing_file import ALIGN_BYTES, CHUNK_BYTES
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+#: how far ahead of the loader the reader may get, per rank, unless told otherwise
+DEFAULT_WINDOW_BYTES = 1 << 30
+
+
+@dataclasses.dataclass
+class AheadFile:
+    """One file to read ahead: its path relative to the checkpoint folder, its size from the manifest, and the
+    sha256 to check it against (``None``: read it, do not hash it)."""
+
+    relpath: str
+    size: int
+    sha256: str | None = None
+
+
+class _Chunk:
+    __slots__ = ("start", "buffer", "length", "hashed", "taken")
+
+    def __init__(self, start: int, buffer: mmap.mmap, length: int) -> None:
+        self.start = start
+        self.buffer = buffer
+        self.length = length
+        self.hashed = False
+        self.taken = False
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+class _Held:
+    """What has been read of one file and is kept for the loader."""
+
+    def __init__(self) -> None:
+        self.chunks: deque[_Chunk] = deque()
+        self.read_to = 0  # bytes read from the start of the file
+        self.finished = False  # every byte read (or reading stopped on an error)
+        self.keep = True  # False once the loader needs nothing more of this file
+        self.error: Exception | None = None
+
+
+class ReadAhead:
+    """Reads ``files`` of ``folder`` in order, in a background thread, checking each one's sha256 (where given).
+
+    The loader takes byte ranges with :meth:`span` (waiting for the reader where it must) and gives files up
+    with :meth:`done_with`; :meth:`finish` stops keeping anything and waits for the last hash.
+    """
+
+    def __init__(
+        self,
+        folder: Path,
+        files: list[AheadFile],
+        window_bytes: int = DEFAULT_WINDOW_BYTES,
+        direct: bool = True,
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:
+        if chunk_bytes <= 0 or chunk_bytes % ALIGN_BYTES:
+            raise ValueError(f"chunk_bytes={chunk_bytes} must be a positive multiple of {ALIGN_BYTES} (direct I/O)")
+        self.folder = folder
+        self.files = {f.relpath: f for f in files}
+        self.order = [f.relpath for f in files]
+        self.chunk_bytes = chunk_bytes
+        self.window_bytes = max(window_bytes, chunk_bytes)
+        self.direct = direct
+        self._held = {rel: _Held() for rel in self.order}
+        self._cond = threading.Condition()
+        self._bytes_held = 0
+        self._demand: tuple[str, int] | None = None  # (file, offset) the loader is waiting for
+        self._free: list[mmap.mmap] = []
+        self._hasher = ThreadPoolExecutor(1, "smalti-ckpt-read-hash")
+        self._problems: dict[str, Exception] = {}
+        self.done: Future[None] = Future()
+        self._thread = threading.Thread(target=self._run, name="smalti-ckpt-read-ahead", daemon=True)
+        self._thread.start()
+
+    # -- the loader's side -------------------------------------------------------------------------------------
+    def bytes_read(self, relpath: str) -> int:
+        """How much of ``relpath`` has been read from the disk so far."""
+        return self._held[relpath].read_to
+
+    def holds(self, relpath: str) -> bool:
+        """Whether ``relpath`` is being read ahead (the loader must then take its bytes from here)."""
+        return relpath in self._held
+
+    def span(self, relpath: str, start: int, end: int) -> io.RawIOBase:
+        """A read-only file over bytes ``[start, end)`` of ``relpath``, once read (blocks until then)."""
+        held = self._held[relpath]
+        with self._cond:
+            self._demand = (relpath, end)
+            self._cond.notify_all()
+            while held.read_to < end and not held.finished:
+                self._cond.wait()
+            self._demand = None
+            if held.read_to < end:
+                raise held.error or CheckpointCorruptError(
+                    f"checkpoint file {self.folder / relpath} ends at byte {held.read_to}, before the item at "
+                    f"{start}..{end} DCP's metadata points to (truncated)", str(self.folder / relpath)
+                )
+            if not held.keep:
+                raise CheckpointError(f"{relpath} was given up before bytes {start}..{end} were taken")
+            chunks = [c for c in held.chunks if c.end > start and c.start < end]
+        return _Span(chunks, start, end)
+
+    def release_before(self, relpath: str, offset: int) -> None:
+        """The loader needs no byte of ``relpath`` before ``offset`` any more."""
+        with self._cond:
+            held = self._held[relpath]
+            while held.chunks and held.chunks[0].end <= offset:
+                self._take(held.chunks.popleft())
+            self._cond.notify_all()
+
+    def done_with(self, relpath: str) -> None:
+        """The loader needs nothing more of ``relpath``: what is held of it is let go, the rest only hashed."""
+        with self._cond:
+            held = self._held[relpath]
+            held.keep = False
+            while held.chunks:
+                self._take(held.chunks.popleft())
+            self._cond.notify_all()
+
+    def finish(self, timeout: float | None = None) -> None:
+        """Let go of everything held, wait until every file is read and hashed, and raise the first problem
+        (in file order): :class:`CheckpointCorruptError` for a bad file, else the I/O error met."""
+        for relpath in self.order:
+            self.done_with(relpath)
+        self.done.result(timeout=timeout)
+        for relpath in self.order:
+            if relpath in self._problems:
+                raise self._problems[relpath]
+
+    # -- the reading side ---------------------------------------------------------------------------------------
+    def _take(self, chunk: _Chunk) -> None:
+        chunk.taken = True
+        self._maybe_free(chunk)
+
+    def _maybe_free(self, chunk: _Chunk) -> None:
+        if chunk.taken and chunk.hashed:
+            self._bytes_held -= len(chunk.buffer)
+            self._free.append(chunk.buffer)
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        try:
+            for relpath in self.order:
+                self._read_file(relpath)
+            self._hasher.shutdown(wait=True)
+            self.done.set_result(None)
+        except BaseException as exc:  # noqa: BLE001 - a bug here must reach the loader, not die with the thread
+            self._hasher.shutdown(wait=True)
+            with self._cond:
+                for held in self._held.values():
+                    held.finished = True
+                    held.error = held.error or exc
+                self._cond.notify_all()
+            self.done.set_exception(exc)
+
+    def _buffer(self, relpath: str, held: _Held) -> mmap.mmap:
+        """A free chunk buffer, once the window has room (or the loader waits for bytes of this file)."""
+        with self._cond:
+            while True:
+                demanded = self._demand is not None and self._demand[0] == relpath and self._demand[1] > held.read_to
+                if self._bytes_held + self.chunk_bytes <= self.window_bytes or demanded or not held.keep:
+                    break
+                self._cond.wait()
+            self._bytes_held += self.chunk_bytes
+            return self._free.pop() if self._free else mmap.mmap(-1, self.chunk_bytes)
+
+    def _read_file(self, relpath: str) -> None:
+        held, expected = self._held[relpath], self.files[relpath]
+        path = self.folder / relpath
+        digest = hashlib.sha256() if expected.sha256 is not None else None
+        try:
+            fd, direct = _open_for_reading(path, self.direct)
+        except OSError as exc:
+            self._fail(relpath, held, CheckpointError(f"cannot read checkpoint file {path}: {exc}"))
+            return
+        offset = 0
+        try:
+            while True:
+                buffer = self._buffer(relpath, held)
+                try:
+                    n, direct = _read_at(fd, buffer, offset, direct)
+                except OSError as exc:
+                    self._give_back(buffer)
+                    self._fail(relpath, held, CheckpointError(f"reading checkpoint file {path}: {exc}"))
+                    return
+                if n == 0:
+                    self._give_back(buffer)
+                    break
+                chunk = _Chunk(offset, buffer, n)
+                if digest is not None:
+                    self._hasher.submit(self._hash, digest, chunk)
+                else:
+                    chunk.hashed = True
+                with self._cond:
+                    held.read_to = offset + n
+                    if held.keep:
+                        held.chunks.append(chunk)
+                    else:
+                        self._take(chunk)
+                    self._cond.notify_all()
+                offset += n
+        finally:
+            os.close(fd)
+            with self._cond:
+                held.finished = True
+                self._cond.notify_all()
+        # queued behind this file's last chunk: the hasher has seen every byte when it runs
+        self._hasher.submit(self._conclude, relpath, offset, digest)
+
+    def _conclude(self, relpath: str, size: int, digest: Any) -> None:
+        path, expected = self.folder / relpath, self.files[relpath]
+        if size != expected.size:
+            self._problems[relpath] = CheckpointCorruptError(
+                f"checkpoint file {path} has {size} bytes but the manifest says {expected.size}", str(path)
+            )
+        elif digest is not None and digest.hexdigest() != expected.sha256:
+            self._problems[relpath] = CheckpointCorruptError(
+                f"checkpoint file {path} has sha256 {digest.hexdigest()[:16]}… but the manifest says "
+                f"{expected.sha256[:16]}… (corrupted)", str(path)
+            )
+
+    def _give_back(self, buffer: mmap.mmap) -> None:
+        with self._cond:
+            self._bytes_held -= len(buffer)
+            self._free.append(buffer)
+            self._cond.notify_all()
+
+    def _hash(self, digest: Any, chunk: _Chunk) -> None:
+        digest.update(memoryview(chunk.buffer)[: chunk.length])
+        with self._cond:
+            chunk.hashed = True
+            self._maybe_free(chunk)
+
+    def _fail(self, relpath: str, held: _Held, error: Exception) -> None:
+        self._problems[relpath] = error
+        with self._cond:
+            held.error = error
+            held.finished = True
+            self._cond.notify_all()
+
+
+def _open_for_reading(path: Path, direct: bool) -> tuple[int, bool]:
+    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+    if direct and _O_DIRECT:
+        try:
+            return os.open(path, flags | _O_DIRECT), True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # EINVAL: this file system has no direct I/O
+                raise
+    return os.open(path, flags), False
+
+
+def _read_at(fd: int, buffer: mmap.mmap, offset: int, direct: bool) -> tuple[int, bool]:
+    """Fill ``buffer`` from ``offset`` (short only at the end of the file); returns bytes read and whether
+    the file is still read with ``O_DIRECT``."""
+    view = memoryview(buffer)
+    total = 0
+    while total < len(view):
+        try:
+            n = os.preadv(fd, [view[total:]], offset + total)
+        except OSError as exc:
+            if not (direct and exc.errno == errno.EINVAL):
+                raise
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
+            direct = False
+            continue
+        if n == 0:
+            break
+        total += n
+        if direct and n % ALIGN_BYTES:
+            break  # a short direct read: the end of the file
+    return total, direct
+
+
+class _Span(io.RawIOBase):
+    """A seekable read-only file over bytes ``[start, end)`` of a file, from the chunks that hold them."""
+
+    def __init__(self, chunks: list[_Chunk], start: int, end: int) -> None:
+        super().__init__()
+        self._chunks = chunks
+        self._start = start
+        self._end = end
+        self._pos = start
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos - self._start
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: self._start, os.SEEK_CUR: self._pos, os.SEEK_END: self._end}[whence]
+        self._pos = min(max(base + offset, self._start), self._end)
+        return self.tell()
+
+    def readinto(self, target: Any) -> int:
+        out = memoryview(target).cast("B")
+        done = 0
+        for chunk in self._chunks:
+            if self._pos >= self._end or done == len(out):
+                break
+            if chunk.end <= self._pos:
+                continue
+            at = self._pos - chunk.start
+            if at < 0:
+                raise CheckpointError(f"bytes {self._pos}..{chunk.start} were let go before they were read")
+            n = min(chunk.length - at, len(out) - done, self._end - self._pos)
+            out[done : done + n] = memoryview(chunk.buffer)[at : at + n]
+            done += n
+            self._pos += n
+        return done
+
+
+class ReadAheadFileSystemReader(FileSystemReader):
+    """DCP's file reader taking the bytes of the files a :class:`ReadAhead` holds from it (in its file order,
+    items by offset); other files are read as DCP reads them."""
+
+    def __init__(self, path: str | os.PathLike[str], read_ahead: ReadAhead | None) -> None:
+        super().__init__(path)
+        self.read_ahead = read_ahead
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
+        ahead = self.read_ahead
+        if ahead is None:
+            return super().read_data(plan, planner)
+        per_file: dict[str, list[Any]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        try:
+            for relpath in ahead.order:
+                if relpath not in per_file:
+                    ahead.done_with(relpath)
+            for relpath in ahead.order:
+                for item in sorted(per_file.get(relpath, ()), key=lambda i: self.storage_data[i.storage_index].offset):
+                    info = self.storage_data[item.storage_index]
+                    span = ahead.span(relpath, info.offset, info.offset + info.length)
+                    self._load_item(item, info, span, planner)
+                    ahead.release_before(relpath, info.offset + info.length)
+                ahead.done_with(relpath)
+        finally:
+            for relpath in ahead.order:
+                ahead.done_with(relpath)
+        rest = [item for item in plan.items if not ahead.holds(self.storage_data[item.storage_index].relative_path)]
+        return super().read_data(dataclasses.replace(plan, items=rest), planner)
+
+    def _load_item(self, item: Any, info: Any, stream: io.RawIOBase, planner: LoadPlanner) -> None:
+        """What DCP's reader does with one item's bytes: hand them over, or load the tensor into its target."""
+        stream = self.transforms.transform_load_stream(item, info.transform_descriptors or (), stream)
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, io.BytesIO(stream.read(-1)))
+            return
+        if not stream.seekable():
+            stream = io.BytesIO(stream.read(-1))
+        tensor = torch.load(stream, map_location="cpu", weights_only=True)
+        tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != tensor.size():
+            raise CheckpointError(f"item {item.storage_index} has size {tuple(tensor.size())}, its target {tuple(target.size())}")
+        target.copy_(tensor)
+        planner.commit_tensor(item, target)

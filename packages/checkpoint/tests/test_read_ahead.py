@@ -1,0 +1,85 @@
+"""ReadAhead: the background reader a load takes its bytes from, hashing each file once on the way in."""
+
+import hashlib
+import os
+import time
+
+import pytest
+
+from smalti.checkpoint import CheckpointCorruptError
+from smalti.checkpoint.read_ahead import AheadFile, ReadAhead
+
+CHUNK = 8192
+
+
+def write(folder, name, size, seed=0):
+    data = os.urandom(size) if seed is None else bytes((i * 131 + seed) % 251 for i in range(size))
+    (folder / name).write_bytes(data)
+    return data, AheadFile(name, size, hashlib.sha256(data).hexdigest())
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_spans_give_back_the_bytes_of_each_file_across_chunks_and_every_hash_is_checked(tmp_path, direct):
+    a, file_a = write(tmp_path, "__0_0.distcp", 100_000, seed=1)
+    b, file_b = write(tmp_path, "__0_1.distcp", 20_001, seed=2)
+    ahead = ReadAhead(tmp_path, [file_a, file_b], window_bytes=4 * CHUNK, direct=direct, chunk_bytes=CHUNK)
+    for start, end in [(0, 10), (10, 8192), (9000, 30_000), (30_000, 30_000), (60_000, 100_000)]:
+        span = ahead.span("__0_0.distcp", start, end)
+        assert span.read() == a[start:end]
+        span.seek(3)
+        assert span.read(5) == a[start + 3 : start + 8][: max(0, end - start - 3)]
+        ahead.release_before("__0_0.distcp", end)
+    ahead.done_with("__0_0.distcp")
+    assert ahead.span("__0_1.distcp", 19_000, 20_001).read() == b[19_000:]
+    ahead.finish(timeout=30)
+
+
+def test_the_reader_stays_within_its_window_until_the_loader_takes_bytes(tmp_path):
+    data, file = write(tmp_path, "big.distcp", 40 * CHUNK, seed=None)
+    ahead = ReadAhead(tmp_path, [file], window_bytes=3 * CHUNK, chunk_bytes=CHUNK)
+    time.sleep(0.3)
+    assert ahead.bytes_read("big.distcp") == 3 * CHUNK  # it stopped at the window
+    # one item larger than the window: the reader goes past the window for the bytes the loader waits for
+    assert ahead.span("big.distcp", 5, 30 * CHUNK + 7).read() == data[5 : 30 * CHUNK + 7]
+    ahead.finish(timeout=30)
+    assert ahead.bytes_read("big.distcp") == 40 * CHUNK
+
+
+def test_a_flipped_byte_is_reported_with_its_file_even_when_the_loader_needed_none_of_it(tmp_path):
+    _, good = write(tmp_path, "__0_0.distcp", 30_000, seed=3)
+    data, bad = write(tmp_path, "__1_0.distcp", 30_000, seed=4)
+    flipped = bytearray(data)
+    flipped[12_345] ^= 1
+    (tmp_path / "__1_0.distcp").write_bytes(bytes(flipped))
+    ahead = ReadAhead(tmp_path, [good, bad], chunk_bytes=CHUNK)
+    ahead.done_with("__1_0.distcp")
+    with pytest.raises(CheckpointCorruptError, match="sha256") as caught:
+        ahead.finish(timeout=30)
+    assert caught.value.path == str(tmp_path / "__1_0.distcp")
+
+
+def test_a_file_without_an_expected_hash_is_read_but_not_judged(tmp_path):
+    data, file = write(tmp_path, "__0_0.distcp", 10_000, seed=5)
+    (tmp_path / "__0_0.distcp").write_bytes(bytes(b ^ 0xFF for b in data))
+    ahead = ReadAhead(tmp_path, [AheadFile(file.relpath, file.size, None)], chunk_bytes=CHUNK)
+    assert ahead.span("__0_0.distcp", 0, 4).read() == bytes(b ^ 0xFF for b in data[:4])
+    ahead.finish(timeout=30)
+
+
+def test_a_truncated_file_fails_the_span_past_its_end_and_the_check(tmp_path):
+    data, file = write(tmp_path, "__0_0.distcp", 50_000, seed=6)
+    (tmp_path / "__0_0.distcp").write_bytes(data[:20_000])
+    ahead = ReadAhead(tmp_path, [file], chunk_bytes=CHUNK)
+    assert ahead.span("__0_0.distcp", 0, 20_000).read() == data[:20_000]
+    with pytest.raises(CheckpointCorruptError, match="truncated"):
+        ahead.span("__0_0.distcp", 19_000, 21_000)
+    with pytest.raises(CheckpointCorruptError, match="20000 bytes but the manifest says 50000"):
+        ahead.finish(timeout=30)
+
+
+def test_a_missing_file_is_an_error_naming_it(tmp_path):
+    ahead = ReadAhead(tmp_path, [AheadFile("__0_0.distcp", 10, None)], chunk_bytes=CHUNK)
+    with pytest.raises(Exception, match="__0_0.distcp"):
+        ahead.span("__0_0.distcp", 0, 10)
+    with pytest.raises(Exception, match="__0_0.distcp"):
+        ahead.finish(timeout=30)
