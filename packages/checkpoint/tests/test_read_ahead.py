@@ -83,3 +83,52 @@ def test_a_missing_file_is_an_error_naming_it(tmp_path):
         ahead.span("__0_0.distcp", 0, 10)
     with pytest.raises(Exception, match="__0_0.distcp"):
         ahead.finish(timeout=30)
+
+
+def test_dcp_loads_through_the_read_ahead_copying_contiguous_tensors_in_place_and_others_as_dcp_does(tmp_path, monkeypatch):
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from smalti.checkpoint.read_ahead import ReadAheadFileSystemReader
+
+    torch.manual_seed(0)
+    base = torch.randn(300, 200)
+    saved = {
+        "big": torch.randn(3_000_000),  # spans several 1 MiB chunks
+        "view_of_part": base[10:20],  # a view: torch.save keeps the whole storage and an offset
+        "transposed": base.t(),  # not contiguous: torch.load reads it
+        "half": torch.randn(64, 3).to(torch.bfloat16),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 4),
+        "into_a_view": torch.randn(8, 8),
+        "blob": {"a": [1, 2]},
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(saved, storage_writer=FileSystemWriter(str(tmp_path)), no_dist=True)
+    holder = torch.zeros(8, 16)
+    targets = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {"a": [0, 0]} for k, v in saved.items()}
+    targets["transposed"] = torch.zeros(200, 300)
+    targets["into_a_view"] = holder[:, ::2]  # a target that is not contiguous
+    in_place = []
+    real = ReadAheadFileSystemReader._copy_in_place
+    monkeypatch.setattr(ReadAheadFileSystemReader, "_copy_in_place",
+                        staticmethod(lambda item, span, planner: in_place.append((item.dest_index.fqn, real(item, span, planner))) or in_place[-1][1]))
+    files = [AheadFile(p.name, p.stat().st_size) for p in sorted(tmp_path.glob("*.distcp"))]
+    ahead = ReadAhead(tmp_path, files, chunk_bytes=1 << 20)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(targets, storage_reader=ReadAheadFileSystemReader(tmp_path, ahead), no_dist=True)
+    ahead.finish(timeout=30)
+    for key, value in saved.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(targets[key], value), key
+        else:
+            assert targets[key] == value
+    assert torch.equal(holder[:, ::2], saved["into_a_view"])
+    # the transposed tensor and the strided target fall back to torch.load; DCP reads nothing for the empty one
+    assert dict(in_place) == {"big": True, "view_of_part": True, "transposed": False, "half": True, "scalar": True,
+                              "into_a_view": False}

@@ -12,6 +12,7 @@ and each byte is read from the disk once, for both the load and the check.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import errno
 import fcntl
@@ -36,6 +37,7 @@ from smalti.checkpoint.hashing_file import ALIGN_BYTES, CHUNK_BYTES
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 #: how far ahead of the loader the reader may get, per rank, unless told otherwise
 DEFAULT_WINDOW_BYTES = 1 << 30
+HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 @dataclasses.dataclass
@@ -49,11 +51,12 @@ class AheadFile:
 
 
 class _Chunk:
-    __slots__ = ("start", "buffer", "length", "hashed", "taken")
+    __slots__ = ("start", "buffer", "address", "length", "hashed", "taken")
 
     def __init__(self, start: int, buffer: mmap.mmap, length: int) -> None:
         self.start = start
         self.buffer = buffer
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
         self.length = length
         self.hashed = False
         self.taken = False
@@ -102,7 +105,9 @@ class ReadAhead:
         self._bytes_held = 0
         self._demand: tuple[str, int] | None = None  # (file, offset) the loader is waiting for
         self._free: list[mmap.mmap] = []
-        self._hasher = ThreadPoolExecutor(1, "smalti-ckpt-read-hash")
+        # one hashing thread per file (up to HASH_THREADS): sha256 is sequential within a file, and on a fast
+        # disk one thread's sha256 is slower than the reads
+        self._hashers = [ThreadPoolExecutor(1, "smalti-ckpt-read-hash") for _ in range(min(len(files), HASH_THREADS) or 1)]
         self._problems: dict[str, Exception] = {}
         self.done: Future[None] = Future()
         self._thread = threading.Thread(target=self._run, name="smalti-ckpt-read-ahead", daemon=True)
@@ -176,12 +181,14 @@ class ReadAhead:
 
     def _run(self) -> None:
         try:
-            for relpath in self.order:
-                self._read_file(relpath)
-            self._hasher.shutdown(wait=True)
+            for index, relpath in enumerate(self.order):
+                self._read_file(relpath, self._hashers[index % len(self._hashers)])
+            for hasher in self._hashers:
+                hasher.shutdown(wait=True)
             self.done.set_result(None)
         except BaseException as exc:  # noqa: BLE001 - a bug here must reach the loader, not die with the thread
-            self._hasher.shutdown(wait=True)
+            for hasher in self._hashers:
+                hasher.shutdown(wait=True)
             with self._cond:
                 for held in self._held.values():
                     held.finished = True
@@ -200,7 +207,7 @@ class ReadAhead:
             self._bytes_held += self.chunk_bytes
             return self._free.pop() if self._free else mmap.mmap(-1, self.chunk_bytes)
 
-    def _read_file(self, relpath: str) -> None:
+    def _read_file(self, relpath: str, hasher: ThreadPoolExecutor) -> None:
         held, expected = self._held[relpath], self.files[relpath]
         path = self.folder / relpath
         digest = hashlib.sha256() if expected.sha256 is not None else None
@@ -224,7 +231,7 @@ class ReadAhead:
                     break
                 chunk = _Chunk(offset, buffer, n)
                 if digest is not None:
-                    self._hasher.submit(self._hash, digest, chunk)
+                    hasher.submit(self._hash, digest, chunk)
                 else:
                     chunk.hashed = True
                 with self._cond:
@@ -241,7 +248,7 @@ class ReadAhead:
                 held.finished = True
                 self._cond.notify_all()
         # queued behind this file's last chunk: the hasher has seen every byte when it runs
-        self._hasher.submit(self._conclude, relpath, offset, digest)
+        hasher.submit(self._conclude, relpath, offset, digest)
 
     def _conclude(self, relpath: str, size: int, digest: Any) -> None:
         path, expected = self.folder / relpath, self.files[relpath]
@@ -311,6 +318,23 @@ def _read_at(fd: int, buffer: mmap.mmap, offset: int, direct: bool) -> tuple[int
 class _Span(io.RawIOBase):
     """A seekable read-only file over bytes ``[start, end)`` of a file, from the chunks that hold them."""
 
+    def copy_to(self, target: torch.Tensor, offset: int) -> None:
+        """Copy ``target.numel()`` bytes from ``offset`` (within the span) into the uint8 tensor ``target``
+        (on any device), piece by piece from the chunks."""
+        begin, end = self._start + offset, self._start + offset + target.numel()
+        if end > self._end:
+            raise CheckpointError(f"bytes {offset}..{end - self._start} lie outside a span of {self._end - self._start}")
+        copied = 0
+        for chunk in self._chunks:
+            lo, hi = max(begin, chunk.start), min(end, chunk.end)
+            if lo >= hi:
+                continue
+            piece = torch.frombuffer(memoryview(chunk.buffer)[lo - chunk.start : hi - chunk.start], dtype=torch.uint8)
+            target[lo - begin : hi - begin].copy_(piece)
+            copied += hi - lo
+        if copied != end - begin:
+            raise CheckpointError(f"bytes {offset}..{end - self._start} of a span were let go before they were read")
+
     def __init__(self, chunks: list[_Chunk], start: int, end: int) -> None:
         super().__init__()
         self._chunks = chunks
@@ -334,6 +358,11 @@ class _Span(io.RawIOBase):
 
     def readinto(self, target: Any) -> int:
         out = memoryview(target).cast("B")
+        if not len(out):
+            return 0
+        if out.readonly:
+            raise ValueError("readinto needs a writable buffer")
+        target_address = ctypes.addressof(ctypes.c_char.from_buffer(out))
         done = 0
         for chunk in self._chunks:
             if self._pos >= self._end or done == len(out):
@@ -344,7 +373,8 @@ class _Span(io.RawIOBase):
             if at < 0:
                 raise CheckpointError(f"bytes {self._pos}..{chunk.start} were let go before they were read")
             n = min(chunk.length - at, len(out) - done, self._end - self._pos)
-            out[done : done + n] = memoryview(chunk.buffer)[at : at + n]
+            # ctypes calls run without the GIL: the read-ahead thread keeps the disk busy during large copies
+            ctypes.memmove(target_address + done, chunk.address + at, n)
             done += n
             self._pos += n
         return done
@@ -382,12 +412,16 @@ class ReadAheadFileSystemReader(FileSystemReader):
         rest = [item for item in plan.items if not ahead.holds(self.storage_data[item.storage_index].relative_path)]
         return super().read_data(dataclasses.replace(plan, items=rest), planner)
 
-    def _load_item(self, item: Any, info: Any, stream: io.RawIOBase, planner: LoadPlanner) -> None:
+    def _load_item(self, item: Any, info: Any, span: _Span, planner: LoadPlanner) -> None:
         """What DCP's reader does with one item's bytes: hand them over, or load the tensor into its target."""
-        stream = self.transforms.transform_load_stream(item, info.transform_descriptors or (), stream)
+        stream = self.transforms.transform_load_stream(item, info.transform_descriptors or (), span)
         if item.type == LoadItemType.BYTE_IO:
             planner.load_bytes(item, io.BytesIO(stream.read(-1)))
             return
+        if stream is span:
+            if self._copy_in_place(item, span, planner):
+                return
+            span.seek(0)
         if not stream.seekable():
             stream = io.BytesIO(stream.read(-1))
         tensor = torch.load(stream, map_location="cpu", weights_only=True)
@@ -397,3 +431,51 @@ class ReadAheadFileSystemReader(FileSystemReader):
             raise CheckpointError(f"item {item.storage_index} has size {tuple(tensor.size())}, its target {tuple(target.size())}")
         target.copy_(tensor)
         planner.commit_tensor(item, target)
+
+    @staticmethod
+    def _copy_in_place(item: Any, span: _Span, planner: LoadPlanner) -> bool:
+        """Copy the item's tensor bytes from the read-ahead buffers straight into its target; False (nothing
+        done) where the layouts do not allow it, and ``torch.load`` takes over.
+
+        ``torch.load`` would allocate a new tensor (fresh pages the kernel must zero and map) and copy into it,
+        then DCP copies that into the target: two copies and an allocation, the largest CPU cost of a load.
+        Here only the pickle is read (with its storages on the meta device, to learn dtype, shape, strides and
+        offset), and when the (narrowed) saved tensor and the target are both contiguous with the same dtype
+        and shape, the bytes are copied from the buffers into the target, one copy.
+        """
+        from torch import _weights_only_unpickler
+
+        try:
+            archive = torch._C.PyTorchFileReader(span)
+            if archive.has_record("byteorder") and archive.get_record("byteorder") != b"little":
+                return False
+            keys: list[str] = []
+
+            def storage_on_meta(saved_id: Any) -> Any:
+                _, storage_type, key, _, numel = saved_id
+                keys.append(key)
+                dtype = storage_type.dtype
+                untyped = torch.UntypedStorage(numel * torch._utils._element_size(dtype), device="meta")
+                return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+
+            unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(archive.get_record("data.pkl")), encoding="utf-8")
+            unpickler.persistent_load = storage_on_meta
+            saved = unpickler.load()
+            if not isinstance(saved, torch.Tensor) or len(keys) != 1:
+                return False
+            saved = narrow_tensor_by_index(saved, item.storage_offsets, item.lengths)
+            target = planner.resolve_tensor(item).detach()
+            if not (saved.is_contiguous() and target.is_contiguous() and saved.dtype == target.dtype
+                    and saved.size() == target.size()):
+                return False
+            record = f"data/{keys[0]}"
+            start = archive.get_record_offset(record) + saved.storage_offset() * saved.element_size()
+            nbytes = saved.numel() * saved.element_size()
+            if start + nbytes > archive.get_record_offset(record) + archive.get_record_size(record):
+                return False
+        except Exception:  # noqa: BLE001 - anything unexpected: torch.load reads the item as DCP would
+            return False
+        if nbytes:
+            span.copy_to(target.reshape(-1).view(torch.uint8), start)
+        planner.commit_tensor(item, target)
+        return True
