@@ -16,7 +16,9 @@ after one real optimizer step) on the disk that holds ``--dir`` (its file system
   the worst case, a next step with no forward/backward time behind which the background copy of the
   parameters and optimizer state could hide (its optimizer step waits for the whole copy).
 
-Which side (raw or ours) runs first alternates from one repetition to the next; medians are printed.
+Which side (raw or ours) runs first alternates from one repetition to the next; medians are printed, and
+for the ratios also the best time of each side (a shared virtual disk varies by 2x from one second to the
+next: the best times say what each side can do, the medians what it usually did).
 Goals (issue 5): save >= 0.8 x raw write, load >= 0.8 x raw read, blocked <= 0.1 x sync save.
 
     python bench/checkpoint_io.py --size-gib 1 --dir /tmp/bench
@@ -255,6 +257,7 @@ def main() -> None:
         shutil.rmtree(folder)
 
     med = {k: statistics.median(v) for k, v in results.items()}
+    best = {k: min(v) for k, v in results.items()}
     gb = nbytes / 1e9
     print(f"state: {nbytes / (1 << 30):.3f} GiB (checkpoint {saved_bytes / (1 << 30):.3f} GiB on disk); dir {root}; "
           f"file system: {filesystem_type(root)}")
@@ -264,13 +267,14 @@ def main() -> None:
     print(f"raw write (best of 3 ways, + fsync)         {gb / med['raw_write']:8.2f} GB/s  ({med['raw_write']:.3f} s)")
     print("  each way: " + ", ".join(f"{how} {gb / med[f'raw_write_{how}']:.2f} GB/s" for how in RAW_WRITE_WAYS))
     print(f"save (DCP + sha256 + manifest)               {gb / med['save']:8.2f} GB/s  ({med['save']:.3f} s)   "
-          f"ratio {med['raw_write'] / med['save']:.2f} (goal >= 0.8)")
+          f"ratio {med['raw_write'] / med['save']:.2f} (goal >= 0.8); best of each {best['raw_write'] / best['save']:.2f}")
     print(f"raw read (best of 2 ways)                    {gb / med['raw_read']:8.2f} GB/s  ({med['raw_read']:.3f} s)")
     print("  each way: " + ", ".join(f"{how} {gb / med[f'raw_read_{how}']:.2f} GB/s" for how in RAW_READ_WAYS))
     print(f"load (verify sha256 + DCP)                   {gb / med['load']:8.2f} GB/s  ({med['load']:.3f} s)   "
-          f"ratio {med['raw_read'] / med['load']:.2f} (goal >= 0.8)")
+          f"ratio {med['raw_read'] / med['load']:.2f} (goal >= 0.8); best of each {best['raw_read'] / best['load']:.2f}")
     print(f"  the same load with verify=none              {gb / med['load_unverified']:8.2f} GB/s  "
-          f"({med['load_unverified']:.3f} s)   ratio {med['raw_read'] / med['load_unverified']:.2f}")
+          f"({med['load_unverified']:.3f} s)   ratio {med['raw_read'] / med['load_unverified']:.2f}; best of each "
+          f"{best['raw_read'] / best['load_unverified']:.2f}")
     print(f"async save blocked: steady state {med['async_blocked']:.3f} s = {med['async_blocked'] / med['save']:.3f} of a sync save "
           f"(goal <= 0.1); first save of a run {med['async_first_blocked']:.3f} s = "
           f"{med['async_first_blocked'] / med['save']:.3f} (allocates the staging buffers)")
