@@ -335,7 +335,13 @@ def test_direct_io_setting_reaches_every_file_and_either_way_resumes_exactly(tmp
     make_trainer("3ba", Checkpointer(str(tmp_path), save_interval="3ba", direct_io=direct_io)).fit()
     assert any(name.endswith(".distcp") for name, _ in opened)
     assert {direct for _, direct in opened} == {direct_io}
-    resumed = make_trainer("6ba", Checkpointer(str(tmp_path), save_interval="3ba", autoresume=True))
+    import smalti.checkpoint.read_ahead as read_ahead
+
+    reads = []
+    real_open = read_ahead._open_for_reading
+    monkeypatch.setattr(read_ahead, "_open_for_reading", lambda path, direct: reads.append(direct) or real_open(path, direct))
+    resumed = make_trainer("6ba", Checkpointer(str(tmp_path), save_interval="3ba", autoresume=True, direct_io=direct_io))
+    assert reads and set(reads) == {direct_io}  # the load's read-ahead follows the setting too
     assert resumed.state.timestamp.batch == 3
     resumed.fit()
     assert_same_training_state(reference, resumed)

@@ -134,7 +134,7 @@ def verify_folder(
     ``none``: the manifest exists and parses. ``manifest``: also every listed file exists with its recorded
     size and sha256. ``full``: also DCP's ``.metadata`` refers only to listed files and to byte ranges inside
     them. Raises :class:`CheckpointCorruptError` naming the first file at fault. With ``defer_data``, the
-    sha256 of the tensor data files (``*.distcp``) is left to :func:`verify_data_hashes`, so it can run
+    sha256 of the tensor data files (``*.distcp``) is left to the load (:mod:`smalti.checkpoint.read_ahead`), so it can run
     while they load; every other file (pickles among them) is still checked here, before anything reads it.
     """
     if level not in VERIFY_LEVELS:
@@ -167,13 +167,6 @@ def is_data_file(relpath: str) -> bool:
 def data_files(manifest: dict[str, Any]) -> list[str]:
     """The tensor data files a manifest lists (what :func:`verify_folder` leaves out with ``defer_data``)."""
     return sorted(rel for rel in manifest["files"] if is_data_file(rel))
-
-
-def verify_data_hashes(folder: Path, manifest: dict[str, Any], relpaths: list[str] | None = None) -> None:
-    """The sha256 check of ``relpaths`` (default: every data file), which :func:`verify_folder` leaves out with
-    ``defer_data``; raises :class:`CheckpointCorruptError` naming the first bad file."""
-    files = manifest["files"]
-    _check_hashes(folder, {rel: files[rel] for rel in (data_files(manifest) if relpaths is None else relpaths)})
 
 
 def split_by_size(

@@ -30,7 +30,7 @@ class Found:
     #: names of the newer checkpoints passed over (partial, or failing verification)
     skipped_names: list[str] = field(default_factory=list)
     #: with ``defer_data``: the tensor data files whose sha256 is still to be checked (by the loading ranks,
-    #: while the files load: see :func:`~smalti.checkpoint.manifest.verify_data_hashes`)
+    #: while the files load: see :class:`~smalti.checkpoint.read_ahead.ReadAhead`)
     unchecked: list[str] = field(default_factory=list)
 
 
