@@ -338,8 +338,9 @@ def test_direct_io_setting_reaches_every_file_and_either_way_resumes_exactly(tmp
     import smalti.checkpoint.read_ahead as read_ahead
 
     reads = []
-    real_open = read_ahead._open_for_reading
-    monkeypatch.setattr(read_ahead, "_open_for_reading", lambda path, direct: reads.append(direct) or real_open(path, direct))
+    real_open = read_ahead.open_maybe_direct
+    monkeypatch.setattr(read_ahead, "open_maybe_direct",
+                        lambda path, flags, direct: reads.append(direct) or real_open(path, flags, direct))
     resumed = make_trainer("6ba", Checkpointer(str(tmp_path), save_interval="3ba", autoresume=True, direct_io=direct_io))
     assert reads and set(reads) == {direct_io}  # the load's read-ahead follows the setting too
     assert resumed.state.timestamp.batch == 3

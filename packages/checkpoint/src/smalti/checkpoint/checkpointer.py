@@ -301,15 +301,10 @@ class Checkpointer(Callback):
         relpaths = data_files(found.manifest)
         preferred: dict[str, int] = {}
         if int(found.manifest.get("world_size", 1)) == self._world:
-            for rel in relpaths:
-                if writer_rank(rel) in peers:
-                    preferred[rel] = peers.index(writer_rank(rel))
+            preferred = {rel: peers.index(writer) for rel in relpaths if (writer := writer_rank(rel)) in peers}
         share = split_by_size(relpaths, found.manifest, len(peers), preferred)[peers.index(self._rank)]
-        unchecked = set(found.unchecked)
-        files = [
-            AheadFile(rel, found.manifest["files"][rel]["size"], found.manifest["files"][rel]["sha256"] if rel in unchecked else None)
-            for rel in share
-        ]
+        entries, unchecked = found.manifest["files"], set(found.unchecked)
+        files = [AheadFile(rel, entries[rel]["size"], entries[rel]["sha256"] if rel in unchecked else None) for rel in share]
         if files:
             self._read_ahead = ReadAhead(found.folder, files, self.read_ahead_mb << 20, self.direct_io)
 

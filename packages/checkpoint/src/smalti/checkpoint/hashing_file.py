@@ -54,6 +54,25 @@ def _load_sync_file_range() -> Callable[[int, int, int, int], None] | None:
 sync_file_range = _load_sync_file_range()
 
 
+def open_maybe_direct(path: str | os.PathLike[str], flags: int, direct: bool) -> tuple[int, bool]:
+    """``os.open`` with ``O_DIRECT`` added when ``direct`` and the file system allows it; the descriptor and
+    whether it is direct (a file system without direct I/O answers EINVAL: the file opens without it)."""
+    flags |= getattr(os, "O_CLOEXEC", 0)
+    if direct and _O_DIRECT:
+        try:
+            return os.open(path, flags | _O_DIRECT, 0o666), True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+    return os.open(path, flags, 0o666), False
+
+
+def leave_direct_io(fd: int) -> None:
+    """Turn ``O_DIRECT`` off for an open file (for an unaligned tail, or a file system that refuses direct I/O
+    on the first read or write although it accepted the open)."""
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
+
+
 class HashingFile:
     """A new file at ``path``, written front to back, with the sha256 and size of what was written.
 
@@ -62,18 +81,7 @@ class HashingFile:
 
     def __init__(self, path: str | os.PathLike[str], direct: bool = True) -> None:
         self.path = os.fspath(path)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
-        self._fd = -1
-        self._direct = False
-        if direct and _O_DIRECT:
-            try:
-                self._fd = os.open(self.path, flags | _O_DIRECT, 0o666)
-                self._direct = True
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:  # EINVAL: this file system has no direct I/O
-                    raise
-        if self._fd < 0:
-            self._fd = os.open(self.path, flags, 0o666)
+        self._fd, self._direct = open_maybe_direct(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, direct)
         self._digest = hashlib.sha256()
         self._hasher = ThreadPoolExecutor(1, "smalti-ckpt-hash")
         self._io = ThreadPoolExecutor(1, "smalti-ckpt-write")
@@ -192,5 +200,5 @@ class HashingFile:
 
     def _leave_direct_io(self) -> None:
         if self._direct:
-            fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~_O_DIRECT)
+            leave_direct_io(self._fd)
             self._direct = False

@@ -1,11 +1,11 @@
 """Reading checkpoint files ahead of the load, front to back, hashing every byte once on the way in.
 
 A load has work to do before DCP asks for any tensor bytes (reading ``.metadata``, building the state dict,
-creating the optimizer's state with a zero-lr step), and DCP's own reader then reads item by item through
-the page cache, with the sha256 check of the same files as a second pass. :class:`ReadAhead` starts
-reading this rank's files as soon as the checkpoint is chosen, in a background thread, with ``O_DIRECT``
-where the file system allows it (no page-cache copy for the CPU to make), and feeds every chunk to sha256
-in a second thread. What it read waits in memory (up to ``window_bytes`` ahead of the loader) until
+creating the optimizer's state), and DCP's own reader then reads item by item through the page cache, with
+the sha256 check of the same files as a second pass. :class:`ReadAhead` starts reading this rank's files
+as soon as the checkpoint is chosen, in a background thread, with ``O_DIRECT`` where the file system
+allows it (no page-cache copy for the CPU to make), and feeds every chunk to sha256 on a hash thread of
+its file (one per file, up to :data:`HASH_THREADS`). What it read waits in memory (up to ``window_bytes`` ahead of the loader) until
 :class:`ReadAheadFileSystemReader` hands it to DCP: the disk works while the trainer builds its state,
 and each byte is read from the disk once, for both the load and the check.
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import errno
-import fcntl
 import hashlib
 import io
 import mmap
@@ -32,9 +31,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 
 from smalti.checkpoint.errors import CheckpointCorruptError, CheckpointError
-from smalti.checkpoint.hashing_file import ALIGN_BYTES, CHUNK_BYTES
+from smalti.checkpoint.hashing_file import ALIGN_BYTES, CHUNK_BYTES, leave_direct_io, open_maybe_direct
 
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
 #: how far ahead of the loader the reader may get, per rank, unless told otherwise
 DEFAULT_WINDOW_BYTES = 1 << 30
 HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -212,7 +210,7 @@ class ReadAhead:
         path = self.folder / relpath
         digest = hashlib.sha256() if expected.sha256 is not None else None
         try:
-            fd, direct = _open_for_reading(path, self.direct)
+            fd, direct = open_maybe_direct(path, os.O_RDONLY, self.direct)
         except OSError as exc:
             self._fail(relpath, held, CheckpointError(f"cannot read checkpoint file {path}: {exc}"))
             return
@@ -282,17 +280,6 @@ class ReadAhead:
             self._cond.notify_all()
 
 
-def _open_for_reading(path: Path, direct: bool) -> tuple[int, bool]:
-    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-    if direct and _O_DIRECT:
-        try:
-            return os.open(path, flags | _O_DIRECT), True
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:  # EINVAL: this file system has no direct I/O
-                raise
-    return os.open(path, flags), False
-
-
 def _read_at(fd: int, buffer: mmap.mmap, offset: int, direct: bool) -> tuple[int, bool]:
     """Fill ``buffer`` from ``offset`` (short only at the end of the file); returns bytes read and whether
     the file is still read with ``O_DIRECT``."""
@@ -304,7 +291,7 @@ def _read_at(fd: int, buffer: mmap.mmap, offset: int, direct: bool) -> tuple[int
         except OSError as exc:
             if not (direct and exc.errno == errno.EINVAL):
                 raise
-            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
+            leave_direct_io(fd)
             direct = False
             continue
         if n == 0:
@@ -317,6 +304,13 @@ def _read_at(fd: int, buffer: mmap.mmap, offset: int, direct: bool) -> tuple[int
 
 class _Span(io.RawIOBase):
     """A seekable read-only file over bytes ``[start, end)`` of a file, from the chunks that hold them."""
+
+    def __init__(self, chunks: list[_Chunk], start: int, end: int) -> None:
+        super().__init__()
+        self._chunks = chunks
+        self._start = start
+        self._end = end
+        self._pos = start
 
     def copy_to(self, target: torch.Tensor, offset: int) -> None:
         """Copy ``target.numel()`` bytes from ``offset`` (within the span) into the uint8 tensor ``target``
@@ -334,13 +328,6 @@ class _Span(io.RawIOBase):
             copied += hi - lo
         if copied != end - begin:
             raise CheckpointError(f"bytes {offset}..{end - self._start} of a span were let go before they were read")
-
-    def __init__(self, chunks: list[_Chunk], start: int, end: int) -> None:
-        super().__init__()
-        self._chunks = chunks
-        self._start = start
-        self._end = end
-        self._pos = start
 
     def readable(self) -> bool:
         return True
@@ -469,9 +456,10 @@ class ReadAheadFileSystemReader(FileSystemReader):
                     and saved.size() == target.size()):
                 return False
             record = f"data/{keys[0]}"
-            start = archive.get_record_offset(record) + saved.storage_offset() * saved.element_size()
+            record_start = archive.get_record_offset(record)
+            start = record_start + saved.storage_offset() * saved.element_size()
             nbytes = saved.numel() * saved.element_size()
-            if start + nbytes > archive.get_record_offset(record) + archive.get_record_size(record):
+            if start + nbytes > record_start + archive.get_record_size(record):
                 return False
         except Exception:  # noqa: BLE001 - anything unexpected: torch.load reads the item as DCP would
             return False
