@@ -1,6 +1,13 @@
 """End to end: ``smalti-train experiment=gpt_tiny`` from the repository root trains (loss falls), evaluates
 (eval metrics and ICL), checkpoints with smalti-checkpoint, and a second run resumes from the middle
-checkpoint and continues with exactly the losses of the uninterrupted run."""
+checkpoint and continues with the losses of the uninterrupted run.
+
+The two runs are compared to 1e-5 relative, not bit for bit: the uninterrupted run is itself not bit-reproducible
+from process to process on CPU (now and then a run of the same command, with no checkpoint involved, leaves the
+usual trajectory by one float32 ulp at an early step and drifts to ~1e-6 by step 20; seen in 3 of ~40 runs of 20+
+batches). A resume that gets anything wrong is far outside that (measured on this run): an Adam step count off by
+one moves the next 20 losses by up to 6e-4 relative, a learning-rate schedule off by one step by up to 3e-2.
+Bit-identical resume is proven in smalti-checkpoint's own tests, on models whose steps are reproducible."""
 
 from __future__ import annotations
 
@@ -55,4 +62,4 @@ def test_smalti_train_gpt_tiny_trains_checkpoints_resumes_and_evaluates(tmp_path
     assert re.search(r"resuming at epoch \d+, batch 20\b", out), out[-3000:]
     losses = {step: m["loss/train/total"] for step, m in resumed.items() if "loss/train/total" in m}
     assert sorted(losses) == list(range(21, 41))
-    assert losses == pytest.approx({s: full[s]["loss/train/total"] for s in losses}, rel=1e-6)
+    assert losses == pytest.approx({s: full[s]["loss/train/total"] for s in losses}, rel=1e-5)
