@@ -4,7 +4,7 @@ checkpoint and continues with the losses of the uninterrupted run.
 
 The two runs are compared to 1e-5 relative, not bit for bit: the uninterrupted run is itself not bit-reproducible
 from process to process on CPU (now and then a run of the same command, with no checkpoint involved, leaves the
-usual trajectory by one float32 ulp at an early step and drifts to ~1e-6 by step 20; seen in 3 of ~40 runs of 20+
+usual trajectory by one float32 ulp at an early step and drifts to ~1e-6 by step 20; seen in 4 of ~36 runs of 20+
 batches). A resume that gets anything wrong is far outside that (measured on this run): an Adam step count off by
 one moves the next 20 losses by up to 6e-4 relative, a learning-rate schedule off by one step by up to 3e-2.
 Bit-identical resume is proven in smalti-checkpoint's own tests, on models whose steps are reproducible."""
