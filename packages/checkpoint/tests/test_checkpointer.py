@@ -392,3 +392,15 @@ def test_a_checkpoint_without_the_state_the_optimizer_keeps_gets_no_uninitialise
     for idx in before:
         assert torch.equal(state[idx]["exp_avg"], before[idx]["exp_avg"])
         assert torch.count_nonzero(state[idx]["max_exp_avg_sq"]) == 0  # not in the checkpoint: made by DCP's zero step
+
+
+def test_a_load_unpickles_dcps_metadata_once(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    make_trainer("2ba", Checkpointer(str(tmp_path), save_interval="2ba")).fit()
+    reads = []
+    real = FileSystemReader.read_metadata
+    monkeypatch.setattr(FileSystemReader, "read_metadata", lambda self, *a, **k: reads.append(1) or real(self, *a, **k))
+    resumed = make_trainer("4ba", Checkpointer(str(tmp_path), save_interval=None, autoresume=True))
+    assert resumed.state.timestamp.batch == 2
+    assert len(reads) == 1  # the load's key check and DCP share one reader

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 
 from smalti.checkpoint.errors import CheckpointCorruptError, CheckpointError
@@ -173,9 +174,13 @@ class ReadAhead:
 
     def _maybe_free(self, chunk: _Chunk) -> None:
         if chunk.taken and chunk.hashed:
-            self._bytes_held -= len(chunk.buffer)
-            self._free.append(chunk.buffer)
-            self._cond.notify_all()
+            self._recycle(chunk.buffer)
+
+    def _recycle(self, buffer: mmap.mmap) -> None:
+        """Put ``buffer`` back on the free list and out of the window (the caller holds the lock)."""
+        self._bytes_held -= len(buffer)
+        self._free.append(buffer)
+        self._cond.notify_all()
 
     def _run(self) -> None:
         try:
@@ -262,9 +267,7 @@ class ReadAhead:
 
     def _give_back(self, buffer: mmap.mmap) -> None:
         with self._cond:
-            self._bytes_held -= len(buffer)
-            self._free.append(buffer)
-            self._cond.notify_all()
+            self._recycle(buffer)
 
     def _hash(self, digest: Any, chunk: _Chunk) -> None:
         digest.update(memoryview(chunk.buffer)[: chunk.length])
@@ -374,6 +377,17 @@ class ReadAheadFileSystemReader(FileSystemReader):
     def __init__(self, path: str | os.PathLike[str], read_ahead: ReadAhead | None) -> None:
         super().__init__(path)
         self.read_ahead = read_ahead
+        self._metadata: Metadata | None = None
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP's ``.metadata``, unpickled once per reader: the load reads it before DCP does (to check the
+        keys and make the optimizer's state), and on a large run it is the biggest file every rank reads whole."""
+        if args or kwargs.get("rank") is not None:
+            return super().read_metadata(*args, **kwargs)
+        if self._metadata is None:
+            self._metadata = super().read_metadata()
+        self._metadata.storage_meta.load_id = self.load_id  # DCP's reset() gives each load its own id
+        return self._metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
         ahead = self.read_ahead

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -209,7 +209,8 @@ def load_checkpoint(
     ``read_ahead``: the data files being read in the background; DCP takes their bytes from it.
     """
     ignore = list(ignore_keys or [])
-    metadata = FileSystemReader(str(folder)).read_metadata()
+    reader = ReadAheadFileSystemReader(folder, read_ahead)
+    metadata = reader.read_metadata()
     stored = set(metadata.state_dict_metadata)
     model_sd = get_model_state_dict(state.model)
     wanted = {k: v for k, v in model_sd.items() if not matches(f"model.{k}", ignore)}
@@ -242,7 +243,7 @@ def load_checkpoint(
     planner = DefaultLoadPlanner(allow_partial_load=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
-        dcp.load(to_load, storage_reader=ReadAheadFileSystemReader(folder, read_ahead), planner=planner, process_group=group, no_dist=group is None)
+        dcp.load(to_load, storage_reader=reader, planner=planner, process_group=group, no_dist=group is None)
     partial = len(wanted) != len(model_sd)
     options = StateDictOptions(strict=not partial)
     if load_optim:
