@@ -1,6 +1,13 @@
 """Reading prepared MDS data with smalti-streaming: pretraining token windows and finetuning pairs.
 
 smalti-streaming is imported only when one of these is built, so the rest of smalti-llm works without it.
+
+Token columns: an ``ndarray`` column (what ``smalti-llm data prepare`` writes, ``ndarray:int32``) declares its
+dtype. A ``bytes`` column (LLM Foundry's older ``convert_dataset_hf``/``convert_dataset_json`` scripts wrote
+``np.asarray(ids).tobytes()``, i.e. int64) does not, so it is read as ``token_dtype``, which defaults to
+int64 as Foundry's reader does. Every id read from bytes must lie in ``[0, 2**31)``; ids of another width
+read as int64 do not (unless every other id is 0), so such data fails naming the column and the
+``token_dtype`` to set instead of training on garbage.
 """
 
 from __future__ import annotations
@@ -31,9 +38,38 @@ def open_streaming(**kwargs: Any) -> Any:
     return _streaming().StreamingDataset(**kwargs)
 
 
-def _to_ids(tokens: Any, max_seq_len: int) -> torch.Tensor:
+TOKEN_DTYPES = ("int64", "int32", "uint32", "uint16")
+DEFAULT_BYTES_DTYPE = "int64"  # LLM Foundry's: its convert scripts stored np.asarray(list_of_ints).tobytes()
+_MAX_ID = 1 << 31
+
+
+def _check_token_dtype(token_dtype: str | None) -> None:
+    if token_dtype is not None and token_dtype not in TOKEN_DTYPES:
+        raise DataError(f"token_dtype={token_dtype!r} is not one of {', '.join(TOKEN_DTYPES)}")
+
+
+def ids_from_bytes(data: bytes | bytearray | memoryview, token_dtype: str | None = None,
+                   column: str = "tokens") -> np.ndarray:
+    """Token ids stored as raw little-endian bytes in MDS column ``column`` (see the module docstring)."""
+    _check_token_dtype(token_dtype)
+    dtype = np.dtype(token_dtype or DEFAULT_BYTES_DTYPE).newbyteorder("<")
+    fix = ("set token_dtype to the width the data was written with (int64, int32, uint32 or uint16; in a "
+           "config: data.train.token_dtype=..., data.eval.token_dtype=...)")
+    size = memoryview(data).nbytes
+    if size % dtype.itemsize:
+        raise DataError(f"MDS column {column!r} holds {size} bytes, not a whole number of {dtype.name} token ids "
+                        f"({dtype.itemsize} bytes each); {fix}")
+    arr = np.frombuffer(data, dtype=dtype)
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= _MAX_ID):
+        bad = int(arr.max()) if int(arr.max()) >= _MAX_ID else int(arr.min())
+        raise DataError(f"MDS column {column!r} (encoding 'bytes') read as {dtype.name} gives token id {bad}, not "
+                        f"a valid id (0 <= id < 2**31): the ids were written with another width; {fix}")
+    return arr
+
+
+def _to_ids(tokens: Any, max_seq_len: int, token_dtype: str | None = None, column: str = "tokens") -> torch.Tensor:
     if isinstance(tokens, bytes | bytearray | memoryview):
-        tokens = np.frombuffer(tokens, dtype=np.int32)
+        tokens = ids_from_bytes(tokens, token_dtype, column)
     arr = np.asarray(tokens)
     if arr.shape[0] < max_seq_len:
         raise DataError(
@@ -50,20 +86,24 @@ def TextMDS(  # noqa: N802 - a factory standing in for a class in configs
     max_seq_len: int = 2048,
     shuffle: bool = True,
     shuffle_seed: int = 17,
+    token_dtype: str | None = None,
     **kwargs: Any,
 ) -> Any:
-    """A streaming dataset over pretraining MDS shards (column ``tokens``, int32) yielding ``{"input_ids"}``.
+    """A streaming dataset over pretraining MDS shards (column ``tokens``) yielding ``{"input_ids"}``.
 
-    Extra keyword arguments go to ``smalti.streaming.StreamingDataset`` (``predownload``, ``cache_limit``,
+    ``tokens`` may be an ``ndarray`` column (smalti's own, int32) or a ``bytes`` column read as
+    ``token_dtype`` (default int64, LLM Foundry's legacy layout; see the module docstring). Extra keyword
+    arguments go to ``smalti.streaming.StreamingDataset`` (``predownload``, ``cache_limit``,
     ``replication``, ``batch_size``, ...).
     """
     streaming = _streaming()
+    _check_token_dtype(token_dtype)
 
     def convert(sample: dict[str, Any]) -> dict[str, torch.Tensor]:
         if "tokens" not in sample:
             raise DataError(f"MDS sample has no 'tokens' column (has {sorted(sample)}); prepare with "
                             "`smalti-llm data prepare --mode pretrain`")
-        return {"input_ids": _to_ids(sample["tokens"], max_seq_len)}
+        return {"input_ids": _to_ids(sample["tokens"], max_seq_len, token_dtype)}
 
     class _TextStreamingDataset(streaming.StreamingDataset):
         # Both ways in: indexing, and iteration (which reads shards directly, not through __getitem__).
