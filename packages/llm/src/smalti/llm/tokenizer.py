@@ -2,7 +2,9 @@
 package), a pure byte-level fallback, or any local ``tokenizer.json``.
 
 :func:`load_tokenizer` resolves a name or path: ``"smalti-bpe-2k"`` (the shipped file, also ``"default"``),
-``"byte"``, a ``tokenizer.json`` path, or a folder holding one.
+``"byte"``, a ``tokenizer.json`` path, or a folder holding one; a Hugging Face model folder (one with
+``tokenizer_config.json``) gives an :class:`~smalti.llm.hf_tokenizer.HFTokenizer` with its special tokens and
+chat template.
 """
 
 from __future__ import annotations
@@ -98,7 +100,8 @@ def shipped_tokenizer_path(name: str = DEFAULT_TOKENIZER) -> Path:
 
 
 def load_tokenizer(name_or_path: str | os.PathLike | Tokenizer | None = None) -> Tokenizer:
-    """Resolve a tokenizer: ``default``/``smalti-bpe-2k``, ``byte``, a ``tokenizer.json`` or a folder with one.
+    """Resolve a tokenizer: ``default``/``smalti-bpe-2k``, ``byte``, a ``tokenizer.json`` or a folder with one
+    (a Hugging Face folder, with ``tokenizer_config.json``, loads as :class:`~smalti.llm.hf_tokenizer.HFTokenizer`).
 
     Hub names are never looked up: anything else is an error that says what is accepted.
     """
@@ -112,6 +115,10 @@ def load_tokenizer(name_or_path: str | os.PathLike | Tokenizer | None = None) ->
     if name in SHIPPED:
         return BPETokenizer(shipped_tokenizer_path(name), name=name)
     path = Path(name).expanduser()
+    if path.is_dir() and (path / "tokenizer_config.json").is_file():
+        from smalti.llm.hf_tokenizer import HFTokenizer
+
+        return HFTokenizer.from_folder(path)
     if path.is_dir():
         path = path / "tokenizer.json"
     if path.is_file():
