@@ -1,7 +1,8 @@
-"""A trained model as a self-contained folder: Hugging Face Llama when the model is one, else smalti's own.
+"""A trained model as a self-contained folder: Hugging Face when the model has a Hugging Face family's shape,
+else smalti's own.
 
-* Llama-shaped models (RoPE, RMSNorm, SwiGLU, no QK-norm) are written with :func:`smalti.llm.hf.export_hf`:
-  ``transformers`` loads the folder offline.
+* Llama/Mistral/Qwen2-shaped models (RoPE, RMSNorm, SwiGLU, no QK-norm) are written with
+  :func:`smalti.llm.hf.export_hf`: ``transformers`` loads the folder offline.
 * Any other :class:`~smalti.llm.LLM` (MPT-style, ALiBi, MoE, ...) is written as ``smalti_llm.json`` (the
   model's constructor arguments) plus ``model.safetensors`` under smalti's parameter names.
 
@@ -57,7 +58,8 @@ def plain_copy(model: LLM, state: dict[str, torch.Tensor] | None = None) -> LLM:
 
 
 def is_llama(model: LLM) -> bool:
-    """Whether ``model`` has Llama's shape (so that the folder can be a Hugging Face Llama one)."""
+    """Whether ``model`` has the shape of a Hugging Face family (Llama, Mistral, Qwen2), so that the folder can be
+    a Hugging Face one."""
     from smalti.llm.hf import _check_exportable
 
     try:
@@ -67,11 +69,12 @@ def is_llama(model: LLM) -> bool:
     return True
 
 
-def save_model_folder(model: LLM, folder: str | os.PathLike, tokenizer: Any = "default", dtype: str = "float32") -> Path:
+def save_model_folder(model: LLM, folder: str | os.PathLike, tokenizer: Any = "default", dtype: str | None = None) -> Path:
     """Write ``model`` (unsharded; see :func:`plain_copy`) to ``folder``; returns the folder.
 
     ``tokenizer``: a name or path for :func:`smalti.llm.tokenizer.load_tokenizer` whose ``tokenizer.json`` is
-    copied beside the weights, or ``None``.
+    copied beside the weights, or ``None`` (a model imported from Hugging Face brings its own tokenizer files).
+    ``dtype``: of the weights; default the source model's (Hugging Face imports), else float32.
     """
     from smalti.llm.hf import export_hf
 
@@ -81,6 +84,7 @@ def save_model_folder(model: LLM, folder: str | os.PathLike, tokenizer: Any = "d
 
     from smalti.llm.hf import _DTYPES
 
+    dtype = dtype or "float32"
     if dtype not in _DTYPES:
         raise ConversionError(f"dtype={dtype!r} is not one of {', '.join(_DTYPES)}")
     folder = Path(folder)

@@ -3,7 +3,8 @@
 At the end of training the model is written as a folder (:func:`smalti.llm.export.save_model_folder`: a
 Hugging Face Llama folder for Llama-shaped models, smalti's own layout otherwise, with the tokenizer), logged
 as an artifact of the MLflow logger's run, and registered as a new version of a registered model whose
-source is that artifact. Without an MLflow logger in the run it does nothing.
+source is that artifact. When the run has an ``hf_export`` callback, the folder it writes is the one logged
+(one export, not two). Without an MLflow logger in the run it does nothing.
 """
 
 from __future__ import annotations
@@ -60,8 +61,20 @@ class MLflowModelRegistry(Callback):
         if mlflow_logger is None:
             return
         from smalti.llm.export import full_state_dict, plain_copy
+        from smalti.llm.hf_export import find_hf_export
         from smalti.llm.model.transformer import LLM
 
+        hf_export = find_hf_export(state)
+        if hf_export is not None:
+            folder = hf_export.export(state)  # collective under FSDP; written once even if hf_export runs later
+            if folder is None or distributed.get_rank() != 0:
+                return
+            run_id = self._run_id(mlflow_logger)
+            if run_id is not None:
+                name = self.registered_model_name or state.run_name
+                self.registered = self.register_folder(folder, mlflow_logger.tracking_uri, run_id, name)
+                log.info("registered model %r version %s in MLflow (run %s)", name, self.registered[1], run_id)
+            return
         model = state.raw_model
         if not isinstance(model, LLM):
             log.warning("MLflowModelRegistry: the model is a %s, not a smalti-llm LLM; not registered",
@@ -70,14 +83,19 @@ class MLflowModelRegistry(Callback):
         weights = full_state_dict(model)  # collective under FSDP: every rank takes part
         if distributed.get_rank() != 0:
             return
-        run_id = self._wait_for_run(mlflow_logger)
+        run_id = self._run_id(mlflow_logger)
         if run_id is None:
-            log.warning("MLflowModelRegistry: the MLflow logger has no run after %.0f s (server unreachable?); "
-                        "the model was not registered", self.wait_s)
             return
         name = self.registered_model_name or state.run_name
         self.registered = self.register(plain_copy(model, weights), mlflow_logger.tracking_uri, run_id, name)
         log.info("registered model %r version %s in MLflow (run %s)", name, self.registered[1], run_id)
+
+    def _run_id(self, mlflow_logger: Any) -> str | None:
+        run_id = self._wait_for_run(mlflow_logger)
+        if run_id is None:
+            log.warning("MLflowModelRegistry: the MLflow logger has no run after %.0f s (server unreachable?); "
+                        "the model was not registered", self.wait_s)
+        return run_id
 
     def _wait_for_run(self, mlflow_logger: Any) -> str | None:
         deadline = time.monotonic() + self.wait_s
@@ -88,15 +106,20 @@ class MLflowModelRegistry(Callback):
 
     def register(self, model: Any, tracking_uri: str | None, run_id: str, name: str) -> tuple[str, str]:
         """Log ``model`` under ``artifact_path`` of run ``run_id`` and register it as a version of ``name``."""
+        from smalti.llm.export import save_model_folder
+
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = save_model_folder(model, Path(tmp) / "model", tokenizer=self.tokenizer, dtype=self.dtype)
+            return self.register_folder(folder, tracking_uri, run_id, name)
+
+    def register_folder(self, folder: Path, tracking_uri: str | None, run_id: str, name: str) -> tuple[str, str]:
+        """Log the model ``folder`` under ``artifact_path`` of run ``run_id`` and register it as a version of
+        ``name``."""
         from mlflow import MlflowClient
         from mlflow.exceptions import MlflowException
 
-        from smalti.llm.export import save_model_folder
-
         client = MlflowClient(tracking_uri=tracking_uri)
-        with tempfile.TemporaryDirectory() as tmp:
-            folder = save_model_folder(model, Path(tmp) / "model", tokenizer=self.tokenizer, dtype=self.dtype)
-            client.log_artifacts(run_id, str(folder), artifact_path=self.artifact_path)
+        client.log_artifacts(run_id, str(folder), artifact_path=self.artifact_path)
         try:
             client.create_registered_model(name)
         except MlflowException as exc:

@@ -19,15 +19,22 @@ def build_attention_mask(
     device: torch.device,
     sequence_id: torch.Tensor | None = None,
     slopes: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor | None:
     """The SDPA mask for one forward pass, or ``None`` when plain causal attention suffices.
 
-    Boolean ``[B, 1, T, T]`` when only documents are masked (``sequence_id``); float ``[B|1, H, T, T]``
-    (``-inf`` where masked) when ALiBi ``slopes`` add a bias.
+    Boolean ``[B|1, 1, T, T]`` when only documents are masked (``sequence_id``) or a sliding ``window`` limits
+    each query to itself and the ``window - 1`` positions before it (Mistral's rule: key ``j`` is seen by
+    query ``i`` when ``i - window < j <= i``); float ``[B|1, H, T, T]`` (``-inf`` where masked) when ALiBi
+    ``slopes`` add a bias.
     """
-    if sequence_id is None and slopes is None:
+    window = window if window is not None and window < seq_len else None  # a window as long as T masks nothing
+    if sequence_id is None and slopes is None and window is None:
         return None
-    allowed = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()[None, None]
+    allowed = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+    if window is not None:
+        allowed = allowed.triu(-(window - 1))
+    allowed = allowed[None, None]
     if sequence_id is not None:
         allowed = allowed & (sequence_id[:, None, :, None] == sequence_id[:, None, None, :])
     if slopes is None:
@@ -52,6 +59,7 @@ class Attention(nn.Module):
         softmax_scale: float | None = None,
         clip_qkv: float | None = None,
         device: Any = None,
+        qkv_bias: bool | None = None,
     ) -> None:
         super().__init__()
         self.n_heads = n_heads
@@ -60,7 +68,9 @@ class Attention(nn.Module):
         self.softmax_scale = softmax_scale
         self.clip_qkv = clip_qkv
         self.rotary = rotary
-        self.wqkv = nn.Linear(d_model, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=bias, device=device)
+        # ``qkv_bias`` (default ``bias``) for the query/key/value projection alone: Qwen2 has it, no output bias.
+        qkv_bias = bias if qkv_bias is None else qkv_bias
+        self.wqkv = nn.Linear(d_model, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=qkv_bias, device=device)
         self.out_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias, device=device)
         self.out_proj._is_residual = True  # type: ignore[attr-defined]
         self.q_norm = make_norm(norm_type, self.head_dim, norm_eps, bias, device) if qk_norm else None

@@ -80,10 +80,13 @@ class LLM(nn.Module):
         expansion_ratio / ffn_hidden_size: FFN width (``ffn_hidden_size`` wins when given).
         position: ``alibi``, ``rope``, ``learned`` or ``none``; ``rope_theta``, ``rope_scaling`` (``{type:
             linear|llama3, factor, ...}``), ``alibi_bias_max``.
+        sliding_window: each position attends to itself and the ``sliding_window - 1`` before it (Mistral's);
+            default: the whole causal prefix.
         qk_norm: normalise queries and keys per head; ``clip_qkv``, ``softmax_scale`` as in MPT.
         bias: biases in every linear layer and norm (MPT's ``no_bias: true`` is ``bias: false``).
         attn_bias / ffn_bias: biases in the attention (``wqkv``, ``out_proj``) or the FFN projections only,
             overriding ``bias`` there (Hugging Face Llama's ``attention_bias`` and ``mlp_bias``); default ``bias``.
+        qkv_bias: a bias on the query/key/value projection only (Qwen2's), overriding ``attn_bias`` there.
         norm_type: ``layernorm``, ``rmsnorm``, ``low_precision_layernorm`` or ``low_precision_rmsnorm``.
         ffn_type: ``mlp``, ``glu`` or ``moe`` (with ``moe: {num_experts, top_k, loss_weight, ...}``).
         activation: ``gelu``, ``gelu_tanh``, ``silu`` or ``relu``.
@@ -114,6 +117,8 @@ class LLM(nn.Module):
         bias: bool = False,
         attn_bias: bool | None = None,
         ffn_bias: bool | None = None,
+        qkv_bias: bool | None = None,
+        sliding_window: int | None = None,
         norm_type: str = "layernorm",
         norm_eps: float = 1e-5,
         ffn_type: str = "mlp",
@@ -135,6 +140,8 @@ class LLM(nn.Module):
             raise ModelConfigError(f"model.position={position!r} is not one of {', '.join(POSITIONS)}")
         if position == "rope" and (d_model // n_heads) % 2:
             raise ModelConfigError(f"position=rope needs an even head size; d_model/n_heads = {d_model // n_heads}")
+        if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+            raise ModelConfigError(f"model.sliding_window={sliding_window!r} must be a positive int or null")
         activation = activation or ("silu" if ffn_type == "glu" else "gelu")
         # Every block's FFN is an MoE: each layer scales its balancing loss by the layer count, so that their
         # sum is MegaBlocks' batched loss rather than n_layers times it.
@@ -142,12 +149,15 @@ class LLM(nn.Module):
         hidden = int(ffn_hidden_size) if ffn_hidden_size else int(expansion_ratio * d_model)
         attn_bias = bias if attn_bias is None else bool(attn_bias)
         ffn_bias = bias if ffn_bias is None else bool(ffn_bias)
+        qkv_bias = attn_bias if qkv_bias is None else bool(qkv_bias)
         self.config = {
             "d_model": d_model, "n_heads": n_heads, "n_layers": n_layers, "vocab_size": vocab_size,
             "max_seq_len": max_seq_len, "n_kv_heads": n_kv_heads, "ffn_hidden_size": hidden, "position": position,
             "rope_theta": rope_theta, "rope_scaling": dict(rope_scaling) if rope_scaling else None,
             "alibi_bias_max": alibi_bias_max, "qk_norm": qk_norm, "clip_qkv": clip_qkv, "softmax_scale": softmax_scale,
-            "bias": bias, "attn_bias": attn_bias, "ffn_bias": ffn_bias, "norm_type": norm_type, "norm_eps": norm_eps, "ffn_type": ffn_type, "activation": activation,
+            "bias": bias, "attn_bias": attn_bias, "ffn_bias": ffn_bias, "qkv_bias": qkv_bias,
+            "sliding_window": sliding_window, "norm_type": norm_type, "norm_eps": norm_eps, "ffn_type": ffn_type,
+            "activation": activation,
             "moe": dict(moe) if moe else None, "tie_embeddings": tie_embeddings,
             "attn_uses_sequence_id": attn_uses_sequence_id, "init_std": init_std,
         }
@@ -155,6 +165,7 @@ class LLM(nn.Module):
         self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
         self.position = position
         self.attn_uses_sequence_id = attn_uses_sequence_id
+        self.sliding_window = sliding_window
         self.init_std = init_std
         device = torch.device(init_device) if init_device else None
         rotary = Rotary(d_model // n_heads, rope_theta, rope_scaling) if position == "rope" else None
@@ -165,7 +176,7 @@ class LLM(nn.Module):
             self.blocks = nn.ModuleList(
                 Block(
                     Attention(d_model, n_heads, n_kv_heads, attn_bias, qk_norm, norm_type, norm_eps, rotary, softmax_scale,
-                              clip_qkv),
+                              clip_qkv, qkv_bias=qkv_bias),
                     make_ffn(ffn_type, d_model, hidden, activation, ffn_bias, layer_moe),
                     make_norm(norm_type, d_model, norm_eps, bias),
                     make_norm(norm_type, d_model, norm_eps, bias),
@@ -276,7 +287,7 @@ class LLM(nn.Module):
         if slopes is not None and sp is not None:
             start, stop = sp.heads(self.n_heads)
             slopes = slopes[start:stop]
-        return build_attention_mask(seq_len, device, sequence_id, slopes)
+        return build_attention_mask(seq_len, device, sequence_id, slopes, self.sliding_window)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
         """Logits ``[B, T, vocab]`` under ``"logits"``, plus ``"aux_loss"`` (summed over layers) for MoE FFNs.

@@ -1,0 +1,355 @@
+"""Write a smalti :class:`~smalti.llm.LLM` as a Hugging Face folder that ``transformers`` loads offline:
+``config.json`` (the source model's family: Llama, Mistral or Qwen2), ``generation_config.json``, the weights
+as safetensors (sharded with ``model.safetensors.index.json`` above ``max_shard_size``) and the source's
+tokenizer files.
+
+The weights come one tensor at a time, from a live model (gathered from FSDP2 shards by every rank; only rank
+0 writes) or from a committed smalti-checkpoint (read key by key): no process holds more than one shard file's
+worth of tensors plus the one being converted. The folder is written under a temporary name and renamed into
+place, so a half-written export is never seen as complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from smalti.core import Callback, distributed
+from smalti.llm.errors import ConversionError
+from smalti.llm.hf import _DTYPES, TOKENIZER_FILES, hf_config, weight_parts
+from smalti.llm.model.transformer import LLM
+
+log = logging.getLogger(__name__)
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
+          "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string such as ``"2GB"``, ``"500MB"``, ``"10KiB"`` (decimal units, as
+    ``transformers`` counts them)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(value))
+    if match and match.group(2).upper() in _UNITS and float(match.group(1)) > 0:
+        return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    raise ConversionError(f"hf_export.max_shard_size={value!r} is not a size; give bytes or e.g. '2GB', '500MB'")
+
+
+def export_dtype(dtype: str | None, source: dict[str, Any] | None) -> str:
+    """``dtype``, else the source config's ``torch_dtype``/``dtype``, else ``float32``; checked."""
+    chosen = dtype or (source or {}).get("torch_dtype") or (source or {}).get("dtype") or "float32"
+    chosen = str(chosen).removeprefix("torch.")
+    if chosen not in _DTYPES:
+        raise ConversionError(f"hf_export.dtype={chosen!r} is not one of {', '.join(_DTYPES)}")
+    return chosen
+
+
+class _ShardWriter:
+    """Buffers tensors for the current shard file and writes it once its planned tensors are all in."""
+
+    def __init__(self, folder: Path, entries: list[tuple[str, list[int]]], dtype: torch.dtype, max_bytes: int) -> None:
+        self.folder, self.dtype = folder, dtype
+        size = torch.tensor([], dtype=dtype).element_size()
+        self.shards: list[list[str]] = [[]]
+        used = 0
+        for name, shape in entries:
+            nbytes = size * int(torch.Size(shape).numel())
+            if self.shards[-1] and used + nbytes > max_bytes:
+                self.shards.append([])
+                used = 0
+            self.shards[-1].append(name)
+            used += nbytes
+        self.total = sum(size * int(torch.Size(s).numel()) for _, s in entries)
+        n = len(self.shards)
+        self.files = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        self.current = 0
+        self.buffer: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        from safetensors.torch import save_file
+
+        if name not in self.shards[self.current]:
+            raise ConversionError(f"export: tensor {name!r} came out of the planned order")
+        self.buffer[name] = tensor.detach().to("cpu", self.dtype).contiguous().clone()
+        if len(self.buffer) == len(self.shards[self.current]):
+            save_file(self.buffer, str(self.folder / self.files[self.current]), metadata={"format": "pt"})
+            self.buffer = {}
+            self.current += 1
+
+    def finish(self) -> None:
+        if self.current != len(self.shards):
+            raise ConversionError(f"export: only {self.current} of {len(self.shards)} shard files were complete")
+        if len(self.shards) > 1:
+            weight_map = {name: self.files[i] for i, names in enumerate(self.shards) for name in names}
+            index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
+            (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def write_hf_folder(
+    out: str | os.PathLike,
+    model_config: dict[str, Any],
+    config: dict[str, Any],
+    shapes: dict[str, list[int]],
+    tensors: Iterator[tuple[str, torch.Tensor | None]],
+    dtype: str,
+    max_shard_size: int | str = "2GB",
+    source_folder: Path | None = None,
+    write: bool = True,
+    extra_files: dict[str, Path] | None = None,
+) -> Path:
+    """Write a Hugging Face folder at ``out`` from smalti tensors.
+
+    ``shapes``: each smalti parameter's full shape; ``tensors`` yields ``(smalti_name, full tensor)`` in
+    :func:`~smalti.llm.hf.weight_parts` order (drained on every rank so collectives stay in step; on ranks
+    with ``write=False`` the tensors may be ``None``). ``source_folder``: tokenizer files and
+    ``generation_config.json`` are copied from it; ``extra_files`` (name -> path) are copied too.
+    """
+    out = Path(out)
+    parts = weight_parts(model_config)
+    entries = [(hf, [b - a, *shapes[name][1:]]) for name, ps in parts.items() for hf, a, b in ps]
+    writer = tmp = None
+    if write:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        writer = _ShardWriter(tmp, entries, _DTYPES[dtype], parse_size(max_shard_size))
+    try:
+        for name, tensor in tensors:
+            if writer is not None:
+                for hf_name, a, b in parts[name]:
+                    writer.add(hf_name, tensor[a:b])
+            del tensor
+        if writer is None or tmp is None:
+            return out
+        writer.finish()
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        _write_generation_config(tmp, config, source_folder)
+        for file in TOKENIZER_FILES:
+            if source_folder is not None and (source_folder / file).is_file():
+                shutil.copyfile(source_folder / file, tmp / file)
+        for file, path in (extra_files or {}).items():
+            shutil.copyfile(path, tmp / file)
+        _replace(tmp, out)
+    finally:
+        if tmp is not None and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write_generation_config(folder: Path, config: dict[str, Any], source: Path | None) -> None:
+    if source is not None and (source / "generation_config.json").is_file():
+        shutil.copyfile(source / "generation_config.json", folder / "generation_config.json")
+        return
+    gen = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
+    (folder / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Move the finished ``tmp`` folder to ``out``, replacing an earlier export there."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------- sources
+
+
+def _clean(name: str) -> str:
+    """A parameter name without wrapper segments (torch.compile's, activation checkpointing's)."""
+    return name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "").replace("_fsdp_wrapped_module.", "")
+
+
+def model_tensors(model: torch.nn.Module, order: list[str]) -> tuple[dict[str, list[int]], Iterator[tuple[str, Any]]]:
+    """Full shapes and a per-parameter iterator of whole tensors of ``model`` (collective under FSDP2: each
+    tensor is all-gathered on every rank and kept only by rank 0)."""
+    state = {_clean(k): v for k, v in model.state_dict().items()}
+    missing = [k for k in order if k not in state]
+    if missing:
+        raise ConversionError(f"export: the model has no parameter {missing[0]!r}")
+    shapes = {k: list(state[k].shape) for k in order}
+    keep = distributed.get_rank() == 0
+
+    def gen() -> Iterator[tuple[str, Any]]:
+        for name in order:
+            value = state[name]
+            full = value.full_tensor() if hasattr(value, "full_tensor") else value
+            yield name, full.detach() if keep else None
+
+    return shapes, gen()
+
+
+def checkpoint_tensors(folder: Path, order: list[str]) -> tuple[dict[str, list[int]], Iterator[tuple[str, Any]]]:
+    """Full shapes and a key-by-key iterator over the model weights of a DCP checkpoint folder (one process)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    shapes, dtypes = {}, {}
+    for name in order:
+        meta = metadata.get(f"model.{name}")
+        if not isinstance(meta, TensorStorageMetadata):
+            raise ConversionError(f"{folder}: the checkpoint has no tensor model.{name}; was it saved from this model?")
+        shapes[name], dtypes[name] = list(meta.size), meta.properties.dtype
+
+    def gen() -> Iterator[tuple[str, Any]]:
+        for name in order:
+            wanted = {f"model.{name}": torch.empty(shapes[name], dtype=dtypes[name])}
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", category=UserWarning)
+                dcp.load(wanted, storage_reader=FileSystemReader(str(folder)), no_dist=True)
+            yield name, wanted[f"model.{name}"]
+
+    return shapes, gen()
+
+
+# ---------------------------------------------------------------------------------------------- entry points
+
+
+def export_model(model: LLM, out: str | os.PathLike, dtype: str | None = None, max_shard_size: int | str = "2GB",
+                 source_folder: Path | None = None, source_config: dict[str, Any] | None = None,
+                 eos_token_id: int | None = None, shard_model: torch.nn.Module | None = None,
+                 extra_files: dict[str, Path] | None = None) -> Path:
+    """Write ``model`` (read through ``shard_model`` when it is the FSDP-wrapped module) to ``out``.
+
+    Collective when the model is sharded: call it on every rank (rank 0 writes). ``source_folder`` and
+    ``source_config`` default to those of a :class:`~smalti.llm.hf.PretrainedLLM`.
+    """
+    source_folder = source_folder or getattr(model, "hf_folder", None)
+    source_config = source_config or getattr(model, "hf_config", None)
+    dtype = export_dtype(dtype, source_config)
+    config = hf_config(model, dtype, source=source_config, eos_token_id=eos_token_id)
+    parse_size(max_shard_size)
+    order = list(weight_parts(model.config))
+    shapes, tensors = model_tensors(shard_model if shard_model is not None else model, order)
+    return write_hf_folder(out, model.config, config, shapes, tensors, dtype, max_shard_size, source_folder,
+                           write=distributed.get_rank() == 0, extra_files=extra_files)
+
+
+def export_checkpoint(checkpoint: str, out: str | os.PathLike, pretrained: str | os.PathLike | None = None,
+                      dtype: str | None = None, max_shard_size: int | str = "2GB", verify: str = "manifest") -> Path:
+    """Write the model of a committed smalti-checkpoint (``checkpoint``: its folder, or a save folder for the
+    newest one) as a Hugging Face folder, with the architecture, family and tokenizer of ``pretrained`` (the
+    folder the run started from; default: ``model.pretrained`` of the run's ``.hydra/config.yaml``)."""
+    try:
+        from smalti.checkpoint.resume import resolve_load_path
+    except ImportError as exc:
+        raise ConversionError(
+            "exporting from a checkpoint needs smalti-checkpoint: pip install smalti-checkpoint"
+        ) from exc
+    from smalti.llm.hf import llm_kwargs, read_config, resolve_folder
+
+    found = resolve_load_path(checkpoint, None, verify)
+    source = resolve_folder(pretrained or _pretrained_of_run(Path(checkpoint)), key="--pretrained")
+    source_config = read_config(source)
+    model_config = LLM(**llm_kwargs(source_config, source / "config.json"), init_device="meta").config
+    shell = _ConfigOnly(model_config)
+    dtype = export_dtype(dtype, source_config)
+    config = hf_config(shell, dtype, source=source_config)  # type: ignore[arg-type]
+    order = list(weight_parts(model_config))
+    shapes, tensors = checkpoint_tensors(found.folder, order)
+    return write_hf_folder(out, model_config, config, shapes, tensors, dtype, max_shard_size, source)
+
+
+class _ConfigOnly:
+    """Stands in for an :class:`LLM` where only its ``config`` is read."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.config = config
+
+
+def _pretrained_of_run(checkpoint: Path) -> str:
+    """``model.pretrained`` from the ``.hydra/config.yaml`` of the run a local checkpoint belongs to."""
+    for folder in [checkpoint, *checkpoint.resolve().parents][:6]:
+        cfg = folder / ".hydra" / "config.yaml"
+        if cfg.is_file():
+            from omegaconf import OmegaConf
+
+            value = OmegaConf.select(OmegaConf.load(cfg), "model.pretrained", default=None)
+            if value:
+                return str(value)
+    raise ConversionError(
+        f"--pretrained is needed: no run config (.hydra/config.yaml with model.pretrained) was found above "
+        f"{checkpoint}; give the Hugging Face folder the run started from"
+    )
+
+
+# ---------------------------------------------------------------------------------------------- callback
+
+
+def _run_folder(state: Any) -> Path:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return Path(HydraConfig.get().runtime.output_dir)
+    except (ImportError, ValueError):
+        return Path("outputs") / str(state.run_name)
+
+
+class HFExport(Callback):
+    """At fit end, write the trained model as a Hugging Face folder (``<run folder>/hf`` by default).
+
+    Args:
+        folder: where to write; default ``hf`` inside the run's output folder (``outputs/<run>``).
+        dtype: ``float32``, ``bfloat16`` or ``float16``; default: the source model's ``torch_dtype``.
+        max_shard_size: above this (bytes, or e.g. ``"2GB"``) the weights go into several files with
+            ``model.safetensors.index.json``.
+    """
+
+    def __init__(self, folder: str | None = None, dtype: str | None = None, max_shard_size: int | str = "2GB") -> None:
+        self.folder = folder
+        self.dtype = dtype
+        self.max_shard_size = max_shard_size
+        parse_size(max_shard_size)
+        if dtype is not None:
+            export_dtype(dtype, None)
+        self._done: tuple[int, Path] | None = None
+        #: The folder written by the last export (every rank knows it; only rank 0 wrote it).
+        self.written: Path | None = None
+
+    def on_fit_end(self, state: Any) -> None:
+        self.export(state)
+
+    def export(self, state: Any) -> Path | None:
+        """Write the folder for the current training step, once (later calls return the same folder)."""
+        batch = int(state.timestamp.batch)
+        if self._done is not None and self._done[0] == batch:
+            return self._done[1]
+        model = state.raw_model
+        if not isinstance(model, LLM):
+            log.warning("hf_export: the model is a %s, not a smalti-llm LLM; nothing exported", type(model).__name__)
+            return None
+        out = Path(self.folder) if self.folder else _run_folder(state) / "hf"
+        export_model(model, out, self.dtype, self.max_shard_size, shard_model=state.model)
+        if distributed.is_initialized():
+            torch.distributed.barrier()  # no rank goes on (e.g. to log the folder) before rank 0 wrote it
+        self._done = (batch, out)
+        self.written = out
+        if distributed.get_rank() == 0:
+            log.info("hf_export: wrote %s", out)
+        return out
+
+
+def find_hf_export(state: Any) -> HFExport | None:
+    """The run's :class:`HFExport` callback, or ``None``."""
+    manager = getattr(state, "plugin_manager", None)
+    for plugin in manager.get_plugins() if manager is not None else ():
+        if isinstance(plugin, HFExport):
+            return plugin
+    return None
+

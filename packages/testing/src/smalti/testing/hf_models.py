@@ -1,0 +1,72 @@
+"""Tiny random Hugging Face causal LMs for tests, written by ``transformers`` itself (``save_pretrained``) with a
+chat tokenizer (:func:`smalti.testing.hf_tokenizers.write_chat_tokenizer`) in the same folder. Offline.
+
+Families: ``llama`` (Llama 2 shape), ``llama3`` (Llama 3.1 shape: ``rope_scaling`` type llama3, large theta),
+``mistral`` (a sliding window of 16 positions unless overridden) and ``qwen2`` (q/k/v biases). Every weight,
+norms and biases included, is drawn at random, so that a wrong mapping of any tensor shows in the logits.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+#: family -> (transformers config class name, tokenizer style)
+FAMILIES = {
+    "llama": ("LlamaConfig", "llama3"),
+    "llama3": ("LlamaConfig", "llama3"),
+    "mistral": ("MistralConfig", "mistral"),
+    "qwen2": ("Qwen2Config", "chatml"),
+}
+#: token named by each config id, per tokenizer style
+_TOKENS = {
+    "llama3": {"bos_token_id": "<|begin_of_text|>", "eos_token_id": "<|eot_id|>"},
+    "mistral": {"bos_token_id": "<s>", "eos_token_id": "</s>"},
+    "chatml": {"eos_token_id": "<|im_end|>", "pad_token_id": "<|endoftext|>"},
+}
+
+
+def tiny_config(family: str, vocab_size: int = 512, **overrides: Any) -> dict[str, Any]:
+    """The keyword arguments of a tiny ``family`` config (GQA: 4 query heads, 2 key/value heads)."""
+    if family not in FAMILIES:
+        raise ValueError(f"family={family!r}: choose one of {', '.join(FAMILIES)}")
+    kwargs: dict[str, Any] = dict(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    )
+    if family == "llama3":
+        kwargs.update(rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    if family == "mistral":
+        kwargs["sliding_window"] = 16
+    kwargs.update(overrides)
+    return kwargs
+
+
+def write_tiny_hf_model(folder: str | os.PathLike, family: str, seed: int = 0, **overrides: Any) -> Path:
+    """Write a tiny random ``family`` model and its chat tokenizer into ``folder``; returns the folder.
+
+    ``overrides`` replace config arguments (``tie_word_embeddings=True``, ``num_key_value_heads=1``,
+    ``sliding_window=8``, ...). The same arguments always write the same weights.
+    """
+    import tokenizers
+    import torch
+    import transformers
+
+    from smalti.testing.hf_tokenizers import write_chat_tokenizer
+
+    folder = Path(folder)
+    config_name, style = FAMILIES[family]
+    write_chat_tokenizer(folder, style)
+    tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    ids = {key: tok.token_to_id(token) for key, token in _TOKENS[style].items()}
+    kwargs = tiny_config(family, vocab_size=tok.get_vocab_size(with_added_tokens=True), **{**ids, **overrides})
+    config = getattr(transformers, config_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # transformers starts biases at zero and norms at one: make every tensor count
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    return folder
