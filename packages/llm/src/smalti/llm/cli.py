@@ -5,6 +5,8 @@
     smalti-llm data prepare --input pairs.jsonl --out s3://bucket/sft --mode finetune
     smalti-llm eval --model ./hf-folder --tasks default
     smalti-llm hf export --model-config model.yaml --weights model.pt --out ./hf-folder
+    smalti-llm hf export --checkpoint outputs/run/checkpoints/ep1-ba500 --out ./hf-folder
+    smalti-llm generate --model outputs/run/hf --prompt "Why is the sky blue?" --chat
 """
 
 from __future__ import annotations
@@ -79,10 +81,40 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _hf_export(args: argparse.Namespace) -> int:
-    from smalti.llm.hf import export_hf
+    if args.checkpoint:
+        from smalti.llm.hf_export import export_checkpoint
 
-    export_hf(_load_model(args), args.out, dtype=args.dtype, tokenizer=args.tokenizer)
+        export_checkpoint(args.checkpoint, args.out, pretrained=args.pretrained, dtype=args.dtype,
+                          max_shard_size=args.max_shard_size)
+    else:
+        from smalti.llm.hf import export_hf
+
+        export_hf(_load_model(args), args.out, dtype=args.dtype, tokenizer=args.tokenizer,
+                  max_shard_size=args.max_shard_size)
     print(f"wrote {args.out}")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from smalti.llm.export import load_model_folder
+    from smalti.llm.generate import eos_ids, generate_ids
+    from smalti.llm.hf import resolve_folder
+    from smalti.llm.hf_tokenizer import HFTokenizer
+
+    folder = resolve_folder(args.model, key="--model")
+    tokenizer = HFTokenizer.from_folder(folder)
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else [])
+        messages.append({"role": "user", "content": args.prompt})
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    else:
+        prompt = tokenizer.encode(args.prompt, add_special_tokens=True)
+    model = load_model_folder(folder).to(torch.device(args.device))
+    new = generate_ids(model, list(prompt), args.max_new_tokens, args.temperature, args.top_p, args.seed,
+                       eos_ids(folder, tokenizer))
+    print(tokenizer.decode(new, skip_special_tokens=True))
     return 0
 
 
@@ -132,12 +164,32 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=_eval)
 
     hf = sub.add_parser("hf", help="Hugging Face interop").add_subparsers(dest="action", required=True)
-    exp = hf.add_parser("export", help="write a Hugging Face Llama folder")
-    _model_args(exp)
+    exp = hf.add_parser("export", help="write a Hugging Face folder (Llama, Mistral or Qwen2, as the source)")
+    source = exp.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="a committed smalti-checkpoint folder (or a save folder: its newest)")
+    source.add_argument("--model", help="a model folder: Hugging Face or smalti's (smalti_llm.json)")
+    source.add_argument("--model-config", help="a model YAML with _target_ (e.g. a conf/model option)")
+    exp.add_argument("--weights", help="model weights for --model-config (.safetensors or a torch state dict)")
+    exp.add_argument("--pretrained", help="with --checkpoint: the Hugging Face folder the run started from "
+                     "(default: model.pretrained in the run's .hydra/config.yaml)")
     exp.add_argument("--out", required=True)
-    exp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    exp.add_argument("--tokenizer", default=None)
+    exp.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                     help="default: the source model's torch_dtype, else float32")
+    exp.add_argument("--max-shard-size", default="2GB", help="split the weights into files of at most this size")
+    exp.add_argument("--tokenizer", default=None, help="for models not imported from Hugging Face: a tokenizer.json")
     exp.set_defaults(func=_hf_export)
+
+    gen = sub.add_parser("generate", help="generate text from a Hugging Face model folder (greedy or top-p)")
+    gen.add_argument("--model", required=True, help="a local Hugging Face model folder (e.g. outputs/<run>/hf)")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
+    gen.add_argument("--system", default=None, help="with --chat: a system message first")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sample")
+    gen.add_argument("--top-p", type=float, default=1.0, help="with --temperature > 0: nucleus sampling mass")
+    gen.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    gen.add_argument("--device", default="cpu")
+    gen.set_defaults(func=_generate)
     return parser
 
 
