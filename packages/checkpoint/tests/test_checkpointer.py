@@ -397,10 +397,13 @@ def test_a_checkpoint_without_the_state_the_optimizer_keeps_gets_no_uninitialise
 def test_a_load_unpickles_dcps_metadata_once(tmp_path, monkeypatch):
     from torch.distributed.checkpoint import FileSystemReader
 
+    from smalti.checkpoint import safe_load
+
     make_trainer("2ba", Checkpointer(str(tmp_path), save_interval="2ba")).fit()
     reads = []
-    real = FileSystemReader.read_metadata
-    monkeypatch.setattr(FileSystemReader, "read_metadata", lambda self, *a, **k: reads.append(1) or real(self, *a, **k))
+    real = safe_load.read_dcp_metadata
+    monkeypatch.setattr(safe_load, "read_dcp_metadata", lambda *a, **k: reads.append(1) or real(*a, **k))
+    monkeypatch.setattr(FileSystemReader, "read_metadata", lambda *a, **k: pytest.fail("DCP's own unpickling"))
     resumed = make_trainer("4ba", Checkpointer(str(tmp_path), save_interval=None, autoresume=True))
     assert resumed.state.timestamp.batch == 2
     assert len(reads) == 1  # the load's key check and DCP share one reader

@@ -12,6 +12,11 @@ from smalti.checkpoint.errors import (  # noqa: E402
     CheckpointError,
     CheckpointUploadError,
     ReshardError,
+    UnsafeCheckpointError,
+    UnsafePathError,
 )
 
-__all__ = ["CheckpointCorruptError", "CheckpointError", "CheckpointUploadError", "Checkpointer", "ReshardError"]
+__all__ = [
+    "CheckpointCorruptError", "CheckpointError", "CheckpointUploadError", "Checkpointer", "ReshardError",
+    "UnsafeCheckpointError", "UnsafePathError",
+]

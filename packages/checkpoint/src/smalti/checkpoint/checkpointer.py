@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from smalti.checkpoint import state_io
-from smalti.checkpoint.errors import CheckpointCorruptError, CheckpointError
+from smalti.checkpoint.errors import CheckpointCorruptError, CheckpointError, UnsafeCheckpointError
 from smalti.checkpoint.manifest import (
     VERIFY_LEVELS,
     build_manifest,
@@ -43,10 +43,10 @@ log = logging.getLogger(__name__)
 
 
 def retained(names: list[str], keep_last_n: int, keep_every_n: int | None) -> set[str]:
-    """The committed checkpoint names that retention keeps: the newest ``keep_last_n`` (all when < 0),
-    plus every one whose batch count is a multiple of ``keep_every_n``."""
+    """The committed checkpoint names that retention keeps: the newest ``keep_last_n`` (all when < 0; all of
+    them while fewer are committed), plus every one whose batch count is a multiple of ``keep_every_n``."""
     ordered = sorted(names, key=sort_key)
-    keep = set(ordered if keep_last_n < 0 else ordered[len(ordered) - keep_last_n :] if keep_last_n else [])
+    keep = set(ordered if keep_last_n < 0 else ordered[-keep_last_n:] if keep_last_n else [])
     if keep_every_n:
         keep |= {n for n in ordered if sort_key(n)[0] % keep_every_n == 0}
     return keep
@@ -84,6 +84,11 @@ class Checkpointer(Callback):
             deleted (a later autoresume must not mix the two runs). Without it such a run fails at start.
         verify: ``manifest`` (sizes and sha256 of every file) or ``full`` (also DCP metadata consistency);
             ``none`` only checks that a manifest exists.
+        trust_pickles: read checkpoint files whose pickles want classes outside the allow-lists (DCP's
+            metadata classes; tensors and plain values) with full unpickling, which can run code from the
+            file. Off: such files are refused, naming the file and the class (see
+            :mod:`smalti.checkpoint.safe_load`). Only for checkpoints from a trusted source, e.g. ones written
+            before smalti-checkpoint stored its rank-local state without pickled NumPy arrays.
         local_cache_dir: where remote checkpoints are staged and downloaded (default: a temp dir per folder).
         thread_count: DCP writer threads per rank (one file each; each file is hashed on its own thread).
         direct_io: write checkpoint files with ``O_DIRECT`` where the file system allows it (no page-cache
@@ -118,6 +123,7 @@ class Checkpointer(Callback):
         s3_multipart_mb: int = 64,
         timeout_s: float = 600,
         overwrite: bool = False,
+        trust_pickles: bool = False,
     ) -> None:
         if verify not in VERIFY_LEVELS:
             raise ConfigError(f"checkpoint.verify={verify!r} must be one of {', '.join(VERIFY_LEVELS)}")
@@ -137,6 +143,7 @@ class Checkpointer(Callback):
         self.autoresume = autoresume
         self.overwrite = overwrite
         self.verify = verify
+        self.trust_pickles = bool(trust_pickles)
         self.thread_count = thread_count
         self.direct_io = direct_io
         self.read_ahead_mb = read_ahead_mb
@@ -249,7 +256,8 @@ class Checkpointer(Callback):
                 return
             if self._rank != 0 and not (found.folder / MANIFEST_NAME).is_file():
                 # another node: fetch our own copy of what rank 0 chose (its data files are checked as they load)
-                found = resolve_load_path(found.source, self.cache_dir, self.verify, defer_data=True, **self._s3(found.source))
+                found = resolve_load_path(found.source, self.cache_dir, self.verify, defer_data=True,
+                                          trust_pickles=self.trust_pickles, **self._s3(found.source))
             self._start_read_ahead(found)
             weights_only = self.load_weights_only and not autoresumed  # resuming this run restores everything
             load_error: Exception | None = None
@@ -257,10 +265,13 @@ class Checkpointer(Callback):
                 state_io.load_checkpoint(
                     state, found.folder, found.manifest, self._group, weights_only=weights_only,
                     ignore_keys=self.load_ignore_keys, strict=self.load_strict, read_ahead=self._read_ahead,
+                    trust_pickles=self.trust_pickles,
                 )
             except Exception as exc:  # a damaged data file may fail to parse: the sha256 verdict decides
                 load_error = exc
-            problem = self._data_verdict(found)
+            problem = self._data_verdict(found, load_error)
+            if isinstance(problem, UnsafeCheckpointError):
+                raise problem  # a file that wants to run code is refused, not passed over for an older checkpoint
             if problem is None:
                 if load_error is not None:
                     raise load_error
@@ -308,10 +319,11 @@ class Checkpointer(Callback):
         if files:
             self._read_ahead = ReadAhead(found.folder, files, self.read_ahead_mb << 20, self.direct_io)
 
-    def _data_verdict(self, found: Found) -> CheckpointCorruptError | None:
+    def _data_verdict(self, found: Found, load_error: Exception | None = None) -> CheckpointError | None:
         """Each rank waits for the reading and sha256 of its share of the data files (checked while they
-        loaded); every rank gets the verdict (``None``: good; else the lowest rank's finding)."""
-        finding: tuple[str, str, str | None] | None = None
+        loaded); every rank gets the verdict (``None``: good; an :class:`UnsafeCheckpointError` when the load
+        refused a file on any rank; else the lowest rank's finding)."""
+        finding: tuple[Any, ...] | None = None
         if self._read_ahead is not None:
             read_ahead, self._read_ahead = self._read_ahead, None
             try:
@@ -320,10 +332,16 @@ class Checkpointer(Callback):
                 finding = ("corrupt", str(exc), exc.path)
             except Exception as exc:  # e.g. a time-out or an unreadable file: not a verdict on the checkpoint
                 finding = ("error", f"reading the data files of {found.source}: {exc!r}", None)
-        for answer in self._gather(finding):
+        if isinstance(load_error, UnsafeCheckpointError):
+            finding = ("unsafe", str(load_error), load_error.path, load_error.wanted)
+        answers = self._gather(finding)
+        for answer in answers:
+            if answer is not None and answer[0] == "unsafe":
+                return load_error if isinstance(load_error, UnsafeCheckpointError) else UnsafeCheckpointError(*answer[1:])
+        for answer in answers:
             if answer is None:
                 continue
-            kind, message, path = answer
+            kind, message, path = answer[:3]
             if kind == "error":
                 raise CheckpointError(message)
             return CheckpointCorruptError(message, path)
@@ -385,13 +403,14 @@ class Checkpointer(Callback):
             try:
                 found, autoresumed = None, False
                 if self.autoresume and self.store is not None:
-                    found = newest_good(self.store, self.cache_dir, self.verify, defer_data=True, exclude=damaged)
+                    found = newest_good(self.store, self.cache_dir, self.verify, defer_data=True, exclude=damaged,
+                                        trust_pickles=self.trust_pickles)
                     autoresumed = found is not None
                     if found is None:
                         log.info("autoresume: no committed checkpoint in %s yet", self.store.url)
                 if found is None and self.load_path:
                     found = resolve_load_path(self.load_path, None, self.verify, defer_data=True, exclude=damaged,
-                                              **self._s3(self.load_path))
+                                              trust_pickles=self.trust_pickles, **self._s3(self.load_path))
                 if found is not None:
                     found.skipped_names = [*found.skipped_names, *(n for n in damaged if n not in found.skipped_names)]
                 choice = (found, autoresumed)

@@ -5,6 +5,9 @@ Examples::
     smalti-checkpoint inspect outputs/run/checkpoints/ep0-ba100 --verify full
     smalti-checkpoint inspect s3://bucket/run/ep0-ba100
     smalti-checkpoint export outputs/run/checkpoints model.safetensors --dtype bfloat16
+
+Nothing read from the checkpoint runs code: pickles that want classes outside the allow-lists are refused
+(exit status 1, naming the file and the class) unless ``--trust-pickles`` is given.
 """
 
 from __future__ import annotations
@@ -17,10 +20,10 @@ from pathlib import Path
 from smalti.checkpoint.errors import CheckpointError
 
 
-def _resolve(path: str, verify: str):
+def _resolve(args: argparse.Namespace):
     from smalti.checkpoint.resume import resolve_load_path
 
-    return resolve_load_path(path, None, verify)
+    return resolve_load_path(args.path, None, args.verify, trust_pickles=args.trust_pickles)
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -28,7 +31,8 @@ def _inspect(args: argparse.Namespace) -> int:
     from smalti.checkpoint.state_io import EXTRA_DIR
 
     try:
-        found = _resolve(args.path, args.verify)
+        found = _resolve(args)
+        rows = describe(found.folder, args.trust_pickles)
     except CheckpointError as exc:
         print(f"INVALID: {exc}", file=sys.stderr)
         return 1
@@ -41,7 +45,6 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"  files ({len(m['files'])}, {sum(f['size'] for f in m['files'].values()) / 1e6:.2f} MB):")
     for rel, entry in m["files"].items():
         print(f"    {rel:<32} {entry['size']:>14,d} B  sha256 {entry['sha256'][:16]}")
-    rows = describe(found.folder)
     if not args.all:
         rows = [r for r in rows if r[0].startswith("model.")]
     print(f"  entries ({len(rows)}{'' if args.all else ', model only; --all for every entry'}):")
@@ -56,11 +59,11 @@ def _export(args: argparse.Namespace) -> int:
     from smalti.checkpoint.export import export_safetensors
 
     try:
-        found = _resolve(args.path, args.verify)
+        found = _resolve(args)
+        tensors = export_safetensors(found.folder, Path(args.out), args.dtype, args.trust_pickles)
     except CheckpointError as exc:
         print(f"cannot export: {exc}", file=sys.stderr)
         return 1
-    tensors = export_safetensors(found.folder, Path(args.out), args.dtype)
     size = sum(t.numel() * t.element_size() for t in tensors.values())
     print(f"wrote {args.out}: {len(tensors)} tensors, {size / 1e6:.2f} MB, from {found.source}")
     return 0
@@ -80,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             p.add_argument("--all", action="store_true", help="list optimizer entries too")
         p.add_argument("--verify", default="manifest", choices=["none", "manifest", "full"])
+        p.add_argument("--trust-pickles", action="store_true",
+                       help="read pickles that want classes outside the allow-lists (can run code from the "
+                            "checkpoint): only for checkpoints from a source you trust")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     return _inspect(args) if args.command == "inspect" else _export(args)

@@ -31,3 +31,17 @@ class CheckpointUploadError(CheckpointError):
 
 class ReshardError(CheckpointError):
     """Rank-local state (data loader position) cannot follow a change in the number of ranks."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file asks to run code when read (a pickle wanting a class or function outside the
+    allow-list); it is refused unless the user trusts the checkpoint (``checkpoint.trust_pickles=true``)."""
+
+    def __init__(self, message: str, path: str | None = None, wanted: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.wanted = list(wanted or [])
+
+
+class UnsafePathError(CheckpointCorruptError):
+    """A file name read from a checkpoint file (its manifest) would leave the checkpoint's folder."""

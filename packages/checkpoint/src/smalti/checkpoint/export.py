@@ -9,30 +9,41 @@ from typing import Any
 import torch
 
 
-def load_full(folder: Path, prefix: str = "model.") -> dict[str, torch.Tensor]:
-    """Every tensor under ``prefix`` of the DCP checkpoint in ``folder``, consolidated (no process group needed)."""
+def load_full(folder: Path, prefix: str = "model.", trust_pickles: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor under ``prefix`` of the DCP checkpoint in ``folder``, consolidated (no process group needed).
+    Nothing read runs code unless ``trust_pickles`` (see :mod:`smalti.checkpoint.safe_load`)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = FileSystemReader(str(folder)).read_metadata()
+    from smalti.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner, unwrap_unsafe
+
+    metadata = SafeFileSystemReader(folder, trust_pickles).read_metadata()
     wanted: dict[str, Any] = {}
     for key, meta in metadata.state_dict_metadata.items():
         if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata):
             wanted[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=UserWarning)
-        dcp.load(wanted, storage_reader=FileSystemReader(str(folder)), no_dist=True)
+        try:
+            dcp.load(wanted, storage_reader=SafeFileSystemReader(folder, trust_pickles),
+                     planner=SafeLoadPlanner(trust_pickles=trust_pickles), no_dist=True)
+        except BaseException as exc:
+            unsafe = unwrap_unsafe(exc)
+            if unsafe is None:
+                raise
+            raise unsafe from None
     return {key[len(prefix) :]: value for key, value in wanted.items()}
 
 
-def export_safetensors(folder: Path, out: Path, dtype: str | None = None) -> dict[str, torch.Tensor]:
+def export_safetensors(
+    folder: Path, out: Path, dtype: str | None = None, trust_pickles: bool = False
+) -> dict[str, torch.Tensor]:
     """Write the checkpoint's model weights to one safetensors file (through a temp name); return them."""
     import os
 
     from safetensors.torch import save_file
 
-    tensors = load_full(folder)
+    tensors = load_full(folder, trust_pickles=trust_pickles)
     if dtype:
         target = getattr(torch, dtype)
         tensors = {k: v.to(target) if v.is_floating_point() else v for k, v in tensors.items()}
@@ -44,13 +55,14 @@ def export_safetensors(folder: Path, out: Path, dtype: str | None = None) -> dic
     return tensors
 
 
-def describe(folder: Path) -> list[tuple[str, str, str]]:
+def describe(folder: Path, trust_pickles: bool = False) -> list[tuple[str, str, str]]:
     """``(key, dtype, shape)`` of every entry DCP stored (tensors and objects), sorted by key."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from smalti.checkpoint.safe_load import read_dcp_metadata
+
     rows = []
-    for key, meta in FileSystemReader(str(folder)).read_metadata().state_dict_metadata.items():
+    for key, meta in read_dcp_metadata(folder / ".metadata", trust_pickles).state_dict_metadata.items():
         if isinstance(meta, TensorStorageMetadata):
             rows.append((key, str(meta.properties.dtype).removeprefix("torch."), "x".join(map(str, meta.size)) or "scalar"))
         else:

@@ -1,6 +1,8 @@
 """The manifest: written last, it lists every file of a checkpoint with its size and sha256.
 
 A folder without a valid manifest is not a checkpoint. ``verify_folder`` checks a local copy against it.
+The manifest carries the sha256 of its own canonical JSON (``manifest_sha256``), so a changed byte in it is
+caught as surely as one in the files it lists, and every file name it lists must stay inside the folder.
 """
 
 from __future__ import annotations
@@ -15,10 +17,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from smalti.checkpoint.errors import CheckpointCorruptError, UncommittedCheckpointError
+from smalti.checkpoint.errors import CheckpointCorruptError, UncommittedCheckpointError, UnsafeCheckpointError
 from smalti.checkpoint.naming import MANIFEST_NAME
+from smalti.checkpoint.safe_load import check_inside
 
-FORMAT = "smalti-checkpoint/1"
+FORMAT = "smalti-checkpoint/2"
+#: manifests written before the self-checksum (read as before: no ``manifest_sha256`` required)
+FORMATS = ("smalti-checkpoint/1", FORMAT)
+SELF_HASH = "manifest_sha256"
 VERIFY_LEVELS = ("none", "manifest", "full")
 _CHUNK = 8 << 20
 
@@ -61,7 +67,7 @@ def build_manifest(
     """The manifest dict for checkpoint ``name`` (JSON-serialisable)."""
     import torch
 
-    return {
+    return seal({
         "format": FORMAT,
         "name": name,
         "world_size": world_size,
@@ -73,7 +79,17 @@ def build_manifest(
         "torch_version": torch.__version__,
         "files": dict(sorted(files.items())),
         **(extra or {}),
-    }
+    })
+
+
+def _self_hash(manifest: dict[str, Any]) -> str:
+    body = {key: value for key, value in manifest.items() if key != SELF_HASH}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def seal(manifest: dict[str, Any]) -> dict[str, Any]:
+    """``manifest`` with ``manifest_sha256`` set to the sha256 of the rest of it (canonical JSON)."""
+    return {**manifest, SELF_HASH: _self_hash(manifest)}
 
 
 def write_json_atomic(path: Path, payload: dict[str, Any] | str) -> None:
@@ -107,11 +123,22 @@ def parse_manifest(raw: bytes | str, where: str) -> dict[str, Any]:
         manifest = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise CheckpointCorruptError(f"manifest {where} is not valid JSON ({exc}); the checkpoint is incomplete", where) from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+    if not isinstance(manifest, dict) or manifest.get("format") not in FORMATS or not isinstance(manifest.get("files"), dict):
         raise CheckpointCorruptError(
             f"manifest {where} is not a {FORMAT} manifest (format={manifest.get('format') if isinstance(manifest, dict) else None!r})",
             where,
         )
+    sealed = SELF_HASH in manifest or manifest["format"] != FORMATS[0]  # only the first format had no seal
+    if sealed and manifest.get(SELF_HASH) != _self_hash(manifest):
+        raise CheckpointCorruptError(
+            f"manifest {where} does not match its own {SELF_HASH} (corrupted or edited); the checkpoint is not valid",
+            where,
+        )
+    for rel, entry in manifest["files"].items():
+        check_inside(rel, f"manifest {where}")
+        if not (isinstance(entry, dict) and isinstance(entry.get("size"), int) and entry["size"] >= 0
+                and isinstance(entry.get("sha256"), str) and re.fullmatch(r"[0-9a-f]{64}", entry["sha256"])):
+            raise CheckpointCorruptError(f"manifest {where} has no valid size and sha256 for {rel!r}", where)
     return manifest
 
 
@@ -127,13 +154,15 @@ def read_manifest(folder: Path) -> dict[str, Any]:
 
 
 def verify_folder(
-    folder: Path, level: str = "manifest", manifest: dict[str, Any] | None = None, defer_data: bool = False
+    folder: Path, level: str = "manifest", manifest: dict[str, Any] | None = None, defer_data: bool = False,
+    trust_pickles: bool = False,
 ) -> dict[str, Any]:
     """Check a local checkpoint folder against its manifest and return the manifest.
 
     ``none``: the manifest exists and parses. ``manifest``: also every listed file exists with its recorded
     size and sha256. ``full``: also DCP's ``.metadata`` refers only to listed files and to byte ranges inside
-    them. Raises :class:`CheckpointCorruptError` naming the first file at fault. With ``defer_data``, the
+    them, and every rank's ``extra/`` file reads with torch's weights-only loader (read without running code from it unless ``trust_pickles``: see :mod:`smalti.checkpoint.safe_load`).
+    Raises :class:`CheckpointCorruptError` naming the first file at fault. With ``defer_data``, the
     sha256 of the tensor data files (``*.distcp``) is left to the load (:mod:`smalti.checkpoint.read_ahead`), so it can run
     while they load; every other file (pickles among them) is still checked here, before anything reads it.
     """
@@ -144,7 +173,7 @@ def verify_folder(
         return manifest
     files: dict[str, dict[str, Any]] = manifest["files"]
     for rel, entry in files.items():
-        path = folder / rel
+        path = folder / check_inside(rel, f"manifest {folder / MANIFEST_NAME}")
         if not path.is_file():
             raise CheckpointCorruptError(f"checkpoint file {path} listed in the manifest is missing", str(path))
         size = path.stat().st_size
@@ -155,7 +184,8 @@ def verify_folder(
             )
     _check_hashes(folder, {rel: entry for rel, entry in files.items() if not (defer_data and is_data_file(rel))})
     if level == "full":
-        _verify_dcp_metadata(folder, files)
+        _verify_dcp_metadata(folder, files, trust_pickles)
+        _verify_rank_files(folder, files, trust_pickles)
     return manifest
 
 
@@ -202,16 +232,13 @@ def _check_hashes(folder: Path, files: dict[str, dict[str, Any]]) -> None:
             )
 
 
-def _verify_dcp_metadata(folder: Path, files: dict[str, dict[str, Any]]) -> None:
-    from torch.distributed.checkpoint import FileSystemReader
+def _verify_dcp_metadata(folder: Path, files: dict[str, dict[str, Any]], trust_pickles: bool = False) -> None:
+    from smalti.checkpoint.safe_load import read_dcp_metadata
 
     where = folder / ".metadata"
     if ".metadata" not in files:
         raise CheckpointCorruptError(f"the manifest of {folder} does not list DCP's .metadata", str(where))
-    try:
-        metadata = FileSystemReader(str(folder)).read_metadata()
-    except Exception as exc:
-        raise CheckpointCorruptError(f"cannot read {where}: {exc}", str(where)) from exc
+    metadata = read_dcp_metadata(where, trust_pickles)  # refuses what is not DCP metadata, runs no code
     for index, info in (metadata.storage_data or {}).items():
         rel = info.relative_path
         if rel not in files:
@@ -221,3 +248,43 @@ def _verify_dcp_metadata(folder: Path, files: dict[str, dict[str, Any]]) -> None
                 f"{folder / rel} is too short for {index.fqn} (needs bytes up to {info.offset + info.length})",
                 str(folder / rel),
             )
+    _verify_dcp_objects(folder, metadata, trust_pickles)
+
+
+def _verify_dcp_objects(folder: Path, metadata: Any, trust_pickles: bool = False) -> None:
+    """The objects DCP stored beside the tensors (optimizer hyperparameters: small ``torch.save`` records in the
+    data files) read with torch's weights-only loader, as the load reads them."""
+    import io
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from smalti.checkpoint.safe_load import load_torch
+
+    for index, info in sorted((metadata.storage_data or {}).items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)):
+        entry = metadata.state_dict_metadata.get(index.fqn)
+        if not isinstance(entry, BytesStorageMetadata) or getattr(info, "transform_descriptors", None):
+            continue
+        with open(folder / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            record = f.read(info.length)
+        where = f"the entry {index.fqn!r} of {folder / info.relative_path}"
+        try:
+            load_torch(io.BytesIO(record), where, trust_pickles)
+        except (CheckpointCorruptError, UnsafeCheckpointError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a damaged record fails in many ways
+            raise CheckpointCorruptError(f"cannot read {where}: {exc!r}", str(folder / info.relative_path)) from None
+
+
+def _verify_rank_files(folder: Path, files: dict[str, dict[str, Any]], trust_pickles: bool = False) -> None:
+    """Every rank-local state file reads without running code (or, with ``trust_pickles``, reads at all)."""
+    from smalti.checkpoint.safe_load import load_torch
+
+    for rel in sorted(files):
+        if rel.startswith("extra/"):
+            try:
+                load_torch(folder / rel, str(folder / rel), trust_pickles)
+            except (CheckpointCorruptError, UnsafeCheckpointError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - a damaged file fails in many ways
+                raise CheckpointCorruptError(f"cannot read {folder / rel}: {exc!r}", str(folder / rel)) from None

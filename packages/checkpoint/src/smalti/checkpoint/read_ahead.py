@@ -27,12 +27,12 @@ from typing import Any
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 
 from smalti.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from smalti.checkpoint.hashing_file import ALIGN_BYTES, CHUNK_BYTES, leave_direct_io, open_maybe_direct
+from smalti.checkpoint.safe_load import SafeFileSystemReader
 
 #: how far ahead of the loader the reader may get, per rank, unless told otherwise
 DEFAULT_WINDOW_BYTES = 1 << 30
@@ -370,18 +370,20 @@ class _Span(io.RawIOBase):
         return done
 
 
-class ReadAheadFileSystemReader(FileSystemReader):
+class ReadAheadFileSystemReader(SafeFileSystemReader):
     """DCP's file reader taking the bytes of the files a :class:`ReadAhead` holds from it (in its file order,
-    items by offset); other files are read as DCP reads them."""
+    items by offset); other files are read as DCP reads them. ``.metadata`` is read without running code from
+    it (see :mod:`smalti.checkpoint.safe_load`; ``trust_pickles`` lifts that)."""
 
-    def __init__(self, path: str | os.PathLike[str], read_ahead: ReadAhead | None) -> None:
-        super().__init__(path)
+    def __init__(self, path: str | os.PathLike[str], read_ahead: ReadAhead | None, trust_pickles: bool = False) -> None:
+        super().__init__(path, trust_pickles)
         self.read_ahead = read_ahead
         self._metadata: Metadata | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """DCP's ``.metadata``, unpickled once per reader: the load reads it before DCP does (to check the
-        keys and make the optimizer's state), and on a large run it is the biggest file every rank reads whole."""
+        """DCP's ``.metadata``, unpickled once per reader (through the restricted unpickler): the load reads it
+        before DCP does (to check the keys and make the optimizer's state), and on a large run it is the biggest
+        file every rank reads whole."""
         if args or kwargs.get("rank") is not None:
             return super().read_metadata(*args, **kwargs)
         if self._metadata is None:

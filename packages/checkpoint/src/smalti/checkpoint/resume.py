@@ -42,12 +42,14 @@ def default_cache_dir(url: str) -> Path:
 
 def fetch(
     store: Store, name: str, cache_dir: Path, verify: str, manifest: dict[str, Any] | None = None,
-    defer_data: bool = False,
+    defer_data: bool = False, trust_pickles: bool = False,
 ) -> tuple[Path, dict[str, Any], list[str]]:
     """A verified local copy of checkpoint ``name``, its manifest, and the data files left unchecked; raises
     :class:`CheckpointCorruptError` naming the bad file.
 
     With ``defer_data`` the data files' sha256 is left to the caller (the list returned; else it is empty).
+    ``trust_pickles``: ``verify="full"`` reads DCP's metadata with full unpickling where the restricted reader
+    refuses it (see :mod:`smalti.checkpoint.safe_load`).
     Object-store failures that persist after the retries raise :class:`CheckpointUploadError` instead: they say
     nothing about the checkpoint itself.
     """
@@ -64,12 +66,13 @@ def fetch(
     else:
         folder = store.folder(name)
     defer = defer_data and verify != "none"
-    verify_folder(folder, verify, manifest, defer_data=defer)
+    verify_folder(folder, verify, manifest, defer_data=defer, trust_pickles=trust_pickles)
     return folder, manifest, data_files(manifest) if defer else []
 
 
 def newest_good(
-    store: Store, cache_dir: Path, verify: str, defer_data: bool = False, exclude: dict[str, str] | None = None
+    store: Store, cache_dir: Path, verify: str, defer_data: bool = False, exclude: dict[str, str] | None = None,
+    trust_pickles: bool = False,
 ) -> Found | None:
     """The newest checkpoint under ``store`` that has a valid manifest and verifies; report every one skipped.
 
@@ -92,7 +95,7 @@ def newest_good(
             continue
         try:
             manifest = store.read_manifest(name)
-            folder, manifest, unchecked = fetch(store, name, cache_dir, verify, manifest, defer_data)
+            folder, manifest, unchecked = fetch(store, name, cache_dir, verify, manifest, defer_data, trust_pickles)
         except CheckpointCorruptError as exc:
             log.error("skipping checkpoint %s/%s: %s", store.url, name, exc)
             skipped.append(f"{name}: {exc}")
@@ -115,25 +118,26 @@ def newest_good(
 
 def resolve_load_path(
     load_path: str, cache_dir: Path | None, verify: str, defer_data: bool = False,
-    exclude: dict[str, str] | None = None, **s3_options: Any,
+    exclude: dict[str, str] | None = None, trust_pickles: bool = False, **s3_options: Any,
 ) -> Found:
     """``load_path`` names a checkpoint folder, or a save folder (its newest good checkpoint is used).
 
-    ``defer_data``: see :func:`fetch`; ``exclude``: see :func:`newest_good`.
+    ``defer_data``, ``trust_pickles``: see :func:`fetch`; ``exclude``: see :func:`newest_good`.
     """
     path = str(load_path).rstrip("/")
     parent, _, last = path.rpartition("/")
     cache = cache_dir or default_cache_dir(parent or path)
     if parse_folder_name(last) is not None and parent:
         store = open_store(parent, **s3_options)
-        folder, manifest, unchecked = fetch(store, last, cache, verify, defer_data=defer_data)
+        folder, manifest, unchecked = fetch(store, last, cache, verify, defer_data=defer_data, trust_pickles=trust_pickles)
         return Found(last, path, folder, manifest, [], unchecked=unchecked)
     if not is_remote(path) and (Path(path) / MANIFEST_NAME).is_file():
         store = LocalStore(Path(path).parent)
-        folder, manifest, unchecked = fetch(store, Path(path).name, cache, verify, defer_data=defer_data)
+        folder, manifest, unchecked = fetch(store, Path(path).name, cache, verify, defer_data=defer_data,
+                                            trust_pickles=trust_pickles)
         return Found(Path(path).name, path, folder, manifest, [], unchecked=unchecked)
     store = open_store(path, **s3_options)
-    found = newest_good(store, cache_dir or default_cache_dir(store.url), verify, defer_data, exclude)
+    found = newest_good(store, cache_dir or default_cache_dir(store.url), verify, defer_data, exclude, trust_pickles)
     if found is None:
         raise CheckpointError(
             f"load_path={load_path!r} holds no committed checkpoint (no ep<N>-ba<M> folder with a valid {MANIFEST_NAME})"

@@ -5,6 +5,7 @@ Layout of a checkpoint folder::
     ep1-ba2000/
       .metadata, __<r>_<i>.distcp   DCP: model and optimizer shards (each writer rank writes its own)
       extra/rank<r>.pt              rank r's other state: timestamp, schedulers, RNG, data loader, plugins
+                                    (tensors and plain values only: read with ``weights_only=True``)
       manifest.json                 written last by rank 0 (see :mod:`smalti.checkpoint.manifest`)
 
 Changing the number of ranks between save and load: model and optimizer state are resharded by DCP.
@@ -27,7 +28,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from smalti.checkpoint.errors import CheckpointError, ReshardError
 from smalti.checkpoint.read_ahead import ReadAhead, ReadAheadFileSystemReader
+from smalti.checkpoint.safe_load import SafeLoadPlanner, dump_safe, from_safe_tree, load_torch, unwrap_unsafe
 from smalti.checkpoint.writer import HashingFileSystemWriter, ReusedHostStager
 from smalti.core.rng import load_rng_state_dict, rng_state_dict
 from smalti.core.state import State
@@ -82,16 +83,14 @@ def rank_local_state(state: State) -> dict[str, Any]:
 
 def write_rank_local_state(folder: Path, state: State) -> tuple[str, dict[str, Any]]:
     """Write this rank's non-DCP state through a temp name; return its path relative to ``folder`` and its
-    ``{"size", "sha256"}`` record."""
+    ``{"size", "sha256"}`` record. The file holds tensors and plain values only (NumPy arrays as tensors), so
+    it loads with ``torch.load(weights_only=True)``: state that would need full unpickling fails here."""
     import hashlib
-    import io
 
     rel = extra_relpath(state.rank)
     path = folder / rel
     path.parent.mkdir(parents=True, exist_ok=True)
-    buffer = io.BytesIO()
-    torch.save(rank_local_state(state), buffer)
-    data = buffer.getbuffer()
+    data = dump_safe(rank_local_state(state), f"the rank-local state {path}")
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
         f.write(data)
@@ -203,13 +202,15 @@ def load_checkpoint(
     ignore_keys: list[str] | None = None,
     strict: bool = True,
     read_ahead: ReadAhead | None = None,
+    trust_pickles: bool = False,
 ) -> None:
     """Load the checkpoint in local folder ``folder`` into ``state`` (resharding model and optimizers as needed).
 
     ``read_ahead``: the data files being read in the background; DCP takes their bytes from it.
+    ``trust_pickles``: read pickles that want classes outside the allow-lists (see :mod:`smalti.checkpoint.safe_load`).
     """
     ignore = list(ignore_keys or [])
-    reader = ReadAheadFileSystemReader(folder, read_ahead)
+    reader = ReadAheadFileSystemReader(folder, read_ahead, trust_pickles)
     metadata = reader.read_metadata()
     stored = set(metadata.state_dict_metadata)
     model_sd = get_model_state_dict(state.model)
@@ -240,10 +241,16 @@ def load_checkpoint(
                 optimizer.zero_grad(set_to_none=True)
         _, optim_sd = get_state_dict(state.model, state.optimizers)
         to_load["optim"] = optim_sd
-    planner = DefaultLoadPlanner(allow_partial_load=True)
+    planner = SafeLoadPlanner(allow_partial_load=True, trust_pickles=trust_pickles)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
-        dcp.load(to_load, storage_reader=reader, planner=planner, process_group=group, no_dist=group is None)
+        try:
+            dcp.load(to_load, storage_reader=reader, planner=planner, process_group=group, no_dist=group is None)
+        except BaseException as exc:
+            unsafe = unwrap_unsafe(exc)
+            if unsafe is None:
+                raise
+            raise unsafe from None
     partial = len(wanted) != len(model_sd)
     options = StateDictOptions(strict=not partial)
     if load_optim:
@@ -255,20 +262,25 @@ def load_checkpoint(
                  len(wanted), len(model_sd), folder)
     if weights_only:
         return
-    _load_rank_local(state, folder, manifest, ignore)
+    _load_rank_local(state, folder, manifest, ignore, trust_pickles)
 
 
-def _read_rank_local(folder: Path, rank: int) -> dict[str, Any]:
+def read_rank_local(folder: Path, rank: int, trust_pickles: bool = False) -> dict[str, Any]:
+    """Rank ``rank``'s non-DCP state in checkpoint ``folder``, read without running code from it (older
+    checkpoints' files hold NumPy arrays as pickles: they need ``trust_pickles``)."""
     path = folder / extra_relpath(rank)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {folder} has no {extra_relpath(rank)} for rank {rank}")
-    return torch.load(path, map_location="cpu", weights_only=False)  # our own file, checked against the manifest
+    extra = from_safe_tree(load_torch(path, str(path), trust_pickles))
+    if not isinstance(extra, dict):
+        raise CheckpointError(f"{path} holds a {type(extra).__name__}, not a rank's state")
+    return extra
 
 
-def _load_rank_local(state: State, folder: Path, manifest: dict[str, Any], ignore: list[str]) -> None:
+def _load_rank_local(state: State, folder: Path, manifest: dict[str, Any], ignore: list[str], trust: bool) -> None:
     saved_world = int(manifest.get("world_size", 1))
     same_world = saved_world == state.world_size
-    extra = _read_rank_local(folder, state.rank if same_world else 0)
+    extra = read_rank_local(folder, state.rank if same_world else 0, trust)
     if not matches("timestamp", ignore):
         state.timestamp.load_state_dict(extra["timestamp"])
     if not matches("schedulers", ignore):
@@ -288,7 +300,7 @@ def _load_rank_local(state: State, folder: Path, manifest: dict[str, Any], ignor
                 "(each rank keeps the generators seeded at start)", folder, saved_world, state.world_size,
             )
     if not matches("dataloader", ignore) and extra.get("dataloader") is not None:
-        state.load_dataloader_state_dict(_loader_position(state, folder, manifest, extra))
+        state.load_dataloader_state_dict(_loader_position(state, folder, manifest, extra, trust))
     if not matches("grad_scaler", ignore) and state.grad_scaler is not None and extra.get("grad_scaler"):
         state.grad_scaler.load_state_dict(extra["grad_scaler"])
     if extra.get("device_train_microbatch_size") is not None and state.auto_microbatching:
@@ -297,7 +309,7 @@ def _load_rank_local(state: State, folder: Path, manifest: dict[str, Any], ignor
     state.load_plugin_state_dict(plugins)
 
 
-def _loader_position(state: State, folder: Path, manifest: dict[str, Any], extra: dict[str, Any]) -> Any:
+def _loader_position(state: State, folder: Path, manifest: dict[str, Any], extra: dict[str, Any], trust: bool) -> Any:
     """The saved data loader position of this rank's data-parallel share (the share, not the rank, owns it)."""
     saved_world = int(manifest.get("world_size", 1))
     saved_dp = int(manifest.get("dp_world_size", saved_world))
@@ -311,7 +323,7 @@ def _loader_position(state: State, folder: Path, manifest: dict[str, Any], extra
     if extra.get("dp_rank", extra.get("rank")) == state.dp_rank:
         return extra["dataloader"]
     for rank in range(saved_world):  # another layout of the same shares (e.g. sequence-parallel groups added)
-        other = _read_rank_local(folder, rank)
+        other = read_rank_local(folder, rank, trust)
         if other.get("dp_rank", rank) == state.dp_rank:
             return other["dataloader"]
     raise ReshardError(f"checkpoint {folder} has no data loader position for data-parallel rank {state.dp_rank}")

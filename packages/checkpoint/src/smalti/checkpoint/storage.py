@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from smalti.checkpoint.errors import CheckpointCorruptError, CheckpointUploadError
 from smalti.checkpoint.manifest import parse_manifest, write_json_atomic
 from smalti.checkpoint.naming import LATEST_NAME, MANIFEST_NAME, checkpoint_names
+from smalti.checkpoint.safe_load import check_inside
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -241,7 +242,7 @@ class S3Store:
         from smalti.checkpoint.manifest import hash_file
 
         for rel, entry in manifest["files"].items():
-            local = dest / rel
+            local = dest / check_inside(rel, f"manifest {self.url}/{name}/{MANIFEST_NAME}")
             if local.is_file() and local.stat().st_size == entry["size"] and hash_file(local)[1] == entry["sha256"]:
                 continue  # already here from an earlier download
             self.download(f"{name}/{rel}", local)

@@ -1,0 +1,281 @@
+"""Reading checkpoint files without running code from them.
+
+A checkpoint may come from elsewhere (a download, a shared bucket), and its manifest is easy to rewrite to
+match altered files, so a verified checkpoint is not a trusted one. Nothing read from it may run code:
+
+- DCP's ``.metadata`` is a pickle. It is read by :func:`read_dcp_metadata` with an unpickler that resolves
+  only the classes DCP's metadata is made of (the dataclasses of ``torch.distributed.checkpoint.metadata``,
+  ``_StorageInfo``, ``torch.Size``, dtypes, layouts, paths); any other class or function is refused.
+- The rank-local state (``extra/rank<r>.pt``) and the small objects DCP stores in its data files (optimizer
+  hyperparameters) are ``torch.save`` files read with ``torch.load(weights_only=True)`` (:func:`load_torch`),
+  torch's restricted unpickler: tensors, numbers, strings and containers only. The rank-local state is
+  written in that form (:func:`to_safe_tree`), and checked to read back so before it is written.
+
+A refused file raises :class:`~smalti.checkpoint.errors.UnsafeCheckpointError` naming the file and what it
+wanted. ``trust_pickles=True`` (``checkpoint.trust_pickles=true``, ``smalti-checkpoint --trust-pickles``)
+reads such files with full unpickling instead: only for checkpoints from a source the user trusts (older
+checkpoints' rank-local files hold NumPy arrays, which need it).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pathlib
+import pickle
+import re
+from collections import OrderedDict
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from smalti.checkpoint.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    UnsafeCheckpointError,
+    UnsafePathError,
+)
+
+log = logging.getLogger(__name__)
+
+TRUST_HINT = (
+    "only if you trust where this checkpoint comes from, load it with checkpoint.trust_pickles=true "
+    "(smalti-checkpoint: --trust-pickles)"
+)
+#: how a NumPy array is stored in the rank-local state: ``{_NDARRAY: tensor, "dtype": "uint32"}``
+_NDARRAY = "__ndarray__"
+
+
+class _Refused(Exception):
+    def __init__(self, wanted: str) -> None:
+        super().__init__(wanted)
+        self.wanted = wanted
+
+
+@cache
+def _metadata_globals() -> dict[tuple[str, str], Any]:
+    """What a pickle of DCP's ``Metadata`` may name: exactly the classes and functions it is built from."""
+    from torch.distributed.checkpoint import metadata as md
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    allowed: dict[tuple[str, str], Any] = {}
+    for obj in (md.Metadata, md.MetadataIndex, md.TensorStorageMetadata, md.BytesStorageMetadata,
+                md.ChunkStorageMetadata, md.TensorProperties, md.StorageMeta, md._MEM_FORMAT_ENCODING, _StorageInfo):
+        allowed[(obj.__module__, obj.__qualname__)] = obj
+    allowed[("torch", "Size")] = torch.Size
+    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout  # how a torch.layout pickles
+    for name in dir(torch):
+        if isinstance(getattr(torch, name, None), torch.dtype):
+            allowed[("torch", name)] = getattr(torch, name)
+    allowed[("collections", "OrderedDict")] = OrderedDict
+    for cls in (pathlib.PurePosixPath, pathlib.PosixPath, pathlib.PureWindowsPath, pathlib.WindowsPath):
+        allowed[("pathlib", cls.__name__)] = cls  # StorageMeta.checkpoint_id: the folder it was saved to
+    return allowed
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only :func:`_metadata_globals` (every way a pickle reaches code goes through
+    ``find_class``: GLOBAL, STACK_GLOBAL, INST, OBJ and the copyreg extension codes) and no persistent ids."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        try:
+            return _metadata_globals()[(module, name)]
+        except KeyError:
+            raise _Refused(f"{module}.{name}") from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _Refused(f"persistent id {pid!r}")
+
+
+def check_inside(rel: Any, where: str, what: str = "lists") -> str:
+    """``rel`` if it is a plain relative path that stays inside its folder; else :class:`UnsafePathError`.
+
+    Refused: non-strings, empty names, absolute paths (``/x``, ``C:\\x``, ``C:x``), backslashes, NUL, and any
+    empty, ``.`` or ``..`` component (checkpoints never write such names, so no normalisation is needed)."""
+    problem = None
+    if not isinstance(rel, str) or not rel:
+        problem = "is not a file name"
+    elif "\\" in rel or "\x00" in rel:
+        problem = "holds a backslash or NUL"
+    elif rel.startswith("/") or re.match(r"^[A-Za-z]:", rel):
+        problem = "is an absolute path"
+    elif any(part in ("", ".", "..") for part in rel.split("/")):
+        problem = "has an empty, '.' or '..' component"
+    if problem:
+        raise UnsafePathError(
+            f"{where} {what} the file name {rel!r}, which {problem}: it would leave the checkpoint's folder. "
+            "The file is corrupt or crafted; this checkpoint is refused",
+            where,
+        )
+    return rel
+
+
+def read_dcp_metadata(path: str | os.PathLike[str], trust_pickles: bool = False) -> Metadata:
+    """DCP's ``Metadata`` from the pickle at ``path``, admitting only the classes DCP's metadata holds.
+
+    Raises :class:`UnsafeCheckpointError` (naming the file and the class it wanted) for anything else unless
+    ``trust_pickles``; :class:`CheckpointCorruptError` when the file is not DCP metadata. The relative paths
+    of its storage entries must stay inside the checkpoint folder (:func:`check_inside`).
+    """
+    path = Path(path)
+    data = path.read_bytes()
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except _Refused as exc:
+        if not trust_pickles:
+            raise UnsafeCheckpointError(
+                f"{path} asks the unpickler for {exc.wanted}, which DCP's metadata never holds: reading it could run "
+                f"code, so it is refused; {TRUST_HINT}",
+                str(path), [exc.wanted],
+            ) from None
+        log.warning("trust_pickles: unpickling %s, which wants %s (not DCP metadata's own class)", path, exc.wanted)
+        metadata = pickle.loads(data)  # noqa: S301 - the user said they trust this checkpoint
+    except Exception as exc:  # noqa: BLE001 - a damaged pickle fails in many ways
+        raise CheckpointCorruptError(f"cannot read DCP metadata {path}: {exc!r}", str(path)) from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointCorruptError(f"{path} holds a {type(metadata).__name__}, not DCP's Metadata", str(path))
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    for info in (metadata.storage_data or {}).values():
+        check_inside(getattr(info, "relative_path", None), str(path), "refers to")
+    return metadata
+
+
+def _unsafe_globals(source: Any) -> list[str]:
+    try:
+        if hasattr(source, "seek"):
+            source.seek(0)
+        return list(torch.serialization.get_unsafe_globals_in_checkpoint(source))
+    except Exception:  # noqa: BLE001 - only for the message
+        return []
+
+
+def load_torch(source: str | os.PathLike[str] | io.BytesIO, where: str, trust_pickles: bool = False) -> Any:
+    """``torch.load(source, weights_only=True)`` on the CPU; what that refuses raises
+    :class:`UnsafeCheckpointError` naming ``where`` and the globals it wanted, or, with ``trust_pickles``,
+    is loaded with full unpickling."""
+    try:
+        return torch.load(source, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        wanted = _unsafe_globals(source) or re.findall(r"GLOBAL (\S+)", str(exc)) or [str(exc).splitlines()[0]]
+        if not trust_pickles:
+            raise UnsafeCheckpointError(
+                f"{where} wants {', '.join(wanted)}, which torch's weights-only loader does not admit: reading it "
+                f"could run code, so it is refused; {TRUST_HINT}",
+                where, wanted,
+            ) from None
+        log.warning("trust_pickles: loading %s with full unpickling (it wants %s)", where, ", ".join(wanted))
+        if hasattr(source, "seek"):
+            source.seek(0)
+        return torch.load(source, map_location="cpu", weights_only=False)
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's file reader reading ``.metadata`` through :func:`read_dcp_metadata`."""
+
+    def __init__(self, path: str | os.PathLike[str], trust_pickles: bool = False) -> None:
+        super().__init__(path)
+        self.trust_pickles = trust_pickles
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The checkpoint's (or with ``rank=``, that rank's) metadata, read without running code from it."""
+        rank = kwargs.get("rank")
+        metadata = read_dcp_metadata(self._get_metadata_path(rank), self.trust_pickles)
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner reading the objects stored in data files (not tensors) through :func:`load_torch`,
+    where DCP's own planner would unpickle them fully."""
+
+    def __init__(self, *args: Any, trust_pickles: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.trust_pickles = trust_pickles
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        from torch.distributed.checkpoint._traverse import set_element
+
+        fqn = read_item.dest_index.fqn
+        info = (getattr(self.metadata, "storage_data", None) or {}).get(read_item.storage_index)
+        where = f"the entry {fqn!r} of {getattr(info, 'relative_path', 'a DCP data file')}"
+        obj = load_torch(value, where, self.trust_pickles)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+def unwrap_unsafe(exc: BaseException) -> UnsafeCheckpointError | None:
+    """The :class:`UnsafeCheckpointError` inside ``exc`` (DCP wraps what a rank raised while reading in a
+    ``CheckpointException`` of every rank's failures), or ``None``."""
+    seen: set[int] = set()
+    todo: list[Any] = [exc]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, tuple) and item:  # DCP's (exception, traceback) pairs
+            item = item[0]
+        if not isinstance(item, BaseException) or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, UnsafeCheckpointError):
+            return item
+        todo += [item.__cause__, item.__context__, *(getattr(item, "failures", None) or {}).values()]
+    return None
+
+
+def to_safe_tree(obj: Any) -> Any:
+    """``obj`` with NumPy arrays (the NumPy RNG state) as tagged tensors and NumPy scalars as Python numbers,
+    so that ``torch.load(weights_only=True)`` reads it; :func:`from_safe_tree` undoes it."""
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.hasobject:
+            raise CheckpointError("a NumPy array of Python objects cannot be saved in the rank-local state")
+        return {_NDARRAY: torch.from_numpy(np.ascontiguousarray(obj).copy()), "dtype": obj.dtype.str}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        items = {key: to_safe_tree(value) for key, value in obj.items()}
+        return OrderedDict(items) if isinstance(obj, OrderedDict) else items
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(to_safe_tree(value) for value in obj)
+    if isinstance(obj, list):
+        return [to_safe_tree(value) for value in obj]
+    return obj
+
+
+def from_safe_tree(obj: Any) -> Any:
+    """Undo :func:`to_safe_tree`."""
+    if isinstance(obj, dict):
+        if set(obj) == {_NDARRAY, "dtype"} and isinstance(obj[_NDARRAY], torch.Tensor):
+            return obj[_NDARRAY].numpy().astype(np.dtype(obj["dtype"]), copy=False)
+        items = {key: from_safe_tree(value) for key, value in obj.items()}
+        return OrderedDict(items) if isinstance(obj, OrderedDict) else items
+    if isinstance(obj, tuple):
+        return tuple(from_safe_tree(value) for value in obj)
+    if isinstance(obj, list):
+        return [from_safe_tree(value) for value in obj]
+    return obj
+
+
+def dump_safe(obj: Any, where: str) -> bytes:
+    """``torch.save`` bytes of ``to_safe_tree(obj)``, checked to load with ``weights_only=True``: what cannot be
+    read back without unpickling code is refused here, at save time, naming the class."""
+    buffer = io.BytesIO()
+    torch.save(to_safe_tree(obj), buffer)
+    data = buffer.getvalue()
+    try:
+        torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        wanted = _unsafe_globals(io.BytesIO(data))
+        raise CheckpointError(
+            f"{where} would hold objects of {', '.join(wanted) or 'a class'} that only full unpickling can read "
+            "back; the state a plugin (plugin_state_dict), scheduler or data loader returns must be tensors, "
+            "numbers, strings, NumPy arrays and lists, tuples and dicts of them"
+        ) from None
+    return data
