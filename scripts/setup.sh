@@ -20,4 +20,13 @@ for pkg in $("$VENV/bin/python" scripts/packages.py all); do
   esac
 done
 pip_install --no-build-isolation "${args[@]}" ruff
+# Azurite (the Azure Blob emulator smalti-storage's tests start) from npm into .tools/azurite, once.
+if [ ! -x .tools/azurite/node_modules/.bin/azurite-blob ]; then
+  if command -v npm >/dev/null; then
+    npm install --prefix .tools/azurite --no-audit --no-fund --silent azurite@3 \
+      || echo "warning: npm could not install Azurite; the az:// storage tests will be skipped"
+  else
+    echo "warning: npm not found, Azurite not installed; the az:// storage tests will be skipped"
+  fi
+fi
 echo "set up $VENV with: $("$VENV/bin/python" scripts/packages.py all)"

@@ -11,11 +11,19 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from smalti.testing.cloud_servers import (
+    AzuriteServer,
+    GcsServer,
+    find_azurite,
+    start_azurite,
+    start_gcs_server,
+)
+from smalti.testing.fault_proxy import FaultProxy, start_fault_proxy
 from smalti.testing.servers import MlflowServer, S3Server, start_mlflow_server, start_s3_server
 from smalti.testing.torchrun import run_process_group, torchrun_command
 
@@ -167,3 +175,79 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowSe
     finally:
         server.stop()
 
+
+
+def _bucket_name(request: pytest.FixtureRequest) -> str:
+    import hashlib
+
+    return "t-" + hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:20]
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GcsServer]:
+    """A real ``gcp-storage-emulator`` (in memory) on a free loopback port for the session.
+
+    Tests point clients at it with ``monkeypatch.setenv`` over ``gcs_server.env()`` (``STORAGE_EMULATOR_HOST``).
+    """
+    pytest.importorskip("gcp_storage_emulator", reason="gcp-storage-emulator is needed for the loopback GCS server")
+    server = start_gcs_server(tmp_path_factory.mktemp("gcs"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def gcs_bucket(gcs_server: GcsServer, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh bucket on the loopback GCS emulator, named after the test; the environment points at it."""
+    for key, value in gcs_server.env().items():
+        monkeypatch.setenv(key, value)
+    name = _bucket_name(request)
+    client = gcs_server.client()
+    if client.lookup_bucket(name) is None:
+        client.create_bucket(name)
+    return name
+
+
+@pytest.fixture(scope="session")
+def azurite_server(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) -> Iterator[AzuriteServer]:
+    """A real Azurite blob service on a free loopback port for the session (data in a temp folder).
+
+    Found as ``$SMALTI_AZURITE``, ``.tools/azurite`` (installed there by scripts/setup.sh) or on ``PATH``.
+    """
+    exe = find_azurite(pytestconfig.rootpath)
+    if exe is None:
+        pytest.skip("Azurite is not installed: run scripts/setup.sh (npm install --prefix .tools/azurite azurite)")
+    server = start_azurite(tmp_path_factory.mktemp("azurite"), exe)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def azure_container(azurite_server: AzuriteServer, request: pytest.FixtureRequest,
+                    monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh container on the loopback Azurite, named after the test; the environment points at it."""
+    for key, value in azurite_server.env().items():
+        monkeypatch.setenv(key, value)
+    name = _bucket_name(request)
+    container = azurite_server.client().get_container_client(name)
+    if not container.exists():
+        container.create_container()
+    return name
+
+
+@pytest.fixture
+def fault_proxy() -> Iterator[Callable[[str], FaultProxy]]:
+    """``fault_proxy(upstream_url)`` starts a :class:`FaultProxy` in front of a loopback server for this test."""
+    proxies: list[FaultProxy] = []
+
+    def start(upstream: str) -> FaultProxy:
+        proxy = start_fault_proxy(upstream)
+        proxies.append(proxy)
+        return proxy
+
+    yield start
+    for proxy in proxies:
+        proxy.stop()

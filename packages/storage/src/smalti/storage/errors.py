@@ -1,0 +1,62 @@
+"""smalti-storage's exceptions: one base, :class:`StorageError`, and one subclass per failure a user can fix.
+
+smalti-storage depends on no sibling package, so :class:`StorageError` does not derive from
+``smalti.core.errors.SmaltiError``. A package that has core can treat both alike with
+``except (SmaltiError, StorageError)``, or core may register it as a virtual subclass
+(``SmaltiError.register(StorageError)``) so ``except SmaltiError`` catches storage errors too.
+"""
+
+from __future__ import annotations
+
+
+class StorageError(Exception):
+    """Base of every error smalti-storage raises; the message names the URL at fault and the fix.
+
+    ``url`` is the object or store concerned (when there is one); ``cause`` is the client library's exception
+    when the message replaced it (kept off the printed traceback, which would only repeat it at length).
+    """
+
+    def __init__(self, message: str, url: str | None = None) -> None:
+        super().__init__(message)
+        self.url = url
+        self.cause: BaseException | None = None
+
+
+class UnknownSchemeError(StorageError, ValueError):
+    """A URL whose scheme no built-in backend and no ``smalti.storage`` entry point handles."""
+
+
+class MissingClientError(StorageError, ImportError):
+    """The cloud client library a scheme needs is not installed; the message gives the pip extra."""
+
+
+class CredentialsError(StorageError):
+    """No credentials were found; the message says where the cloud's chain looked."""
+
+
+class BucketNotFoundError(StorageError, FileNotFoundError):
+    """The bucket (or Azure container) named in the URL does not exist."""
+
+
+class ObjectNotFoundError(StorageError, FileNotFoundError):
+    """The object does not exist (its bucket does)."""
+
+
+class PermissionDeniedError(StorageError, PermissionError):
+    """The credentials were found but are not allowed to do this."""
+
+
+class RetryBudgetExceededError(StorageError):
+    """Transient failures (throttling, 5xx, connection errors) went on past the retry budget.
+
+    ``attempts`` and ``elapsed_s`` say how long it tried; ``__cause__`` is the last failure.
+    """
+
+    def __init__(self, message: str, url: str | None = None, attempts: int = 0, elapsed_s: float = 0.0) -> None:
+        super().__init__(message, url)
+        self.attempts = attempts
+        self.elapsed_s = elapsed_s
+
+
+class IntegrityError(StorageError):
+    """What was stored or fetched does not match what was expected (size after upload, a caller's check)."""

@@ -1,0 +1,246 @@
+"""Every backend against a real server on loopback: moto (s3://, and oci:// through its S3-compatible path),
+gcp-storage-emulator (gs://), Azurite (az://), and a local folder; outages through a fault proxy."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+
+from smalti.storage import (
+    BucketNotFoundError,
+    IntegrityError,
+    ObjectNotFoundError,
+    ObjectStore,
+    RetryBudgetExceededError,
+    RetryPolicy,
+    is_temp_name,
+    open_store,
+)
+
+BROWN_OUT_S = 3.0  # how long the fault proxy answers 503 in the outage tests
+KiB = 1 << 10
+
+
+@dataclass
+class Target:
+    """One backend under test: ``open(proxy_url=None, **options)`` opens the store at ``url``."""
+
+    name: str
+    url: str
+    upstream: str | None
+    part_size: int
+    open: Callable[..., ObjectStore]
+    missing_bucket_url: str | None
+
+
+def _fast_retry(budget_s: float = 30.0) -> RetryPolicy:
+    return RetryPolicy(budget_s=budget_s, base_s=0.05, max_delay_s=0.5)
+
+
+@pytest.fixture(params=["file", "s3", "gs", "az", "oci"])
+def target(request, tmp_path, monkeypatch) -> Target:
+    kind = request.param
+    if kind == "file":
+        url = str(tmp_path / "store")
+        return Target(kind, url, None, 64 * KiB, lambda proxy=None, **o: open_store(url, **o), None)
+    if kind in ("s3", "oci"):
+        s3 = request.getfixturevalue("s3_server")
+        bucket = request.getfixturevalue("s3_bucket")
+        monkeypatch.setenv("OCI_REGION", "us-ashburn-1")
+        url = f"s3://{bucket}/pre" if kind == "s3" else f"oci://{bucket}@testns/pre"
+        missing = "s3://no-such-bucket/pre" if kind == "s3" else "oci://no-such-bucket@testns/pre"
+
+        def open_s3(proxy=None, url=url, **options):
+            return open_store(url, endpoint_url=proxy or s3.endpoint_url, **options)
+
+        return Target(kind, url, s3.endpoint_url, 5 << 20, open_s3, missing)  # S3's smallest part is 5 MiB
+    if kind == "gs":
+        gcs = request.getfixturevalue("gcs_server")
+        url = f"gs://{request.getfixturevalue('gcs_bucket')}/pre"
+
+        def open_gs(proxy=None, url=url, **options):
+            monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy or gcs.endpoint)
+            return open_store(url, **options)
+
+        return Target(kind, url, gcs.endpoint, 256 * KiB, open_gs, "gs://no-such-bucket/pre")
+    azurite = request.getfixturevalue("azurite_server")
+    url = f"az://{request.getfixturevalue('azure_container')}/pre"
+
+    def open_az(proxy=None, url=url, **options):
+        endpoint = f"{proxy}/devstoreaccount1" if proxy else None
+        return open_store(url, connection_string=azurite.connection_string(endpoint), **options)
+
+    base = azurite.blob_endpoint.rsplit("/", 1)[0]
+    return Target(kind, url, base, 256 * KiB, open_az, "az://no-such-container/pre")
+
+
+def _payload(n: int, seed: int = 0) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+def test_put_get_ranged_stat_list_delete_round_trip(target):
+    store = target.open(retry=_fast_retry())
+    data = _payload(100_000)
+    store.put_bytes("a/one.bin", data)
+    store.put_bytes("a/b/two.bin", b"two")
+    store.put_bytes("c.txt", b"")
+    assert store.get_bytes("a/one.bin") == data
+    assert store.get_bytes("a/one.bin", 10, 20) == data[10:20]
+    assert store.get_bytes("a/one.bin", 99_990) == data[99_990:]
+    info = store.stat("a/one.bin")
+    assert info.key == "a/one.bin" and info.size == 100_000 and info.etag and info.mtime
+    assert time.time() - 600 < info.mtime < time.time() + 600
+    listing = store.list()
+    assert [(i.key, i.size) for i in listing] == [("a/b/two.bin", 3), ("a/one.bin", 100_000), ("c.txt", 0)]
+    assert [i.key for i in store.list("a/")] == ["a/b/two.bin", "a/one.bin"]
+    assert [i.key for i in store.list("a/b")] == ["a/b/two.bin"]
+    # overwrite changes the etag
+    store.put_bytes("a/b/two.bin", b"TWO!")
+    assert store.get_bytes("a/b/two.bin") == b"TWO!" and store.stat("a/b/two.bin").size == 4
+    assert store.exists("c.txt") and not store.exists("nope")
+    with pytest.raises(ObjectNotFoundError, match="nope"):
+        store.stat("nope")
+    with pytest.raises(ObjectNotFoundError):
+        store.get_bytes("nope")
+    store.delete("c.txt")
+    store.delete("c.txt")  # deleting what is gone is fine
+    store.delete_many(["a/one.bin", "a/b/two.bin", "never-was"])
+    assert store.list() == []
+
+
+def test_multipart_upload_of_a_file_larger_than_the_part_size(target, tmp_path, fault_proxy):
+    proxy = fault_proxy(target.upstream) if target.upstream else None
+    store = target.open(proxy.url if proxy else None, retry=_fast_retry(), part_size=target.part_size)
+    size = 2 * target.part_size + 12_345
+    data = _payload(size, seed=1)
+    (tmp_path / "big.bin").write_bytes(data)
+    store.put_file(tmp_path / "big.bin", "ckpt/big.bin")
+    assert store.stat("ckpt/big.bin").size == size
+    assert store.get_bytes("ckpt/big.bin") == data
+    assert store.get_bytes("ckpt/big.bin", target.part_size - 5, target.part_size + 5) == data[
+        target.part_size - 5 : target.part_size + 5]
+    if proxy is not None:  # it went up in parts: one request per part at least
+        uploads = [r for r in proxy.requests if r[0] in ("PUT", "POST")]
+        assert len(uploads) >= 3, uploads
+
+
+def test_get_file_is_atomic_and_a_rejected_download_leaves_nothing(target, tmp_path):
+    store = target.open(retry=_fast_retry())
+    data = _payload(300_000, seed=2)
+    store.put_bytes("shard.mds", data)
+    local = tmp_path / "cache" / "shard.mds"
+    seen = []
+
+    def check(tmp):
+        seen.append(tmp)
+        assert not local.exists()  # nothing at the final name until the check passed
+        assert tmp.parent == local.parent and is_temp_name(tmp.name) and tmp.read_bytes() == data
+
+    assert store.get_file("shard.mds", local, check=check) == local
+    assert local.read_bytes() == data and seen
+    assert os.listdir(local.parent) == ["shard.mds"]
+
+    def reject(tmp):
+        raise ValueError("hash mismatch")
+
+    other = tmp_path / "cache" / "again.mds"
+    with pytest.raises(ValueError, match="hash mismatch"):
+        store.get_file("shard.mds", other, check=reject)
+    assert os.listdir(local.parent) == ["shard.mds"]  # no partial file, no temp file
+    with pytest.raises(ObjectNotFoundError):
+        store.get_file("missing.mds", other)
+    assert os.listdir(local.parent) == ["shard.mds"]
+
+
+def test_a_missing_bucket_is_named(target):
+    if target.missing_bucket_url is None:
+        pytest.skip("a local folder has no bucket")
+    store = target.open(url=target.missing_bucket_url, retry=_fast_retry(2))
+    bucket = target.missing_bucket_url.split("://")[1].split("/")[0].split("@")[0]
+    for action in (lambda: store.put_bytes("k", b"x"), lambda: store.get_bytes("k"), lambda: store.stat("k"),
+                   lambda: store.list()):
+        with pytest.raises(BucketNotFoundError, match=f"'{bucket}' .*does not exist") as info:
+            action()
+        assert info.value.__suppress_context__ and info.value.__cause__ is None  # no client traceback
+
+
+def test_a_brown_out_is_ridden_out_with_nothing_corrupt(target, tmp_path, fault_proxy):
+    if target.upstream is None:
+        pytest.skip("a local folder has no network to fail")
+    proxy = fault_proxy(target.upstream)
+    store = target.open(proxy.url, retry=_fast_retry(budget_s=BROWN_OUT_S + 15), part_size=target.part_size)
+    old = _payload(200_000, seed=3)
+    store.put_bytes("old.bin", old)
+    big = _payload(2 * target.part_size + 777, seed=4)
+    (tmp_path / "big.bin").write_bytes(big)
+    random.seed(99)
+    rng_before = random.getstate()
+
+    errors: list[BaseException] = []
+
+    def run(fn):
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    local = tmp_path / "got" / "old.bin"
+    proxy.brown_out(BROWN_OUT_S)
+    start = time.monotonic()
+    threads = [
+        threading.Thread(target=run, args=(lambda: store.put_file(tmp_path / "big.bin", "new/big.bin"),)),
+        threading.Thread(target=run, args=(lambda: store.get_file("old.bin", local),)),
+        threading.Thread(target=run, args=(lambda: store.put_bytes("new/manifest.json", b"{}"),)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    elapsed = time.monotonic() - start
+    assert not errors, errors
+    assert elapsed >= BROWN_OUT_S * 0.9  # they waited the outage out rather than succeeding through it
+    assert len(proxy.failed()) >= 3
+    assert local.read_bytes() == old
+    assert store.get_bytes("new/big.bin") == big and store.stat("new/big.bin").size == len(big)
+    assert [i.key for i in store.list()] == ["new/big.bin", "new/manifest.json", "old.bin"]
+    assert random.getstate() == rng_before  # jitter came from the policy's own generator
+
+
+def test_an_outage_longer_than_the_budget_fails_cleanly(target, tmp_path, fault_proxy):
+    if target.upstream is None:
+        pytest.skip("a local folder has no network to fail")
+    proxy = fault_proxy(target.upstream)
+    store = target.open(proxy.url, retry=_fast_retry(budget_s=0.5), part_size=target.part_size)
+    store.put_bytes("old.bin", b"old")
+    (tmp_path / "big.bin").write_bytes(_payload(2 * target.part_size + 1, seed=5))
+    proxy.brown_out(BROWN_OUT_S)
+    local = tmp_path / "got" / "old.bin"
+    with pytest.raises(RetryBudgetExceededError, match="did not recover within the retry budget of 0.5 s"):
+        store.get_file("old.bin", local)
+    assert not local.exists() and os.listdir(local.parent) == []
+    with pytest.raises(RetryBudgetExceededError):
+        store.put_file(tmp_path / "big.bin", "new/big.bin")
+    proxy.clear()
+    assert not store.exists("new/big.bin")  # a failed upload publishes nothing, not a part
+
+
+def test_s3_upload_size_check_catches_a_short_object(s3_server, s3_bucket, tmp_path, monkeypatch):
+    """The stored size is checked after a multipart upload (a store that lost a part is caught)."""
+    store = open_store(f"s3://{s3_bucket}/p", endpoint_url=s3_server.endpoint_url, part_size=5 << 20,
+                       retry=_fast_retry())
+    (tmp_path / "f").write_bytes(b"x" * ((5 << 20) + 10))
+    real = store._stat
+
+    def short(full_key):
+        info = real(full_key)
+        return type(info)(info.key, info.size - 1, info.etag, info.mtime, info.version)
+
+    monkeypatch.setattr(store, "_stat", short)
+    with pytest.raises(IntegrityError, match="holds 5242889 bytes after upload, expected 5242890"):
+        store.put_file(tmp_path / "f", "f")
