@@ -53,3 +53,15 @@ def test_temp_files_of_an_interrupted_write_are_not_listed(tmp_path):
     store.put_bytes("a/real", b"1")
     (tmp_path / "a" / ".real.smalti-tmp-abc123").write_bytes(b"partial")
     assert [i.key for i in store.list()] == ["a/real"]
+
+
+def test_files_get_the_permissions_a_plain_write_would(tmp_path):
+    (tmp_path / "plain").write_bytes(b"x")
+    atomic_write_bytes(tmp_path / "atomic", b"x")
+    store = open_store(tmp_path / "s")
+    store.put_bytes("k", b"x")
+    store.get_file("k", tmp_path / "got")
+    plain = (tmp_path / "plain").stat().st_mode & 0o777
+    assert plain & 0o044  # readable by others under the usual umask: the check means something
+    for name in ("atomic", "s/k", "got"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == plain, name

@@ -156,6 +156,16 @@ def test_get_file_is_atomic_and_a_rejected_download_leaves_nothing(target, tmp_p
     with pytest.raises(ObjectNotFoundError):
         store.get_file("missing.mds", other)
     assert os.listdir(local.parent) == ["shard.mds"]
+    # a check that fails once (a transfer corrupted on the way) is answered by downloading again
+    calls = []
+
+    def flaky(tmp):
+        calls.append(tmp.read_bytes() == data)
+        if len(calls) == 1:
+            raise ValueError("hash mismatch")
+
+    store.get_file("shard.mds", other, check=flaky, check_attempts=2)
+    assert calls == [True, True] and other.read_bytes() == data
 
 
 def test_a_missing_bucket_is_named(target):

@@ -15,6 +15,10 @@ from pathlib import Path
 from typing import IO, Any
 
 TEMP_MARKER = ".smalti-tmp-"
+# mkstemp creates 0600 files; an atomic write should leave the permissions a plain open() would
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+FILE_MODE = 0o666 & ~_UMASK
 
 
 def is_temp_name(name: str) -> bool:
@@ -41,7 +45,10 @@ def temp_path(path: str | os.PathLike[str]) -> Path:
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(prefix=f".{target.name}{TEMP_MARKER}", dir=target.parent)
-    os.close(fd)
+    try:
+        os.fchmod(fd, FILE_MODE)
+    finally:
+        os.close(fd)
     return Path(name)
 
 

@@ -67,8 +67,15 @@ class ObjectStore(Protocol):
         """Bytes ``[start, end)`` of ``key`` (``end=None``: to the end)."""
         ...
 
-    def get_file(self, key: str, local: str | os.PathLike[str], check: Callable[[Path], None] | None = None) -> Path:
-        """Download ``key`` to ``local`` atomically; ``check(tmp)`` may reject the complete temp file first."""
+    def get_file(
+        self, key: str, local: str | os.PathLike[str], check: Callable[[Path], None] | None = None,
+        check_attempts: int = 1,
+    ) -> Path:
+        """Download ``key`` to ``local`` atomically; ``check(tmp)`` may reject the complete temp file first.
+
+        When ``check`` raises, the object is downloaded again, up to ``check_attempts`` downloads in all
+        (a transfer corrupted on the way), and the last error is raised; nothing is left at ``local``.
+        """
         ...
 
     def put_bytes(self, key: str, data: bytes) -> None:
@@ -189,7 +196,10 @@ class BaseStore:
         assert isinstance(data, bytes)
         return data
 
-    def get_file(self, key: str, local: str | os.PathLike[str], check: Callable[[Path], None] | None = None) -> Path:
+    def get_file(
+        self, key: str, local: str | os.PathLike[str], check: Callable[[Path], None] | None = None,
+        check_attempts: int = 1,
+    ) -> Path:
         full = self._full(key)
         target = Path(local)
         tmp = temp_path(target)
@@ -199,9 +209,16 @@ class BaseStore:
                 with open(tmp, "wb") as f:  # truncates what a failed attempt left
                     self._download_into(full, f)
 
-            self._call("download", key, attempt)
-            if check is not None:
-                check(tmp)
+            for n in range(1, max(1, check_attempts) + 1):
+                self._call("download", key, attempt)
+                if check is None:
+                    break
+                try:
+                    check(tmp)
+                    break
+                except Exception:
+                    if n >= check_attempts:
+                        raise
             commit_temp(tmp, target)
         finally:
             tmp.unlink(missing_ok=True)

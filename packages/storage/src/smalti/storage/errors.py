@@ -1,9 +1,10 @@
 """smalti-storage's exceptions: one base, :class:`StorageError`, and one subclass per failure a user can fix.
 
 smalti-storage depends on no sibling package, so :class:`StorageError` does not derive from
-``smalti.core.errors.SmaltiError``. A package that has core can treat both alike with
-``except (SmaltiError, StorageError)``, or core may register it as a virtual subclass
-(``SmaltiError.register(StorageError)``) so ``except SmaltiError`` catches storage errors too.
+``smalti.core.errors.SmaltiError`` (importing core would also import torch). Code that has core treats both
+alike with ``except (SmaltiError, StorageError)``: core's CLI error handler is the one place that needs it.
+(A virtual subclass through ``ABCMeta.register`` would not do: ``except`` clauses ignore virtual
+subclasses.) Packages that wrap a storage failure in their own error keep it as ``__cause__``.
 """
 
 from __future__ import annotations
