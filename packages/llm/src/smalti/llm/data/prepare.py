@@ -96,7 +96,8 @@ def prepare(
     """Convert ``inputs`` to MDS under ``out`` (a folder or ``s3://bucket/prefix``); returns samples per split.
 
     With ``eval_fraction > 0`` documents are assigned to ``out/train`` and ``out/eval`` by a hash of their
-    position, otherwise everything goes to ``out`` itself.
+    position, otherwise everything goes to ``out`` itself. ``data=text_mds`` (:func:`PreparedTextMDS`) reads
+    both layouts.
     """
     from smalti.llm.data.sources import iter_records
 
@@ -154,3 +155,33 @@ def prepare(
             shutil.rmtree(staging, ignore_errors=True)
     log.info("wrote %s to %s", ", ".join(f"{n} {s} samples" for s, n in counts.items()), out)
     return counts
+
+
+def PreparedTextMDS(  # noqa: N802 - a factory standing in for a class in configs, as TextMDS
+    local: str | None = None, remote: str | None = None, split: str = "train", **kwargs: Any
+) -> Any:
+    """``split`` of a pretraining dataset :func:`prepare` wrote, in either of its layouts (``data=text_mds``).
+
+    ``<local>/<split>/`` (written with ``--eval-fraction``) is read as that split. A flat ``<local>/``
+    (written without it) is all ``train``; its ``eval`` is ``None``, which turns evaluation off (with a
+    warning saying how to get one). With a ``remote`` the split layout is read. Other keyword arguments go
+    to :func:`smalti.llm.data.mds.TextMDS`.
+    """
+    from smalti.llm.data.mds import TextMDS
+
+    if remote is None and local is not None:
+        root = Path(local)
+        if not (root / split / "index.json").is_file():
+            if not (root / "index.json").is_file():
+                raise DataError(
+                    f"no MDS dataset in {local}: expected {root / split / 'index.json'} (or {root / 'index.json'}); "
+                    f"write one with `smalti-llm data prepare --input ... --out {local}`, or point "
+                    "SMALTI_LLM_DATA / data.train.local at the folder"
+                )
+            if split != "train":
+                log.warning("%s holds one flat dataset (prepared without --eval-fraction): it is all train, and "
+                            "there is no %s split, so evaluation is off; prepare with --eval-fraction 0.01 to "
+                            "hold some documents out", local, split)
+                return None
+            return TextMDS(local=local, split=None, **kwargs)
+    return TextMDS(local=local, remote=remote, split=split, **kwargs)
