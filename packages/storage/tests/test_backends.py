@@ -117,7 +117,7 @@ def test_put_get_ranged_stat_list_delete_round_trip(target):
 def test_multipart_upload_of_a_file_larger_than_the_part_size(target, tmp_path, fault_proxy):
     proxy = fault_proxy(target.upstream) if target.upstream else None
     store = target.open(proxy.url if proxy else None, retry=_fast_retry(), part_size=target.part_size)
-    size = 2 * target.part_size + 12_345
+    size = target.part_size + 12_345  # two parts
     data = _payload(size, seed=1)
     (tmp_path / "big.bin").write_bytes(data)
     store.put_file(tmp_path / "big.bin", "ckpt/big.bin")
@@ -127,7 +127,7 @@ def test_multipart_upload_of_a_file_larger_than_the_part_size(target, tmp_path, 
         target.part_size - 5 : target.part_size + 5]
     if proxy is not None:  # it went up in parts: one request per part at least
         uploads = [r for r in proxy.requests if r[0] in ("PUT", "POST")]
-        assert len(uploads) >= 3, uploads
+        assert len(uploads) >= 2, uploads
 
 
 def test_get_file_is_atomic_and_a_rejected_download_leaves_nothing(target, tmp_path):
@@ -187,7 +187,7 @@ def test_a_brown_out_is_ridden_out_with_nothing_corrupt(target, tmp_path, fault_
     store = target.open(proxy.url, retry=_fast_retry(budget_s=BROWN_OUT_S + 15), part_size=target.part_size)
     old = _payload(200_000, seed=3)
     store.put_bytes("old.bin", old)
-    big = _payload(2 * target.part_size + 777, seed=4)
+    big = _payload(target.part_size + 777, seed=4)
     (tmp_path / "big.bin").write_bytes(big)
     random.seed(99)
     rng_before = random.getstate()
@@ -228,7 +228,7 @@ def test_an_outage_longer_than_the_budget_fails_cleanly(target, tmp_path, fault_
     proxy = fault_proxy(target.upstream)
     store = target.open(proxy.url, retry=_fast_retry(budget_s=0.5), part_size=target.part_size)
     store.put_bytes("old.bin", b"old")
-    (tmp_path / "big.bin").write_bytes(_payload(2 * target.part_size + 1, seed=5))
+    (tmp_path / "big.bin").write_bytes(_payload(target.part_size + 1, seed=5))
     proxy.brown_out(BROWN_OUT_S)
     local = tmp_path / "got" / "old.bin"
     with pytest.raises(RetryBudgetExceededError, match="did not recover within the retry budget of 0.5 s"):
