@@ -45,14 +45,20 @@ class FaultProxy:
     lock: threading.Lock = field(default_factory=threading.Lock)
     _outage_until: float = 0.0
     _outage_status: int = 503
+    _outage_min_left: int = 0
     _server: ThreadingHTTPServer | None = field(default=None, repr=False)
     _thread: threading.Thread | None = field(default=None, repr=False)
 
-    def brown_out(self, seconds: float, status: int = 503) -> None:
-        """From now on, for ``seconds``, answer every request with ``status`` (the store is overloaded)."""
+    def brown_out(self, seconds: float, status: int = 503, min_failures: int = 0) -> None:
+        """From now on, for ``seconds``, answer every request with ``status`` (the store is overloaded).
+
+        ``min_failures`` keeps it going past ``seconds`` until that many requests have been refused, so a
+        test on a slow machine still sees its clients meet the outage.
+        """
         with self.lock:
             self._outage_until = time.monotonic() + seconds
             self._outage_status = status
+            self._outage_min_left = min_failures
 
     def fail(self, method: str, contains: str, times: int | None = None, status: int = 500) -> None:
         """Answer ``status`` to ``method`` requests whose path contains ``contains`` (``times`` times, or always)."""
@@ -64,6 +70,7 @@ class FaultProxy:
         with self.lock:
             self.rules.clear()
             self._outage_until = 0.0
+            self._outage_min_left = 0
 
     def failed(self) -> list[tuple[str, str, int]]:
         """The requests that got an injected (or upstream) status of 500 or more."""
@@ -72,7 +79,8 @@ class FaultProxy:
 
     def _fault(self, method: str, path: str) -> int | None:
         with self.lock:
-            if time.monotonic() < self._outage_until:
+            if time.monotonic() < self._outage_until or self._outage_min_left > 0:
+                self._outage_min_left = max(0, self._outage_min_left - 1)
                 return self._outage_status
             for rule in self.rules:
                 if rule.method == method and rule.contains in path and (rule.times is None or rule.times > 0):
