@@ -75,3 +75,44 @@ def test_without_the_mlflow_logger_nothing_is_registered():
     torch.manual_seed(0)
     _train(LLM(**MPT), {"registry": registry}, {}, run_name="no-mlflow")
     assert registry.registered is None
+
+
+def test_hf_export_folder_is_what_gets_registered(mlflow_server, tmp_path, monkeypatch):
+    """With ``hf_export`` in the run, the registry logs the folder it wrote (the source family's config and the
+    source tokenizer files), exported once."""
+    pytest.importorskip("transformers")
+    from mlflow import MlflowClient
+    from mlflow.artifacts import download_artifacts
+
+    from smalti.core import Trainer
+    from smalti.core.loggers import MLflowLogger
+    from smalti.llm.hf import PretrainedLLM
+    from smalti.llm.hf_export import HFExport
+    from smalti.llm.mlflow_registry import MLflowModelRegistry
+    from smalti.testing.hf_models import write_tiny_hf_model
+
+    source = write_tiny_hf_model(tmp_path / "qwen2", "qwen2")
+    model = PretrainedLLM(source, max_seq_len=32, init_device="cpu")
+    logger = MLflowLogger(tracking_uri=mlflow_server.tracking_uri, experiment_name="smalti-llm-registry")
+    import smalti.llm.hf_export as hf_export
+
+    export = HFExport(folder=str(tmp_path / "hf"))
+    calls = []
+    original = hf_export.export_model
+    monkeypatch.setattr(hf_export, "export_model", lambda *a, **k: calls.append(1) or original(*a, **k))
+    # the registry first, so that it triggers the export that hf_export's own hook then finds done
+    callbacks = {"registry": MLflowModelRegistry(registered_model_name="tiny-qwen2"), "hf_export": export}
+    rows = [{"input_ids": torch.randint(0, 512, (32,), generator=torch.Generator().manual_seed(i))} for i in range(8)]
+    loader = torch.utils.data.DataLoader(rows, batch_size=4)
+    Trainer(model, loader, "2ba", optimizers=functools.partial(torch.optim.AdamW, lr=1e-2), callbacks=callbacks,
+            loggers={"mlflow": logger}, eval_interval=None, run_name="registry-hf").fit()
+    assert len(calls) == 1 and export.written == tmp_path / "hf"  # one export serves both
+    client = MlflowClient(tracking_uri=mlflow_server.tracking_uri)
+    (version,) = client.search_model_versions("name='tiny-qwen2'")
+    folder = download_artifacts(artifact_uri=version.source, dst_path=str(tmp_path / "download"),
+                                tracking_uri=mlflow_server.tracking_uri)
+    local = {p.name: p.read_bytes() for p in (tmp_path / "hf").iterdir()}
+    from pathlib import Path
+
+    assert {p.name: p.read_bytes() for p in Path(folder).iterdir()} == local
+    assert json.loads(local["config.json"])["model_type"] == "qwen2" and "tokenizer_config.json" in local

@@ -31,8 +31,15 @@ def test_all_recipes_are_shipped():
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
-def test_experiment_composes_and_builds(name):
-    cfg = _compose([f"experiment={name}", "callbacks=[]", "logger=[]"])
+def test_experiment_composes_and_builds(name, tmp_path):
+    extra = []
+    if name == "finetune_hf":  # the user gives the Hugging Face folder; a tiny one written by transformers here
+        pytest.importorskip("transformers")
+        from smalti.testing.hf_models import write_tiny_hf_model
+
+        extra = [f"model.pretrained={write_tiny_hf_model(tmp_path / 'hf', 'llama3')}", "model.init_device=cpu",
+                 "model.max_seq_len=64"]
+    cfg = _compose([f"experiment={name}", "callbacks=[]", "logger=[]", *extra])
     if "moe" in name:
         pytest.importorskip("smalti.moe")
     model = instantiate(cfg.model)
@@ -40,6 +47,8 @@ def test_experiment_composes_and_builds(name):
     instantiate(cfg.optimizer)  # a factory; FSDP needs one
     callbacks = {name: instantiate(node) for name, node in cfg.callbacks.items()}
     assert type(callbacks["mlflow_model"]).__name__ == "MLflowModelRegistry"  # registers when logger=mlflow
+    if name == "finetune_hf":  # hands back a Hugging Face folder at the end by default
+        assert type(callbacks["hf_export"]).__name__ == "HFExport"
     instantiate(cfg.scheduler)
     if name in BIG:
         # As shipped (no override), the big recipes build on the meta device: no memory until FSDP has sharded.
