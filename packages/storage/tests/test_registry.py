@@ -156,16 +156,20 @@ def _clean_env(tmp_path) -> dict[str, str]:
     return env
 
 
-def test_missing_s3_credentials_name_the_chain_without_a_traceback_of_boto(tmp_path, s3_server):
-    env = _clean_env(tmp_path)
+@pytest.mark.parametrize("url, names", [
+    ("s3://bucket/p", ["AWS_ACCESS_KEY_ID", "~/.aws/credentials", "instance metadata"]),
+    ("oci://bucket@ns/p", ["OCI_S3_ACCESS_KEY_ID", "Customer Secret Key", "OCI_S3_PROFILE"]),
+])
+def test_missing_s3_credentials_name_the_chain_without_a_traceback_of_boto(url, names, tmp_path, s3_server):
+    env = {**_clean_env(tmp_path), "OCI_REGION": "us-ashburn-1"}
     proc = _run_isolated(f"""
         from smalti.storage import open_store
-        open_store("s3://bucket/p", endpoint_url="{s3_server.endpoint_url}").put_bytes("k", b"x")
+        open_store("{url}", endpoint_url="{s3_server.endpoint_url}").put_bytes("k", b"x")
     """, env, tmp_path)
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("smalti.storage.errors.CredentialsError: no usable credentials for s3://bucket/p/k")
-    assert "AWS_ACCESS_KEY_ID" in last and "~/.aws/credentials" in last and "instance metadata" in last
+    assert last.startswith(f"smalti.storage.errors.CredentialsError: no usable credentials for {url}/k")
+    assert all(name in last for name in names), last
     assert proc.stderr.count("Traceback") == 1 and "botocore" not in proc.stderr
 
 
