@@ -77,14 +77,14 @@ def test_special_ids_encode_decode_equal_transformers(folders, style):
     assert ours.decode(ours.encode(text)) == text
 
 
-def _expected_mask(style: str, text: str, offsets, messages) -> list[bool]:
+def _expected_mask(style: str, text: str, offsets, messages, turn_text=None) -> list[bool]:
     """Independent of the prefix rule: find each assistant turn's text (content and end-of-turn token, as the
     style writes it) in the rendered chat, in order, and mark the tokens whose characters overlap it."""
     spans, pos = [], 0
     for message in messages:
         if message["role"] != "assistant":
             continue
-        turn = TURN_TEXT[style](message["content"])
+        turn = (turn_text or TURN_TEXT[style])(message["content"])
         start = text.index(turn, pos)
         spans.append((start, start + len(turn)))
         pos = start + len(turn)
@@ -207,15 +207,34 @@ def test_template_errors_and_missing_files_name_the_cause(folders, tmp_path):
         HFTokenizer.from_folder(no_template).encode_chat(CHAT)
 
 
-def test_template_that_rewrites_earlier_turns_is_refused(folders, tmp_path):
-    """A system message moved into the last user turn (as some Mistral templates do) breaks the prefix rule."""
+MOVING_TEMPLATE = (  # the system message goes into the last user turn, as some Mistral templates do
+    "{{ bos_token }}{% for m in messages[1:] %}{% if m['role'] == 'user' %}[INST] "
+    "{% if loop.last %}{{ messages[0]['content'] }} {% endif %}{{ m['content'] }}[/INST]"
+    "{% else %} {{ m['content'] CONTENT_FILTER }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def test_template_that_rewrites_earlier_turns_is_located_by_markers(folders, tmp_path):
+    """Rendering prefixes cannot work here (the first turns change when a user turn is added): the assistant
+    texts are found by marking them, and the mask still equals the independent search."""
     folder = tmp_path / "moving"
     shutil.copytree(folders["mistral"], folder)
-    (folder / "chat_template.jinja").write_text(
-        "{{ bos_token }}{% for m in messages[1:] %}{% if m['role'] == 'user' %}[INST] "
-        "{% if loop.last %}{{ messages[0]['content'] }} {% endif %}{{ m['content'] }}[/INST]"
-        "{% else %} {{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
-    )
+    (folder / "chat_template.jinja").write_text(MOVING_TEMPLATE.replace("CONTENT_FILTER", ""))
+    ref, ours = _hf(folder), HFTokenizer.from_folder(folder)
+    text = ref.apply_chat_template(CHAT, tokenize=False)
+    assert text.startswith("<s>[INST] Who carried")  # the system message moved to the last user turn
+    enc = ref(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, mask = ours.encode_chat(CHAT)
+    assert ids == enc.input_ids
+    # rule 3 spans the content and the EOS after it (the separating space is the template's, not the content's)
+    assert mask == _expected_mask("mistral", text, enc.offset_mapping, CHAT, lambda content: content + "</s>")
+
+
+def test_template_whose_assistant_text_cannot_be_located_is_refused(folders, tmp_path):
+    """Trimming the content moves the markers' whitespace too: the marked render differs, so it is an error."""
+    folder = tmp_path / "moving-trim"
+    shutil.copytree(folders["mistral"], folder)
+    (folder / "chat_template.jinja").write_text(MOVING_TEMPLATE.replace("CONTENT_FILTER", "| trim"))
     tok = HFTokenizer.from_folder(folder)
     with pytest.raises(TokenizerError, match="generation"):
         tok.encode_chat(CHAT)

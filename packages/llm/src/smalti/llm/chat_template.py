@@ -16,8 +16,12 @@ underscore-prefixed names, and ``{% generation %}...{% endgeneration %}`` blocks
    ``add_generation_prompt=True`` ends, and ends where the render of ``messages[:i + 1]`` ends, without the
    whitespace it ends with (the separator before the next turn). So it holds the assistant's text and the
    end-of-turn token the template writes after it (``<|eot_id|>``, ``</s>``, ``<|im_end|>``), and not the role
-   header. Each of these renders must be a prefix of the whole conversation's render; a template that rewrites
-   earlier turns when later ones are added fails with an error asking for ``{% generation %}`` blocks.
+   header. This needs each of these renders to be a prefix of the whole conversation's render.
+3. A template that rewrites earlier turns when later ones are added (one that moves the system message into the
+   last user turn, say) fails rule 2's check. Then each assistant ``content`` is wrapped in two private-use
+   characters (U+E000, U+E001) and the conversation rendered again; with the markers removed this must equal
+   the plain render (else an error asks for ``{% generation %}`` blocks), and each span is the text between
+   two markers, followed by the ``eos_token`` when the render continues with it.
 
 A token is an assistant token when its character range overlaps a span (see :func:`overlap_mask`).
 """
@@ -36,6 +40,7 @@ from typing import Any
 from smalti.llm.errors import TokenizerError
 
 Message = Mapping[str, Any]
+_OPEN, _CLOSE = "\ue000", "\ue001"  # private-use markers around assistant text (rule 3)
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 _tracking: ContextVar[tuple[list[str], list[tuple[int, int]]] | None] = ContextVar("chat_generation_spans",
@@ -188,14 +193,42 @@ class ChatTemplate:
             before = self.render(messages[:i], True, variables)
             through = self.render(messages[: i + 1], False, variables)
             if not (through.startswith(before) and full.startswith(through)):
-                raise TokenizerError(
-                    f"{self.origin}: the chat template renders the first {i + 1} messages differently from the "
-                    "start of the whole conversation, so assistant turns cannot be located by rendering prefixes; "
-                    "wrap the assistant text in {% generation %}...{% endgeneration %} in the template"
-                )
+                return full, self._marked_spans(messages, add_generation_prompt, variables, full, i)
             end = len(through.rstrip())
             spans.append((len(before), max(end, len(before))))
         return full, spans
+
+    def _marked_spans(self, messages: Sequence[Message], add_generation_prompt: bool,
+                      variables: Mapping[str, Any] | None, full: str, unstable: int) -> list[tuple[int, int]]:
+        """Rule 3 (module doc): assistant contents wrapped in private-use markers, found in the render."""
+        failure = (f"{self.origin}: the chat template renders the first {unstable + 1} messages differently from "
+                   "the start of the whole conversation, and assistant texts cannot be found in it either, so "
+                   "assistant turns cannot be located; wrap the assistant text in "
+                   "{% generation %}...{% endgeneration %} in the template")
+        marked = []
+        for message in normalize_messages(messages):
+            if message.get("role") == "assistant" and isinstance(message.get("content"), str):
+                if _OPEN in message["content"] or _CLOSE in message["content"]:
+                    raise TokenizerError(f"{self.origin}: an assistant message holds U+E000/U+E001: {failure}")
+                message = {**message, "content": _OPEN + message["content"] + _CLOSE}
+            marked.append(message)
+        rendered = self.render(marked, add_generation_prompt, variables)
+        if rendered.replace(_OPEN, "").replace(_CLOSE, "") != full:
+            raise TokenizerError(failure)
+        spans, removed, start = [], 0, None
+        eos = (variables or {}).get("eos_token") or ""
+        for pos, char in enumerate(rendered):
+            if char == _OPEN and start is None:
+                start = pos - removed
+            elif char == _CLOSE and start is not None:
+                end = pos - removed
+                end += len(eos) if eos and full.startswith(eos, end) else 0
+                spans.append((start, end))
+                start = None
+            elif char in (_OPEN, _CLOSE):
+                raise TokenizerError(failure)
+            removed += char in (_OPEN, _CLOSE)
+        return spans
 
 
 @contextmanager
