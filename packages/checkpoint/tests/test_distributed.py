@@ -265,3 +265,39 @@ def test_ranks_split_the_data_hash_check_and_a_bad_file_in_either_share_falls_ba
         if dist.get_rank() == 0:
             path.write_bytes(good)
         dist.barrier()
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return eval, (f"open({self.marker!r}, 'w').close()",)
+
+
+@pytest.mark.world_size(2)
+def test_a_crafted_rank_file_read_by_one_rank_fails_every_rank_and_runs_nothing(shared_tmp_path):
+    """Only rank 1 reads extra/rank1.pt: rank 0 must fail with it (not go on alone into a collective that
+    rank 1 never joins), and nothing in the file runs."""
+    from smalti.checkpoint import UnsafeCheckpointError
+    from smalti.checkpoint.manifest import hash_file, seal
+    from smalti.core.parallelism import FSDP
+
+    folder, marker = shared_tmp_path / "ck", shared_tmp_path / "code-ran"
+    make_trainer(FSDP(), "2ba", Checkpointer(str(folder), save_interval="2ba")).fit()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        checkpoint = folder / "ep0-ba2"
+        extra = torch.load(checkpoint / "extra" / "rank1.pt", weights_only=True)
+        extra["note"] = _RunsCode(marker)
+        torch.save(extra, checkpoint / "extra" / "rank1.pt")
+        manifest = json.loads((checkpoint / "manifest.json").read_text())
+        size, sha = hash_file(checkpoint / "extra" / "rank1.pt")
+        manifest["files"]["extra/rank1.pt"] = {"size": size, "sha256": sha}
+        manifest.pop("manifest_sha256")
+        (checkpoint / "manifest.json").write_text(json.dumps(seal(manifest)))
+    dist.barrier()
+    with pytest.raises(UnsafeCheckpointError, match=r"rank1\.pt wants builtins\.eval"):
+        make_trainer(FSDP(), "4ba", Checkpointer(load_path=str(folder / "ep0-ba2"), timeout_s=60))
+    assert not marker.exists()
+    dist.barrier()

@@ -13,6 +13,7 @@ import torch
 
 from smalti.checkpoint import Checkpointer, UnsafePathError
 from smalti.checkpoint.manifest import hash_file, seal
+from smalti.checkpoint.resume import default_cache_dir
 from smalti.checkpoint.safe_load import read_dcp_metadata
 from smalti.core import Trainer
 from smalti.core.data import build_dataloader
@@ -92,8 +93,12 @@ def test_a_manifest_entry_leaving_the_folder_is_refused_when_fetched_from_s3(s3_
     url = f"s3://{s3_bucket}/run"
     make_trainer("4ba", Checkpointer(url, save_interval="2ba", local_cache_dir=str(tmp_path / "c"))).fit()
     cache = tmp_path / "cache" / "deep"
-    rel = {"parent": "../../outside.bin", "absolute": str(tmp_path / "outside.bin")}[kind]
-    escaped = (cache / "ep0-ba4" / "../../outside.bin").resolve() if kind == "parent" else tmp_path / "outside.bin"
+    leaf = f"outside-{s3_bucket}.bin"
+    rel = {"parent": f"../../{leaf}", "absolute": str(tmp_path / leaf)}[kind]
+    # where a download would land: under the autoresume's cache, and under the default cache a load_path uses
+    escaped = [(root / "ep0-ba4" / rel).resolve() for root in (cache, default_cache_dir(url))]
+    for path in escaped:
+        path.unlink(missing_ok=True)
     client = s3_server.client()
     client.put_object(Bucket=s3_bucket, Key=f"run/ep0-ba4/{rel}", Body=PAYLOAD)
     manifest = json.loads(client.get_object(Bucket=s3_bucket, Key="run/ep0-ba4/manifest.json")["Body"].read())
@@ -102,10 +107,10 @@ def test_a_manifest_entry_leaving_the_folder_is_refused_when_fetched_from_s3(s3_
     with pytest.raises(UnsafePathError) as err:
         make_trainer("6ba", Checkpointer(load_path=f"{url}/ep0-ba4", local_cache_dir=str(cache)))
     assert f"{url}/ep0-ba4/manifest.json" in str(err.value) and repr(rel) in str(err.value)
-    assert not escaped.exists()
+    assert not any(path.exists() for path in escaped)
     with (caplog.at_level(logging.ERROR, logger="smalti.checkpoint"),
           make_trainer("6ba", Checkpointer(url, autoresume=True, local_cache_dir=str(cache))) as resumed):
         assert resumed.state.timestamp.batch == 2
     assert repr(rel) in caplog.text
-    assert not escaped.exists()
+    assert not any(path.exists() for path in escaped)
     assert sorted(p.name for p in cache.iterdir()) == ["ep0-ba2"]  # nothing of the refused one was fetched

@@ -124,9 +124,9 @@ def read_dcp_metadata(path: str | os.PathLike[str], trust_pickles: bool = False)
     of its storage entries must stay inside the checkpoint folder (:func:`check_inside`).
     """
     path = Path(path)
-    data = path.read_bytes()
     try:
-        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
     except _Refused as exc:
         if not trust_pickles:
             raise UnsafeCheckpointError(
@@ -135,15 +135,16 @@ def read_dcp_metadata(path: str | os.PathLike[str], trust_pickles: bool = False)
                 str(path), [exc.wanted],
             ) from None
         log.warning("trust_pickles: unpickling %s, which wants %s (not DCP metadata's own class)", path, exc.wanted)
-        metadata = pickle.loads(data)  # noqa: S301 - the user said they trust this checkpoint
+        with open(path, "rb") as f:
+            metadata = pickle.load(f)  # noqa: S301 - the user said they trust this checkpoint
     except Exception as exc:  # noqa: BLE001 - a damaged pickle fails in many ways
         raise CheckpointCorruptError(f"cannot read DCP metadata {path}: {exc!r}", str(path)) from None
     if not isinstance(metadata, Metadata):
         raise CheckpointCorruptError(f"{path} holds a {type(metadata).__name__}, not DCP's Metadata", str(path))
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
-    for info in (metadata.storage_data or {}).values():
-        check_inside(getattr(info, "relative_path", None), str(path), "refers to")
+    for rel in {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}:
+        check_inside(rel, str(path), "refers to")
     return metadata
 
 
