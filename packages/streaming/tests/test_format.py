@@ -78,7 +78,7 @@ def test_pickle_is_refused_unless_allowed(tmp_path):
         MDSWriter(tmp_path / "a", {"obj": "pkl"})
     with MDSWriter(tmp_path / "b", {"obj": "pkl"}, allow_unsafe_types=True) as w:
         w.write({"obj": {"a": (1, 2)}})
-    assert list(read_shard_samples(tmp_path / "b")) == [{"obj": {"a": (1, 2)}}]
+    assert list(read_shard_samples(tmp_path / "b", allow_unsafe_types=True)) == [{"obj": {"a": (1, 2)}}]
 
 
 def test_flipped_byte_names_shard_and_stream(golden):

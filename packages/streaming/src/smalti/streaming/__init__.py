@@ -2,11 +2,16 @@
 
 __version__ = "0.1.0"
 
-from smalti.streaming.errors import DownloadError, ShardCorruptError, StreamingError  # noqa: E402
+from smalti.streaming.errors import (  # noqa: E402
+    DownloadError,
+    ShardCorruptError,
+    StreamingError,
+    UnsafePathError,
+)
 from smalti.streaming.mds import MDSWriter, ShardReader, load_index, merge_index, read_shard_samples  # noqa: E402
 
 __all__ = ["DownloadError", "MDSWriter", "ShardCorruptError", "ShardReader", "Stream", "StreamingDataLoader",
-           "StreamingDataset", "StreamingError", "load_index", "merge_index", "read_shard_samples"]
+           "StreamingDataset", "StreamingError", "UnsafePathError", "load_index", "merge_index", "read_shard_samples"]
 
 
 def __getattr__(name: str):

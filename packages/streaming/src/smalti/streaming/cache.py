@@ -6,19 +6,34 @@ another process that needs the shard first waits for the owner's result to appea
 complete, by rename). It waits only while the owner shows progress (its temporary files keep changing);
 after ``peer_grace_s`` without progress it fetches the shard itself, so a dead or slow peer costs time, never
 correctness.
+
+Every copy the cache makes (a decompressed shard, or a downloaded uncompressed one) gets its xxh3_128
+recorded with it when it is made (an extended attribute of the file); each process checks a copy against
+that record the first time it opens it, and a copy that fails is made again (from the zip if it is still
+there, else downloaded again), so a byte flipped on disk is never returned as a sample.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from smalti.streaming.errors import StreamingError
-from smalti.streaming.mds import ShardReader, decompress_shard, verify_file
+from smalti.streaming.errors import ShardCorruptError, StreamingError
+from smalti.streaming.mds import (
+    ShardReader,
+    check_copy,
+    decompress_shard,
+    file_digest,
+    record_copy,
+    remove_copy,
+    verify_file,
+)
 from smalti.streaming.storage import download_file
 
 if TYPE_CHECKING:
@@ -27,6 +42,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_OPEN_READERS = 64
+_CACHES: weakref.WeakSet[ShardCache] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked DataLoader worker starts with no open readers, no checked copies and fresh locks."""
+    for cache in list(_CACHES):
+        cache._new_process()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class ShardCache:
@@ -34,8 +59,9 @@ class ShardCache:
 
     def __init__(self, streams: list[Stream], shards: list[tuple[int, dict[str, Any]]], cache_limit: int | None,
                  download_retry: int, download_timeout: float, validate_hash: bool,
-                 peer_grace_s: float = 2.0) -> None:
+                 peer_grace_s: float = 2.0, allow_unsafe_types: bool = False) -> None:
         self.streams, self.shards = streams, shards
+        self.allow_unsafe_types = allow_unsafe_types
         self.cache_limit = cache_limit
         self.download_retry, self.download_timeout = download_retry, download_timeout
         self.validate_hash = validate_hash
@@ -46,15 +72,24 @@ class ShardCache:
         self._readers: OrderedDict[int, ShardReader] = OrderedDict()
         self._access: dict[int, int] = {}
         self._clock = 0
+        _CACHES.add(self)
 
     def __getstate__(self) -> dict[str, Any]:  # DataLoader workers get a fresh cache state, not our locks
         state = self.__dict__.copy()
-        state.update(_lock=None, _shard_locks={}, _readers=OrderedDict())
+        state.update(_lock=None, _shard_locks={}, _readers=OrderedDict(), _checked=set())  # each process checks
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        _CACHES.add(self)
+
+    def _new_process(self) -> None:
+        """Forget what belongs to the parent process: its locks, open readers and checks of local copies."""
+        self._lock = threading.Lock()
+        self._shard_locks = {}
+        self._readers = OrderedDict()
+        self._checked = set()
 
     def raw_path(self, shard: int) -> Path:
         si, entry = self.shards[shard]
@@ -123,13 +158,24 @@ class ShardCache:
         root = stream.local_dir()
         raw = root / entry["raw_data"]["basename"]
         zip_info = entry.get("zip_data")
-        if raw.exists():
-            if shard not in self._checked and not zip_info and stream.remote is None and self.validate_hash:
-                verify_file(raw, entry["raw_data"], stream.name)  # local data was never checked on the way in
-            self._checked.add(shard)
-            return
         info = zip_info or entry["raw_data"]
         fetched = root / info["basename"]
+        if raw.exists() and shard not in self._checked:
+            if zip_info or stream.remote is not None:  # a copy this cache made: check it against its record
+                state = check_copy(raw, entry["raw_data"], stream.name)
+                if state == "bad" or (state == "unknown" and (stream.remote is not None or fetched.exists())):
+                    if zip_info and not fetched.exists() and stream.remote is None:
+                        raise ShardCorruptError(
+                            f"shard {raw} of stream {stream.name} differs from the hash recorded when it was "
+                            f"decompressed, and its compressed copy {fetched.name} is gone: restore the dataset")
+                    log.info("making local copy %s of stream %s again (%s)", raw, stream.name,
+                             "failed its check" if state == "bad" else "no record to check it against")
+                    remove_copy(raw)
+            elif self.validate_hash:
+                verify_file(raw, entry["raw_data"], stream.name)  # local data was never checked on the way in
+        if raw.exists():
+            self._checked.add(shard)
+            return
         downloaded = False
         if not fetched.exists():
             remote = stream.remote_path(info["basename"])
@@ -137,10 +183,12 @@ class ShardCache:
                 raise StreamingError(f"shard {fetched} of stream {stream.name} is missing and there is no remote")
 
             def check(tmp: Path) -> None:  # before the file becomes visible under its real name
-                verify_file(tmp, info, stream.name, shown_as=fetched)
+                if self.validate_hash:
+                    verify_file(tmp, info, stream.name, shown_as=fetched)
+                if not zip_info:  # the downloaded file is the copy samples are read from: record it
+                    record_copy(tmp, file_digest(tmp), final=fetched)
 
-            download_file(remote, fetched, self.download_retry, self.download_timeout,
-                          check if self.validate_hash else None)
+            download_file(remote, fetched, self.download_retry, self.download_timeout, check)
             downloaded = True
         if zip_info:
             try:
@@ -172,7 +220,7 @@ class ShardCache:
             for _, shard, path, size in sorted(present):
                 if used <= self.cache_limit:
                     break
-                path.unlink(missing_ok=True)
+                remove_copy(path)
                 self._readers.pop(shard, None)
                 self._checked.discard(shard)
                 used -= size
@@ -190,7 +238,7 @@ class ShardCache:
         for _ in range(3):
             path = self.ensure(shard, defer_to_peer)
             try:
-                reader = ShardReader(path, entry, name)
+                reader = ShardReader(path, entry, name, self.allow_unsafe_types)
                 break
             except FileNotFoundError:  # evicted by another process in between: fetch it again
                 self._checked.discard(shard)

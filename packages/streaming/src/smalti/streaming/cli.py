@@ -85,10 +85,15 @@ def inspect(args: argparse.Namespace) -> int:
 
 
 def verify(args: argparse.Namespace) -> int:
+    """Exit 0 when every shard matches its hashes, 1 when one does not, 3 when some have no hashes to check
+    (only their sizes could be) and ``--allow-unhashed`` was not given."""
     root = Path(args.dataset)
-    bad = 0
-    for entry in load_index(root / INDEX):
+    entries = load_index(root / INDEX)
+    bad = unhashed = 0
+    for entry in entries:
         info = entry.get("zip_data") or entry["raw_data"]
+        if not info.get("hashes"):
+            unhashed += 1
         try:
             verify_file(root / info["basename"], info)
             if entry.get("zip_data") and args.decompress:
@@ -96,8 +101,19 @@ def verify(args: argparse.Namespace) -> int:
         except (ShardCorruptError, OSError) as exc:
             bad += 1
             print(f"BAD {info['basename']}: {exc}")
-    print(f"{'FAILED' if bad else 'OK'}: {bad} bad shard(s)")
-    return 1 if bad else 0
+    if bad:
+        print(f"FAILED: {bad} bad shard(s) of {len(entries)}")
+        return 1
+    if unhashed and not args.allow_unhashed:
+        print(f"NOT VERIFIED: {unhashed} of {len(entries)} shard(s) have no hashes in {root / INDEX}, so only "
+              "their sizes were checked and a changed byte would go unnoticed. Write the dataset with hashes "
+              "(smalti-streaming convert --hashes xxh3_64, or MDSWriter(hashes=[...])), or pass "
+              "--allow-unhashed to accept size checks for them")
+        return 3
+    hashed = len(entries) - unhashed
+    print(f"OK: {hashed} shard(s) match their hashes" + (f", {unhashed} checked by size only (no hashes)"
+                                                         if unhashed else ""))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,9 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true")
     p = sub.add_parser("inspect", help="columns, sample counts and sizes")
     p.add_argument("dataset")
-    p = sub.add_parser("verify", help="check every shard against the hashes in index.json")
+    p = sub.add_parser("verify", help="check every shard against the hashes in index.json (exit 0 ok, 1 bad, "
+                                      "3 unhashed shards)")
     p.add_argument("dataset")
     p.add_argument("--decompress", action="store_true", help="also decompress and check the raw shards")
+    p.add_argument("--allow-unhashed", action="store_true",
+                   help="exit 0 even if some shards have no hashes (only their sizes are checked); without it "
+                        "such a dataset exits 3, since nothing was verified")
     p = sub.add_parser("merge-index", help="write root/index.json from root/*/index.json")
     p.add_argument("root")
     args = parser.parse_args(argv)

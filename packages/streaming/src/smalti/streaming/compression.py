@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bz2
 import gzip
-import shutil
+from collections.abc import Callable
 from typing import BinaryIO
 
 from smalti.streaming.errors import StreamingError
@@ -46,40 +46,94 @@ def compress(compression: str, data: bytes) -> bytes:
     return snappy.compress(data)
 
 
-def decompress(compression: str, data: bytes) -> bytes:
+CHUNK = 1 << 20  # bytes read and written per step while decompressing
+
+
+class OutputLimitError(Exception):
+    """Decompressed output would pass the limit given to :func:`decompress_stream` (caught and named by mds)."""
+
+    def __init__(self, produced: int) -> None:
+        super().__init__(f"output reached {produced} bytes")
+        self.produced = produced
+
+
+class _BoundedSink:
+    """Writes to ``dst``, refusing any write that would take the output past ``limit`` bytes."""
+
+    def __init__(self, dst: BinaryIO, limit: int | None, on_write: Callable[[bytes], None] | None) -> None:
+        self.dst, self.limit, self.on_write = dst, limit, on_write
+        self.written = 0
+
+    def write(self, data: bytes) -> int:
+        n = memoryview(data).nbytes
+        if self.limit is not None and self.written + n > self.limit:
+            raise OutputLimitError(self.written + n)
+        if self.on_write is not None:
+            self.on_write(data)
+        self.dst.write(data)
+        self.written += n
+        return n
+
+
+def _snappy_length(data: bytes) -> int:
+    """The uncompressed length a raw snappy block declares in its leading varint."""
+    length = shift = 0
+    for byte in data[:5]:
+        length |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return length
+        shift += 7
+    raise ValueError("snappy block has no valid length header")
+
+
+def _brotli_stream(src: BinaryIO, sink: _BoundedSink) -> None:
+    import brotli
+
+    d = brotli.Decompressor()
+    while chunk := src.read(CHUNK):
+        sink.write(d.process(chunk, output_buffer_limit=CHUNK))
+        while not d.can_accept_more_data():  # output held back by the limit: drain it before more input
+            sink.write(d.process(b"", output_buffer_limit=CHUNK))
+    while not d.is_finished():  # all input given: the rest of the output, a chunk at a time
+        out = d.process(b"", output_buffer_limit=CHUNK)
+        if not out:
+            break
+        sink.write(out)
+    if not d.is_finished():
+        raise ValueError("brotli stream is truncated")
+
+
+def decompress_stream(compression: str, src: BinaryIO, dst: BinaryIO, limit: int | None = None,
+                      on_write: Callable[[bytes], None] | None = None) -> int:
+    """Decompress the file ``src`` into the file ``dst`` in chunks of about :data:`CHUNK` bytes.
+
+    Nothing past ``limit`` output bytes is ever written: :class:`OutputLimitError` is raised before a write
+    would pass it, having decompressed at most about two chunks beyond the limit in memory (a snappy block is
+    refused from its length header, before it is decompressed).
+    ``on_write(chunk)`` sees every chunk written (to hash the output). Returns the bytes written.
+    """
     family, _ = parse(compression)  # type: ignore[misc]
+    sink = _BoundedSink(dst, limit, on_write)
     if family == "zstd":
         import zstandard
 
-        return zstandard.ZstdDecompressor().decompressobj().decompress(data)
-    if family == "gz":
-        return gzip.decompress(data)
-    if family == "bz2":
-        return bz2.decompress(data)
-    if family == "br":
-        import brotli
-
-        return brotli.decompress(data)
-    import snappy
-
-    return snappy.decompress(data)
-
-
-def decompress_stream(compression: str, src: BinaryIO, dst: BinaryIO) -> None:
-    """Decompress the file ``src`` into the file ``dst`` in chunks (no whole-shard buffers for zstd, gz, bz2)."""
-    family, _ = parse(compression)  # type: ignore[misc]
-    if family == "zstd":
-        import zstandard
-
-        zstandard.ZstdDecompressor().copy_stream(src, dst, read_size=1 << 20, write_size=1 << 20)
-    elif family == "gz":
-        with gzip.GzipFile(fileobj=src, mode="rb") as f:
-            shutil.copyfileobj(f, dst, 1 << 20)
-    elif family == "bz2":
-        with bz2.BZ2File(src, mode="rb") as f:
-            shutil.copyfileobj(f, dst, 1 << 20)
+        zstandard.ZstdDecompressor().copy_stream(src, sink, read_size=CHUNK, write_size=CHUNK)
+    elif family in ("gz", "bz2"):
+        opener = gzip.GzipFile(fileobj=src, mode="rb") if family == "gz" else bz2.BZ2File(src, mode="rb")
+        with opener as f:
+            while chunk := f.read(CHUNK):
+                sink.write(chunk)
+    elif family == "br":
+        _brotli_stream(src, sink)
     else:
-        dst.write(decompress(compression, src.read()))
+        import snappy
+
+        data = src.read()
+        declared = _snappy_length(data)
+        if limit is not None and declared > limit:
+            raise OutputLimitError(declared)
+        sink.write(snappy.decompress(data))
+    return sink.written
 
 
 def extension(compression: str) -> str:

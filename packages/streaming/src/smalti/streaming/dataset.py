@@ -18,7 +18,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from smalti.streaming.cache import ShardCache
 from smalti.streaming.errors import StreamingError
-from smalti.streaming.mds import INDEX, load_index, parse_size
+from smalti.streaming.mds import INDEX, check_columns, load_index, parse_size
 from smalti.streaming.order import (
     SHUFFLES,
     group_by_node,
@@ -255,7 +255,8 @@ class StreamingDataset(IterableDataset):
             if self.cache_limit < largest:
                 raise StreamingError(f"cache_limit={self.cache_limit} bytes is smaller than the largest shard "
                                      f"({largest} bytes with its zip); raise cache_limit")
-        self.cache = ShardCache(streams, shards, self.cache_limit, download_retry, download_timeout, validate_hash)
+        self.cache = ShardCache(streams, shards, self.cache_limit, download_retry, download_timeout, validate_hash,
+                                allow_unsafe_types=allow_unsafe_types)
         self._remove_stale_downloads()
 
     def _check_partition(self, ncn: int | None = None) -> None:
@@ -353,9 +354,7 @@ class StreamingDataset(IterableDataset):
             raise StreamingError(f"stream {stream.name}: no {INDEX} at {local} and no remote to fetch it from")
         entries = load_index(local)
         for entry in entries:
-            if "pkl" in entry["column_encodings"] and not self.allow_unsafe_types:
-                raise StreamingError(f"stream {stream.name} has a 'pkl' column, which can run code when read; "
-                                     "pass allow_unsafe_types=True if you trust it")
+            check_columns(entry, self.allow_unsafe_types, f"stream {stream.name} ({local})")
         return entries
 
     def _locate(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -16,3 +16,7 @@ class ShardCorruptError(StreamingError):
 
 class DownloadError(StreamingError):
     """A remote file could not be fetched after every retry."""
+
+
+class UnsafePathError(StreamingError):
+    """A file or folder name read from a file (an index's shard basename, a sub-index) would leave its folder."""

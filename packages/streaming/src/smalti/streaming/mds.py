@@ -8,6 +8,7 @@ variable-size columns followed by every column's bytes, columns in sorted-name o
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 import os
 import shutil
@@ -23,8 +24,12 @@ from smalti.streaming import compression as comp
 from smalti.streaming import encodings
 from smalti.streaming.errors import ShardCorruptError, StreamingError
 from smalti.streaming.hashing import digest
+from smalti.streaming.paths import check_name
+
+log = logging.getLogger(__name__)
 
 INDEX = "index.json"
+COPY_HASH = "xxh3_128"  # recorded for every local copy smalti makes of a shard (fast: ~10+ GB/s)
 DEFAULT_SIZE_LIMIT = 1 << 26
 _UNITS = {"b": 1, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30}
 
@@ -204,13 +209,29 @@ def load_index(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         if shard.get("format") != "mds" or shard.get("version") != 2:
             raise StreamingError(f"{path}: shard {i} is format {shard.get('format')!r} v{shard.get('version')}, "
                                  "only MDS version 2 is supported")
+        for key in ("raw_data", "zip_data"):
+            if key == "raw_data" or shard.get(key):
+                check_name((shard.get(key) or {}).get("basename"), path, f"shard {i} {key}.basename")
     return obj["shards"]
 
 
-class ShardReader:
-    """Random access to the samples of one raw (decompressed) shard file."""
+def check_columns(entry: dict[str, Any], allow_unsafe_types: bool, where: object) -> None:
+    """Raise naming ``where`` and the column when a shard has an unknown or (not allowed) unsafe encoding."""
+    for name, enc in zip(entry["column_names"], entry["column_encodings"]):
+        try:
+            encodings.check(enc, allow_unsafe_types, name)
+        except StreamingError as exc:
+            raise StreamingError(f"{where}: {exc}") from None
 
-    def __init__(self, path: Path, entry: dict[str, Any], stream: str = "") -> None:
+
+class ShardReader:
+    """Random access to the samples of one raw (decompressed) shard file.
+
+    A shard with a ``pkl`` column (unpickling can run code) is refused unless ``allow_unsafe_types``.
+    """
+
+    def __init__(self, path: Path, entry: dict[str, Any], stream: str = "", allow_unsafe_types: bool = False) -> None:
+        check_columns(entry, allow_unsafe_types, f"shard {path} of stream {stream or path.parent}")
         self.path, self.entry, self.stream = path, entry, stream
         with open(path, "rb") as f:  # mapped, not read: opening a shard costs nothing until samples are touched
             self.data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.path.getsize(path) else b""
@@ -291,30 +312,132 @@ def verify_file(path: Path, info: dict[str, Any], stream: str = "", shown_as: Pa
             data.close()
 
 
+_COPY_XATTR = f"user.smalti.{COPY_HASH}"
+
+
+def copy_record(raw: Path) -> Path:
+    """The file holding the hash of the local copy ``raw`` where the filesystem has no user xattrs."""
+    return raw.parent / f".{raw.name}.{COPY_HASH}"
+
+
+def record_copy(path: Path, hexdigest: str, final: Path | None = None) -> None:
+    """Record ``hexdigest`` (:data:`COPY_HASH`) for the file ``path`` that will be renamed to ``final``.
+
+    It is an extended attribute of the file itself, so it appears with the file's rename, travels with it
+    and goes when it is deleted; on filesystems without user xattrs it is a hidden file beside ``final``.
+    """
+    try:
+        os.setxattr(path, _COPY_XATTR, hexdigest.encode("ascii"))
+    except (OSError, AttributeError):  # no user xattrs on this filesystem (or not Linux)
+        atomic_write(copy_record(final or path), hexdigest.encode("ascii"))
+    else:
+        copy_record(final or path).unlink(missing_ok=True)  # a record left by an earlier copy would mislead
+
+
+def _recorded(raw: Path) -> str | None:
+    try:
+        return os.getxattr(raw, _COPY_XATTR).decode("ascii", "replace")
+    except (OSError, AttributeError):
+        pass
+    try:
+        return copy_record(raw).read_text(errors="replace").strip()
+    except FileNotFoundError:
+        return None
+
+
+def remove_copy(raw: Path) -> None:
+    """Delete a local shard copy (and the record of its hash, when that is a file of its own)."""
+    copy_record(raw).unlink(missing_ok=True)
+    raw.unlink(missing_ok=True)
+
+
+def file_digest(path: Path, algo: str = COPY_HASH) -> str:
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+    try:
+        return digest(algo, data)
+    finally:
+        if isinstance(data, mmap.mmap):
+            data.close()
+
+
+def check_copy(raw: Path, info: dict[str, Any], stream: str = "") -> str:
+    """Whether the local copy ``raw`` of a shard is what was written: ``"ok"``, ``"bad"`` or ``"unknown"``.
+
+    It is compared with the hash recorded when the copy was made. A copy without a record (made by an
+    older version or another tool) is checked against the index's hashes for it (``info``), and recorded
+    when they match; without those it is ``"unknown"``.
+    """
+    recorded = _recorded(raw)
+    if recorded is not None:
+        if file_digest(raw) == recorded:
+            return "ok"
+        log.warning("local copy %s of stream %s differs from the %s recorded when it was made (bit rot, or "
+                    "changed by something else); it will not be used", raw, stream or raw.parent, COPY_HASH)
+        return "bad"
+    if not info.get("hashes"):
+        return "unknown"
+    try:
+        verify_file(raw, info, stream)
+    except ShardCorruptError as exc:
+        log.warning("%s; it will not be used", exc)
+        return "bad"
+    try:
+        record_copy(raw, file_digest(raw))
+    except OSError as exc:  # a read-only dataset: checked against the index again next time
+        log.debug("cannot record the hash of %s: %r", raw, exc)
+    return "ok"
+
+
 def decompress_shard(root: Path, entry: dict[str, Any], stream: str = "", validate_hash: bool = True) -> Path:
-    """Make sure the raw shard file exists under ``root`` (decompressing the zip if needed); return its path."""
+    """Make sure a good raw shard file exists under ``root`` (decompressing the zip if needed); return its path.
+
+    Output is hashed as it is written and the hash recorded beside it (see :func:`check_copy`); an
+    existing raw copy that fails that check is made again from the zip. Decompression stops, and the shard is
+    refused, as soon as the output would pass the index's ``raw_data.bytes``.
+    """
     raw = root / entry["raw_data"]["basename"]
-    if raw.exists():
-        return raw
     zip_info = entry.get("zip_data")
-    if not zip_info:
+    packed = root / zip_info["basename"] if zip_info else None
+    if raw.exists():
+        if not zip_info:
+            return raw
+        state = check_copy(raw, entry["raw_data"], stream)
+        if state == "ok" or (state == "unknown" and not packed.exists()):
+            return raw
+        if not packed.exists():
+            raise ShardCorruptError(f"shard {raw} of stream {stream or root} differs from the hash recorded when "
+                                    f"it was decompressed, and its compressed copy {packed.name} is gone: delete "
+                                    "it and fetch the dataset again")
+    elif not zip_info:
         raise StreamingError(f"shard {raw} of stream {stream or root} is missing")
-    packed = root / zip_info["basename"]
     if validate_hash:
         verify_file(packed, zip_info, stream)
+    declared = entry["raw_data"]["bytes"]
     src = open(packed, "rb")  # noqa: SIM115 (closed below; opened first so a missing zip leaves no temp file)
     fd, tmp = temp_file(raw)
     try:
+        import xxhash
+
+        hasher = getattr(xxhash, COPY_HASH)()
         with src, os.fdopen(fd, "wb") as dst:
             try:
-                comp.decompress_stream(entry["compression"], src, dst)
-            except Exception as exc:  # zstd/zlib/bz2 errors on damaged data
+                size = comp.decompress_stream(entry["compression"], src, dst, limit=declared,
+                                              on_write=hasher.update)
+            except comp.OutputLimitError as exc:
+                raise ShardCorruptError(
+                    f"shard {packed} of stream {stream or root} decompresses to more than the {declared} bytes "
+                    f"its index declares (raw_data.bytes; stopped at {exc.produced}): refused as damaged or "
+                    "hostile; write the dataset again"
+                ) from None
+            except Exception as exc:  # zstd/zlib/bz2/brotli/snappy errors on damaged data
                 raise ShardCorruptError(f"shard {packed} of stream {stream or root} does not decompress: "
                                         f"{exc}") from exc
-            size = dst.tell()
-        if size != entry["raw_data"]["bytes"]:
+        if size != declared:
             raise ShardCorruptError(f"shard {packed} of stream {stream or root} decompresses to {size} bytes, the "
-                                    f"index says {entry['raw_data']['bytes']}: truncated or replaced")
+                                    f"index says {declared}: truncated or replaced")
+        record_copy(Path(tmp), hasher.hexdigest(), final=raw)
         os.replace(tmp, raw)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -322,14 +445,21 @@ def decompress_shard(root: Path, entry: dict[str, Any], stream: str = "", valida
     return raw
 
 
-def read_shard_samples(root: str | os.PathLike[str], validate_hash: bool = True) -> Iterator[dict[str, Any]]:
-    """Every sample of a local MDS directory, in order (checking hashes)."""
+def read_shard_samples(root: str | os.PathLike[str], validate_hash: bool = True,
+                       allow_unsafe_types: bool = False) -> Iterator[dict[str, Any]]:
+    """Every sample of a local MDS directory, in order (checking hashes).
+
+    A dataset with a ``pkl`` column is refused before anything is read unless ``allow_unsafe_types``.
+    """
     root = Path(root)
-    for entry in load_index(root / INDEX):
+    entries = load_index(root / INDEX)
+    for entry in entries:
+        check_columns(entry, allow_unsafe_types, root / INDEX)
+    for entry in entries:
         raw = decompress_shard(root, entry, validate_hash=validate_hash)
         if validate_hash and not entry.get("zip_data"):
             verify_file(raw, entry["raw_data"])
-        yield from ShardReader(raw, entry)
+        yield from ShardReader(raw, entry, allow_unsafe_types=allow_unsafe_types)
 
 
 def merge_index(root: str | os.PathLike[str], subdirs: list[str] | None = None) -> Path:
@@ -338,6 +468,7 @@ def merge_index(root: str | os.PathLike[str], subdirs: list[str] | None = None) 
     subdirs = subdirs or sorted(p.parent.name for p in root.glob("*/" + INDEX))
     shards = []
     for sub in subdirs:
+        check_name(sub, root / INDEX, f"sub-index folder of {root}")
         for entry in load_index(root / sub / INDEX):
             entry = json.loads(json.dumps(entry))
             entry["raw_data"]["basename"] = f"{sub}/{entry['raw_data']['basename']}"
