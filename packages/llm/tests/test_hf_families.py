@@ -113,3 +113,22 @@ def test_only_function_preserving_overrides_are_accepted(tmp_path):
     assert model.max_seq_len == 64 and all(p.is_meta for p in model.parameters())
     with pytest.raises(ConversionError, match="model.d_model cannot be set for model=hf"):
         PretrainedLLM(folder, d_model=128)
+
+
+def test_export_dtype_defaults_to_the_source_torch_dtype(tmp_path):
+    from safetensors import safe_open
+
+    from smalti.llm.hf_export import export_model
+
+    folder = _edit_config(write_tiny_hf_model(tmp_path / "src", "mistral"), dtype="bfloat16")
+    model = import_hf(folder)
+    for out, dtype, expected in ((tmp_path / "a", None, torch.bfloat16), (tmp_path / "b", "float16", torch.float16)):
+        export_model(model, out, dtype=dtype)
+        config = json.loads((out / "config.json").read_text())
+        assert config["dtype"] == str(expected).removeprefix("torch.") and config["sliding_window"] == 16
+        with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+            assert {f.get_tensor(k).dtype for k in f.keys()} == {expected}  # noqa: SIM118 (not iterable)
+        assert transformers.AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).dtype == expected
+    with pytest.raises(ConversionError, match="hf_export.dtype='int8'"):
+        export_model(model, tmp_path / "c", dtype="int8")
+    assert not (tmp_path / "c").exists()
