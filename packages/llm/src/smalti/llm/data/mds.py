@@ -53,8 +53,8 @@ def ids_from_bytes(data: bytes | bytearray | memoryview, token_dtype: str | None
     """Token ids stored as raw little-endian bytes in MDS column ``column`` (see the module docstring)."""
     _check_token_dtype(token_dtype)
     dtype = np.dtype(token_dtype or DEFAULT_BYTES_DTYPE).newbyteorder("<")
-    fix = ("set token_dtype to the width the data was written with (int64, int32, uint32 or uint16; in a "
-           "config: data.train.token_dtype=..., data.eval.token_dtype=...)")
+    fix = ("set token_dtype to the width the data was written with (int64, int32, uint32 or uint16; with "
+           "data=text_mds: +data.train.token_dtype=int32 +data.eval.token_dtype=int32)")
     size = memoryview(data).nbytes
     if size % dtype.itemsize:
         raise DataError(f"MDS column {column!r} holds {size} bytes, not a whole number of {dtype.name} token ids "
