@@ -80,7 +80,9 @@ class _ShardWriter:
 
         if name not in self.shards[self.current]:
             raise ConversionError(f"export: tensor {name!r} came out of the planned order")
-        self.buffer[name] = tensor.detach().to("cpu", self.dtype).contiguous().clone()
+        # one copy of this tensor (a row slice of a contiguous tensor stays contiguous): its own storage, as
+        # safetensors wants, and the gathered tensor can go as soon as the caller drops it
+        self.buffer[name] = tensor.detach().to("cpu", self.dtype, copy=True).contiguous()
         if len(self.buffer) == len(self.shards[self.current]):
             save_file(self.buffer, str(self.folder / self.files[self.current]), metadata={"format": "pt"})
             self.buffer = {}
