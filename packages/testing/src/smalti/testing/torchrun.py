@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -54,7 +55,8 @@ def run_process_group(
 ) -> subprocess.CompletedProcess[str]:
     """Run ``cmd`` in its own session, capturing output; on time-out kill the whole process group and raise.
 
-    torchrun's workers are the launcher's children: killing only the launcher would leave them running.
+    torchrun's workers are the launcher's children in sessions of their own: killing only the launcher's group
+    would leave them running, so they are found and killed too.
     """
     proc = subprocess.Popen(
         list(cmd), env=dict(env) if env is not None else None, cwd=cwd, stdout=subprocess.PIPE,
@@ -63,7 +65,46 @@ def run_process_group(
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         out, err = proc.communicate(timeout=30)
         raise subprocess.TimeoutExpired(list(cmd), timeout, output=out, stderr=err) from None
+    except BaseException:  # the test itself was stopped (pytest-timeout, Ctrl-C): leave nothing running
+        kill_tree(proc.pid)
+        proc.wait(timeout=30)
+        raise
     return subprocess.CompletedProcess(list(cmd), proc.returncode, out, err)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL process group ``pid`` and every process below ``pid`` (torchrun starts each worker in a session of
+    its own, out of reach of the group)."""
+    below = descendants(pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    for child in below:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, their children, ...), read from ``/proc``; empty where there is none."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
