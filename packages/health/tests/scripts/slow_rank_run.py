@@ -5,6 +5,8 @@
                                        the watchdog's own on_batch_end (which has already counted the batch)
     slow_rank_run.py slow OUT_DIR F    rank 1's forward takes F times longer: the straggler detector flags it
     slow_rank_run.py even OUT_DIR      nobody is slow
+    slow_rank_run.py warmup OUT_DIR W  rank 1's first forward takes 1 s longer (a warm-up), then nobody is
+                                       slow; the detector leaves W batches out (W=default: one interval)
 """
 
 import json
@@ -22,7 +24,8 @@ from smalti.health.straggler import StragglerDetector
 from smalti.health.watchdog import HangWatchdog
 
 mode, out = sys.argv[1], Path(sys.argv[2])
-factor = float(sys.argv[3]) if len(sys.argv) > 3 else 1.0
+factor = float(sys.argv[3]) if len(sys.argv) > 3 and mode != "warmup" else 1.0
+warmup_batches = None if mode != "warmup" or sys.argv[3] == "default" else int(sys.argv[3])
 
 
 class PacedMLP(MLPRegressor):
@@ -30,10 +33,13 @@ class PacedMLP(MLPRegressor):
 
     def __init__(self, rank: int) -> None:
         super().__init__()
-        self.pace = 0.01 * (factor if rank == 1 else 1.0)
+        # warmup: longer steps, so that a loaded machine's jitter stays far below factor 1.5 in the even windows
+        self.pace = (0.05 if mode == "warmup" else 0.01) * (factor if rank == 1 else 1.0)
+        self.warmup = 1.0 if mode == "warmup" and rank == 1 else 0.0
 
     def forward(self, batch):
-        time.sleep(self.pace)
+        time.sleep(self.pace + self.warmup)
+        self.warmup = 0.0
         return super().forward(batch)
 
 
@@ -55,7 +61,7 @@ torch.distributed.init_process_group("gloo")
 rank = torch.distributed.get_rank()
 loader = build_dataloader(SyntheticRegression(512), 8, dp_rank=rank, dp_world_size=2, seed=0)
 torch.manual_seed(0)
-straggler = StragglerDetector(interval=5, factor=1.5)
+straggler = StragglerDetector(interval=5, factor=1.5, warmup_batches=warmup_batches)
 watchdog = HangWatchdog(timeout_s=3, report_dir=str(out), poll_s=0.2, grace_s=2.0)
 # config order is dispatch order: "hang" runs before the watchdog's hooks, "late" after them
 callbacks = {"hang": HangOnRank1(), "watchdog": watchdog}

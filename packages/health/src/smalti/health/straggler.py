@@ -5,6 +5,9 @@ under DDP or a single device hold no collective, so a rank that waits for a slow
 itself. Every ``interval`` batches the per-rank sums are all-gathered (one small tensor); a rank whose
 time is more than ``factor`` times the lower median's is reported with its score (time / median) through
 the loggers (``health/straggler/score/rank{r}``, ``health/straggler/max_score``) and a warning naming it.
+The first ``warmup_batches`` batches of each process (default: one ``interval``) are not timed: first calls
+(allocator, kernel and autograd caches, lazy initialisation) take longer on one rank than another and
+would flag a healthy rank in the first window.
 Under FSDP forward holds parameter all-gathers, which blur the signal; the score still rises on the slow
 rank, only less.
 """
@@ -27,11 +30,16 @@ log = logging.getLogger(__name__)
 class StragglerDetector(Callback):
     """Finds ranks slower than their peers by ``factor`` and reports them (it never stops the run)."""
 
-    def __init__(self, interval: int = 50, factor: float = 1.5, use_cuda_events: bool = True) -> None:
+    def __init__(self, interval: int = 50, factor: float = 1.5, use_cuda_events: bool = True,
+                 warmup_batches: int | None = None) -> None:
+        """``warmup_batches``: batches at the start of each process left out of every window (default ``interval``)."""
         if interval < 1 or factor <= 1:
             raise ConfigError(f"health.straggler: interval={interval} must be >= 1 and factor={factor} > 1")
+        if warmup_batches is not None and warmup_batches < 0:
+            raise ConfigError(f"health.straggler: warmup_batches={warmup_batches} must be >= 0 (or null: one interval)")
         self.interval = interval
         self.factor = factor
+        self.warmup_batches = interval if warmup_batches is None else warmup_batches
         self.use_cuda_events = use_cuda_events
         self._t0 = 0.0
         self._seconds = 0.0
@@ -53,6 +61,9 @@ class StragglerDetector(Callback):
 
     def on_after_forward(self, state: Any) -> None:
         """Stop it (CUDA events are read only at the next gather, so no sync in the step)."""
+        if self._batches < self.warmup_batches:
+            self._start_event = None
+            return
         if self._cuda(state):
             end = torch.cuda.Event(enable_timing=True)
             end.record()
@@ -63,7 +74,8 @@ class StragglerDetector(Callback):
     def on_batch_end(self, state: Any, logger: Any) -> None:
         """Every ``interval`` batches gather the ranks' times and report the slow ones."""
         self._batches += 1
-        if self._batches % self.interval:
+        timed = self._batches - self.warmup_batches
+        if timed <= 0 or timed % self.interval:
             return
         if self._events:
             torch.cuda.synchronize()
