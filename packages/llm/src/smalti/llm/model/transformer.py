@@ -25,6 +25,7 @@ from smalti.llm.errors import ModelConfigError
 from smalti.llm.model.attention import Attention, build_attention_mask
 from smalti.llm.model.checkpointing import parse_activation_checkpointing
 from smalti.llm.model.ffn import make_ffn
+from smalti.llm.model.fused_loss import fused_linear_cross_entropy
 from smalti.llm.model.metrics import LanguageCrossEntropy, LanguagePerplexity, TokenAccuracy
 from smalti.llm.model.norms import make_norm
 from smalti.llm.model.position import Rotary, alibi_slopes
@@ -34,6 +35,18 @@ log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
 POSITIONS = ("alibi", "rope", "learned", "none")
+
+
+class LMOutputs(dict):
+    """A training forward's outputs under the fused loss: ``hidden`` (after the final norm) and
+    ``output_weight``; ``outputs["logits"]`` projects them on first access (for code that wants logits)."""
+
+    def __missing__(self, key: str) -> Any:
+        if key != "logits":
+            raise KeyError(key)
+        logits = F.linear(self["hidden"], self["output_weight"])
+        self["logits"] = logits
+        return logits
 
 
 class Block(nn.Module):
@@ -95,6 +108,9 @@ class LLM(nn.Module):
         activation_checkpointing: null, true, a granularity or ``{granularity, layers}``.
         init_device: ``cpu``, ``cuda`` or ``meta`` (no memory; call :meth:`init_weights` after ``to_empty``).
         init_std: std of the normal init; residual output projections get ``init_std / sqrt(2 n_layers)``.
+        fused_loss: in training, compute the output projection and the cross-entropy together in chunks of
+            rows (:mod:`smalti.llm.model.fused_loss`) so the ``[B, T, vocab]`` logits are never held; outputs
+            then carry the final hidden states, and ``outputs["logits"]`` is computed only if asked for.
     """
 
     def __init__(
@@ -129,6 +145,7 @@ class LLM(nn.Module):
         activation_checkpointing: Any = None,
         init_device: str | None = None,
         init_std: float = 0.02,
+        fused_loss: bool = True,
     ) -> None:
         super().__init__()
         n_kv_heads = n_kv_heads or n_heads
@@ -167,6 +184,7 @@ class LLM(nn.Module):
         self.attn_uses_sequence_id = attn_uses_sequence_id
         self.sliding_window = sliding_window
         self.init_std = init_std
+        self.fused_loss = bool(fused_loss)
         device = torch.device(init_device) if init_device else None
         rotary = Rotary(d_model // n_heads, rope_theta, rope_scaling) if position == "rope" else None
         self._alibi_slopes = alibi_slopes(n_heads, alibi_bias_max) if position == "alibi" else None
@@ -292,6 +310,11 @@ class LLM(nn.Module):
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
         """Logits ``[B, T, vocab]`` under ``"logits"``, plus ``"aux_loss"`` (summed over layers) for MoE FFNs.
 
+        With ``fused_loss`` on, a training forward (grad enabled) returns :class:`LMOutputs` instead: the
+        cross-entropy of the batch's own targets, computed chunk by chunk here inside forward (where FSDP2 has
+        the output weight gathered), for :meth:`loss`; the final hidden states ``"hidden"`` and the weight for
+        other targets; and ``"logits"``, computed on first access only.
+
         Under sequence parallelism the logits are this rank's chunk ``[B, T/sp, vocab]`` and
         ``"sequence_slice"`` holds ``(start, stop, sp)`` for :meth:`loss` and the metrics.
         """
@@ -314,13 +337,25 @@ class LLM(nn.Module):
             if aux is not None:
                 aux_losses.append(aux)
         x = self.norm_f(x)
-        logits = F.linear(x, self.output_weight)
-        out: dict[str, Any] = {"logits": logits}
+        out: dict[str, Any]
+        if self.fused_loss and self.training and torch.is_grad_enabled():
+            out = LMOutputs(hidden=x, output_weight=self.output_weight)
+            if sp is not None:
+                out["sequence_slice"] = (start, stop, sp.size)
+            targets = self._local_targets(out, batch)
+            out["fused_targets"] = targets
+            out["fused_ce"] = self._fused_ce(x, self.output_weight, targets, sp is not None)
+        else:
+            out = {"logits": F.linear(x, self.output_weight)}
         if sp is not None:
             out["sequence_slice"] = (start, stop, sp.size)
         if aux_losses:
             out["aux_loss"] = torch.stack([a.float() for a in aux_losses]).sum()
         return out
+
+    @staticmethod
+    def _fused_ce(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, summed: bool) -> torch.Tensor:
+        return fused_linear_cross_entropy(hidden, weight, targets, IGNORE_INDEX, "sum" if summed else "mean")
 
     def targets(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The labels each position predicts: ``labels`` shifted left by one, ``-100`` at the end."""
@@ -340,8 +375,17 @@ class LLM(nn.Module):
         tokens of the whole batch)``: averaged over the ``sp`` ranks (as the loss and the gradients are, by
         data parallelism over every rank) that is the whole sequences' mean.
         """
-        logits = outputs["logits"]
         piece = outputs.get("sequence_slice")
+        if "fused_ce" in outputs and "logits" not in outputs:
+            targets = self._local_targets(outputs, batch)
+            if torch.equal(targets, outputs["fused_targets"]):
+                loss = outputs["fused_ce"]  # forward scored the same targets
+            else:  # other labels than forward's batch (outside FSDP2, which frees the weight after forward)
+                loss = self._fused_ce(outputs["hidden"], outputs["output_weight"], targets, piece is not None)
+            if piece is not None:
+                loss = loss * piece[2] / (self.targets(batch) != IGNORE_INDEX).sum().clamp(min=1)
+            return loss + outputs["aux_loss"] if "aux_loss" in outputs else loss
+        logits = outputs["logits"]
         if piece is None:
             loss = F.cross_entropy(
                 logits.float().reshape(-1, logits.shape[-1]), self.targets(batch).reshape(-1),

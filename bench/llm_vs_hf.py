@@ -1,0 +1,211 @@
+"""smalti's LLM against transformers' LlamaForCausalLM: the same model, the same data, trained side by side.
+
+Builds one Llama config with ``transformers`` (random init, seeded), saves it with ``save_pretrained`` to a
+temporary folder with random token data, and trains it for ``--steps`` steps with
+
+  (a) ``transformers.LlamaForCausalLM.from_pretrained`` (its defaults: SDPA attention, its own loss with
+      ``labels=input_ids``) and ``torch.optim.AdamW``;
+  (b) ``smalti.llm.hf.import_hf`` of the same folder through ``smalti.core.Trainer`` with smalti's defaults
+      (fused chunked linear + cross-entropy) and ``torch.optim.AdamW`` with the same hyper-parameters
+      (``fused=True``, the implementation choice smalti's finetuning uses).
+
+Each side runs in a fresh subprocess (its peak RSS is its own: ``ru_maxrss``; peak CUDA memory on a GPU), the
+order alternating over ``--rounds``. The first step's losses must agree to 1e-4; with ``--check-steps N`` the
+whole N-step loss curves must agree to 1e-3 relative. Prints median step time (the first ``--warmup`` steps of
+each run not timed), tokens/s and peak memory of each, and ends with the ratio line.
+
+    OMP_NUM_THREADS=2 python bench/llm_vs_hf.py [--vocab 128256 --d-model 512 --layers 4 --heads 8
+        --kv-heads 2 --seq 2048 --batch 2 --steps 4 --rounds 2]
+    OMP_NUM_THREADS=2 python bench/llm_vs_hf.py --check-steps 50 --vocab 32000 --seq 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+LR = 1e-4
+BETAS = (0.9, 0.95)
+
+
+def _peak_memory_mb(device: torch.device) -> dict[str, float]:
+    out = {"rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if device.type == "cuda":
+        out["cuda_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_hf(folder: Path, steps: int, device: torch.device) -> dict:
+    """transformers' own training step: ``model(input_ids, labels=input_ids).loss``, AdamW."""
+    from transformers import LlamaForCausalLM
+
+    data = torch.load(folder / "tokens.pt")
+    model = LlamaForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=1e-8, weight_decay=0.0)
+    losses, times, cpu_times = [], [], []
+    for step in range(steps):
+        ids = data[step].to(device)
+        _sync(device)
+        start, cpu = time.perf_counter(), time.process_time()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu)
+    return {"losses": losses, "times": times, "cpu_times": cpu_times, "attn": model.config._attn_implementation, **_peak_memory_mb(device)}
+
+
+def run_smalti(folder: Path, steps: int, device: torch.device, compile: bool) -> dict:
+    """smalti's import of the same folder, trained by smalti's Trainer with its defaults."""
+    from smalti.core import Callback, Trainer
+    from smalti.llm.hf import import_hf
+
+    data = torch.load(folder / "tokens.pt")
+
+    class Record(Callback):
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+            self.times: list[float] = []
+            self.cpu_times: list[float] = []
+            self.start = self.cpu = 0.0
+
+        def on_batch_start(self, state) -> None:
+            _sync(device)
+            self.start, self.cpu = time.perf_counter(), time.process_time()
+
+        def on_batch_end(self, state) -> None:
+            self.losses.append(float(state.batch_loss))  # waits for the step, as the loss.item() of (a)
+            self.times.append(time.perf_counter() - self.start)
+            self.cpu_times.append(time.process_time() - self.cpu)
+
+    seq = data.shape[-1]
+    model = import_hf(folder, max_seq_len=seq)
+    loader = [{"input_ids": data[i]} for i in range(steps)]
+    record = Record()
+    start = time.perf_counter()
+    trainer = Trainer(
+        model, loader, f"{steps}ba", eval_interval=None, device=device, compile=compile, callbacks={"record": record},
+        optimizers=lambda params: torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=1e-8, weight_decay=0.0,
+                                                    fused=True),
+    )
+    setup = time.perf_counter() - start
+    trainer.fit()
+    return {"losses": record.losses, "times": record.times, "cpu_times": record.cpu_times, "setup_s": setup, **_peak_memory_mb(device)}
+
+
+def make_folder(args: argparse.Namespace, folder: Path) -> None:
+    """A seeded random Llama saved by transformers, and the token batches both sides train on."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.d_model, intermediate_size=args.ffn, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, max_position_embeddings=args.seq,
+        rope_theta=500000.0, tie_word_embeddings=False, rms_norm_eps=1e-5,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    gen = torch.Generator().manual_seed(1)
+    steps = max(args.steps, args.check_steps or 0)
+    torch.save(torch.randint(0, args.vocab, (steps, args.batch, args.seq), generator=gen), folder / "tokens.pt")
+
+
+def _child(side: str, folder: Path, steps: int, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, __file__, "--worker", side, "--folder", str(folder), "--steps", str(steps),
+           "--device", args.device] + (["--compile"] if args.compile else [])
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise SystemExit(f"{side} worker failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--ffn", type=int, default=1536, help="intermediate size (Llama 3's 8/3 d_model, rounded to 256)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=1, help="first steps of each run not timed")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--check-steps", type=int, default=0, help="compare N-step loss curves (1e-3 relative)")
+    p.add_argument("--compile", action="store_true", help="torch.compile smalti's model (Trainer(compile=True))")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--worker", choices=["hf", "smalti"], help=argparse.SUPPRESS)
+    p.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    device = torch.device(args.device)
+    if args.worker:
+        result = (run_hf(args.folder, args.steps, device) if args.worker == "hf"
+                  else run_smalti(args.folder, args.steps, device, args.compile))
+        print(json.dumps(result))
+        return
+    if args.warmup >= args.steps:
+        p.error(f"--warmup {args.warmup} must be below --steps {args.steps}")
+    with tempfile.TemporaryDirectory(prefix="llm_vs_hf.") as tmp:
+        folder = Path(tmp)
+        make_folder(args, folder)
+        import transformers
+
+        print(f"config: vocab={args.vocab} d_model={args.d_model} ffn={args.ffn} layers={args.layers} "
+              f"heads={args.heads} kv_heads={args.kv_heads} seq={args.seq} batch={args.batch} fp32 {device.type} "
+              f"threads={os.environ.get('OMP_NUM_THREADS', torch.get_num_threads())} steps={args.steps}x"
+              f"{args.rounds} (first {args.warmup} not timed) torch={torch.__version__} "
+              f"transformers={transformers.__version__} compile={args.compile}", flush=True)
+        runs: dict[str, list[dict]] = {"hf": [], "smalti": []}
+        for r in range(args.rounds):
+            for side in (("hf", "smalti") if r % 2 == 0 else ("smalti", "hf")):
+                res = _child(side, folder, args.steps, args)
+                runs[side].append(res)
+                print(f"round {r} {side:6s}: step times " + " ".join(f"{t:.2f}" for t in res["times"])
+                      + " s (CPU " + " ".join(f"{t:.2f}" for t in res["cpu_times"]) + f" s); peak RSS {res['rss_mb']:.0f} MB" + (f"; setup {res['setup_s']:.1f} s" if "setup_s" in res
+                                                                 else ""), flush=True)
+        first_hf, first_sm = runs["hf"][0]["losses"][0], runs["smalti"][0]["losses"][0]
+        if abs(first_hf - first_sm) > 1e-4:
+            raise SystemExit(f"first-step losses differ: hf {first_hf:.6f} smalti {first_sm:.6f} (limit 1e-4)")
+        print(f"first-step loss: hf {first_hf:.6f} smalti {first_sm:.6f} (|diff| {abs(first_hf - first_sm):.2e})")
+        if args.check_steps:
+            hf_c = _child("hf", folder, args.check_steps, args)["losses"]
+            sm_c = _child("smalti", folder, args.check_steps, args)["losses"]
+            worst = max(abs(a - b) / abs(a) for a, b in zip(hf_c, sm_c, strict=True))
+            print(f"{args.check_steps}-step loss curves: hf {hf_c[0]:.4f} -> {hf_c[-1]:.4f}, smalti {sm_c[0]:.4f} -> "
+                  f"{sm_c[-1]:.4f}; worst relative difference {worst:.2e} (limit 1e-3)")
+            if worst > 1e-3:
+                raise SystemExit("loss curves differ by more than 1e-3 relative")
+        tokens = args.batch * args.seq
+        med, mem, cpu_med = {}, {}, {}
+        for side in ("hf", "smalti"):
+            med[side] = statistics.median(t for res in runs[side] for t in res["times"][args.warmup:])
+            cpu_med[side] = statistics.median(t for res in runs[side] for t in res["cpu_times"][args.warmup:])
+            mem[side] = max(res["rss_mb"] for res in runs[side])
+            cuda = max((res.get("cuda_mb", 0.0) for res in runs[side]), default=0.0)
+            print(f"{side:6s}: median step {med[side]:.2f} s, {tokens / med[side]:.0f} tokens/s, peak RSS "
+                  f"{mem[side]:.0f} MB, median CPU time {cpu_med[side]:.2f} s/step" + (f", peak CUDA {cuda:.0f} MB" if cuda else ""))
+        # On a shared machine wall time includes waiting for a core; CPU time per step is the work done.
+        print(f"CPU-time ratio hf/smalti = {cpu_med['hf'] / cpu_med['smalti']:.2f}")
+        print(f"llm_vs_hf: speed ratio smalti/hf = {med['hf'] / med['smalti']:.2f} (goal >= 1.40), "
+              f"memory ratio smalti/hf = {mem['smalti'] / mem['hf']:.2f} (goal <= 0.60)")
+
+
+if __name__ == "__main__":
+    main()

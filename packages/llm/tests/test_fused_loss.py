@@ -1,0 +1,84 @@
+"""The fused chunked linear + cross-entropy: the plain path's loss and gradients, without ``[B, T, vocab]`` logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from smalti.llm import LLM
+from smalti.llm.model.fused_loss import fused_linear_cross_entropy
+
+
+def _inputs(n: int = 37, d: int = 16, v: int = 101) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, d, generator=gen, requires_grad=True)
+    weight = torch.randn(v, d, generator=gen, requires_grad=True)
+    targets = torch.randint(0, v, (n,), generator=gen)
+    targets[::5] = -100
+    return hidden, weight, targets
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("chunk_rows", [1, 7, 64])
+def test_equals_plain_cross_entropy(reduction, chunk_rows):
+    hidden, weight, targets = _inputs()
+    fused = fused_linear_cross_entropy(hidden, weight, targets, reduction=reduction, chunk_rows=chunk_rows)
+    got = torch.autograd.grad(fused * 2.5, (hidden, weight))
+    plain = F.cross_entropy(hidden @ weight.T, targets, ignore_index=-100, reduction=reduction)
+    want = torch.autograd.grad(plain * 2.5, (hidden, weight))
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    assert got[0][targets == -100].abs().max() == 0  # ignored rows get no gradient
+
+
+def test_without_grad_and_all_ignored():
+    hidden, weight, targets = _inputs()
+    with torch.no_grad():
+        value = fused_linear_cross_entropy(hidden, weight, targets)
+    torch.testing.assert_close(value, F.cross_entropy(hidden @ weight.T, targets))
+    none = torch.full_like(targets, -100)
+    loss = fused_linear_cross_entropy(hidden, weight, none)
+    loss.backward()
+    assert loss.item() == 0.0 and hidden.grad.abs().max() == 0 and weight.grad.abs().max() == 0
+
+
+def _llm(**kw) -> LLM:
+    torch.manual_seed(0)
+    return LLM(d_model=32, n_heads=4, n_kv_heads=2, n_layers=2, vocab_size=257, max_seq_len=64, norm_type="rmsnorm",
+               ffn_type="glu", tie_embeddings=False, **kw)
+
+
+def test_llm_fused_loss_matches_plain_path():
+    ids = torch.randint(0, 257, (3, 48), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[:, :10] = -100  # prompt tokens carry no loss
+    batch = {"input_ids": ids, "labels": labels}
+    results = []
+    for fused in (True, False):
+        model = _llm(fused_loss=fused).train()
+        loss = model.loss(model(batch), batch)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (loss_f, grads_f), (loss_p, grads_p) = results
+    torch.testing.assert_close(loss_f, loss_p, rtol=1e-5, atol=1e-6)
+    for name, grad in grads_p.items():
+        torch.testing.assert_close(grads_f[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_training_step_never_holds_batch_by_vocab_tensors():
+    """Autograd saves nothing of ``B * T * vocab`` elements for backward: the logits are never kept."""
+    batch_size, seq, vocab = 2, 48, 257
+    ids = torch.randint(0, vocab, (batch_size, seq), generator=torch.Generator().manual_seed(2))
+    model = _llm().train()
+    sizes: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        sizes.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model.loss(model({"input_ids": ids}), {"input_ids": ids})
+    loss.backward()
+    assert max(sizes) < batch_size * seq * vocab, f"a saved tensor has {max(sizes)} elements"
