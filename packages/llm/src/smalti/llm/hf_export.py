@@ -198,10 +198,12 @@ def checkpoint_tensors(folder: Path, order: list[str]) -> tuple[dict[str, list[i
     import warnings
 
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    # A checkpoint may come from elsewhere: its pickles are read only by smalti-checkpoint's restricted readers.
+    from smalti.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
+
+    metadata = SafeFileSystemReader(str(folder)).read_metadata().state_dict_metadata
     shapes, dtypes = {}, {}
     for name in order:
         meta = metadata.get(f"model.{name}")
@@ -214,7 +216,8 @@ def checkpoint_tensors(folder: Path, order: list[str]) -> tuple[dict[str, list[i
             wanted = {f"model.{name}": torch.empty(shapes[name], dtype=dtypes[name])}
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", category=UserWarning)
-                dcp.load(wanted, storage_reader=FileSystemReader(str(folder)), no_dist=True)
+                dcp.load(wanted, storage_reader=SafeFileSystemReader(str(folder)), planner=SafeLoadPlanner(),
+                         no_dist=True)
             yield name, wanted[f"model.{name}"]
 
     return shapes, gen()
