@@ -254,3 +254,12 @@ def test_s3_upload_size_check_catches_a_short_object(s3_server, s3_bucket, tmp_p
     monkeypatch.setattr(store, "_stat", short)
     with pytest.raises(IntegrityError, match="holds 5242889 bytes after upload, expected 5242890"):
         store.put_file(tmp_path / "f", "f")
+
+
+def test_every_backend_takes_read_timeout_s(target):
+    """``read_timeout_s`` (the migration table's download call) is accepted by every scheme, and used."""
+    store = target.open(retry=_fast_retry(), read_timeout_s=7.5)
+    store.put_bytes("t.bin", b"timed")
+    assert store.get_bytes("t.bin") == b"timed"
+    if target.name != "file":
+        assert getattr(store, "read_timeout_s", None) == 7.5 or getattr(store, "timeout_s", None) == 7.5

@@ -79,6 +79,7 @@ class AzureStore(BaseStore):
         account_url: str | None = None,
         credential: Any = None,
         timeout_s: float = 60.0,
+        read_timeout_s: float | None = None,
         max_concurrency: int = 4,
         retry: RetryPolicy | None = None,
         **options: int,
@@ -87,7 +88,7 @@ class AzureStore(BaseStore):
         scheme = url.split("://", 1)[0]
         super().__init__(f"{scheme}://{url.split('://', 1)[1].strip('/')}", container, prefix, retry=retry, **options)
         _import_azure()
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s if read_timeout_s is None else read_timeout_s  # the name S3Store uses
         self.max_concurrency = max(1, max_concurrency)
         self._connection_string = connection_string
         self._account_url = account_url

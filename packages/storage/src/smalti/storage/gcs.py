@@ -80,6 +80,7 @@ class GcsStore(BaseStore):
         prefix: str = "",
         project: str | None = None,
         timeout_s: float = 60.0,
+        read_timeout_s: float | None = None,
         retry: RetryPolicy | None = None,
         **options: int,
     ) -> None:
@@ -87,7 +88,7 @@ class GcsStore(BaseStore):
         if not bucket:
             raise StorageError(f"{url!r} names no bucket; write gs://bucket/prefix", url)
         self.project = project
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s if read_timeout_s is None else read_timeout_s  # the name S3Store uses
         self.emulator = os.environ.get("STORAGE_EMULATOR_HOST") or None
         self._local = threading.local()
         _import_gcs()

@@ -24,7 +24,9 @@ class LocalStore(BaseStore):
     scheme = "file"
     commit_semantics = "put is atomic per file (temp name, fsync, rename); the manifest written last is the commit"
 
-    def __init__(self, root: str | os.PathLike[str], retry: RetryPolicy | None = None, **options: int) -> None:
+    def __init__(self, root: str | os.PathLike[str], retry: RetryPolicy | None = None,
+                 read_timeout_s: float | None = None, **options: int) -> None:
+        # read_timeout_s is accepted as every backend accepts it; a local read has no network to stall on
         root_str = os.fspath(root)
         if root_str.startswith("file://"):
             root_str = root_str[len("file://") :]
