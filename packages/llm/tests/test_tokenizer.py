@@ -35,8 +35,11 @@ def test_train_and_load_by_path(tmp_path):
 
 
 def test_hub_names_are_refused():
-    with pytest.raises(TokenizerError, match="never downloads"):
+    with pytest.raises(TokenizerError, match="never downloads") as info:
         load_tokenizer("EleutherAI/gpt-neox-20b")
+    # a Hub name is told how to get a local folder, not to train a tokenizer
+    assert "huggingface-cli download EleutherAI/gpt-neox-20b" in str(info.value)
+    assert "tokenizer train" not in str(info.value)
 
 
 def test_make_tokenizer_rebuilds_the_shipped_file_byte_for_byte(tmp_path, capsys):

@@ -22,6 +22,7 @@ import torch
 
 from smalti.llm.errors import ConversionError
 from smalti.llm.model.transformer import LLM
+from smalti.llm.tokenizer import looks_like_hub_name
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: model_type -> the transformers class its folders load as.
@@ -47,7 +48,7 @@ def resolve_folder(pretrained: str | os.PathLike, key: str = "model.pretrained")
             )
         return folder
     text = str(pretrained)
-    hub_like = text.count("/") == 1 and not text.startswith((".", "/", "~")) and not folder.parent.is_dir()
+    hub_like = looks_like_hub_name(text)
     what = "looks like a Hugging Face Hub name" if hub_like else "is not an existing folder"
     raise ConversionError(
         f"{key}={text!r} {what}: smalti only reads local folders written by save_pretrained and never downloads. "

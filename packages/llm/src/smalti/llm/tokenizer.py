@@ -123,11 +123,22 @@ def load_tokenizer(name_or_path: str | os.PathLike | Tokenizer | None = None) ->
         path = path / "tokenizer.json"
     if path.is_file():
         return BPETokenizer(path)
+    if looks_like_hub_name(name):
+        raise TokenizerError(
+            f"tokenizer {name!r} looks like a Hugging Face Hub name: smalti only reads local folders written by "
+            f"save_pretrained and never downloads. Download it once, e.g. `huggingface-cli download {name} "
+            f"--local-dir ./models/{Path(name).name}`, and pass that folder (model.pretrained for model=hf)"
+        )
     raise TokenizerError(
         f"tokenizer {name!r} is neither a shipped tokenizer ({', '.join(SHIPPED)}), 'byte', nor a local "
         "tokenizer.json file or folder; smalti never downloads tokenizers: train one with "
         "`smalti-llm tokenizer train --input corpus.txt --output tokenizer.json`"
     )
+
+
+def looks_like_hub_name(text: str) -> bool:
+    """Whether ``text`` reads as ``<org>/<name>`` on the Hub rather than as a local path."""
+    return text.count("/") == 1 and not text.startswith((".", "/", "~")) and not Path(text).parent.is_dir()
 
 
 def _iter_text(files: Iterable[str | os.PathLike], chunk_chars: int = 1 << 16) -> Iterator[str]:
