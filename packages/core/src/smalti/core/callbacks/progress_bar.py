@@ -10,7 +10,8 @@ from smalti.core.plugins import Callback
 
 
 class ProgressBar(Callback):
-    """Shows batches done out of ``max_duration`` and the loss (refreshed every ``refresh_every`` batches).
+    """Shows batches done out of ``max_duration`` and the loss (refreshed every ``refresh_every`` batches and at
+    the end of the run, so the last line holds the last step's loss).
 
     Only rank 0 draws it, and only on a TTY unless ``force`` is set.
     """
@@ -35,9 +36,18 @@ class ProgressBar(Callback):
     def on_batch_end(self, state: Any) -> None:
         if self._bar is None:
             return
-        self._bar.update(1)
+        # The loss goes in before the count moves: update() is what draws, and it must draw this step's loss.
         if state.timestamp.batch % self.refresh_every == 0:
-            self._bar.set_postfix(loss=f"{float(state.batch_loss):.4f}", refresh=False)
+            self._show_loss(state, refresh=False)
+        self._bar.update(1)
+
+    def on_fit_end(self, state: Any) -> None:
+        if self._bar is not None:
+            self._show_loss(state, refresh=True)  # the last line shows the last step's loss, whatever the cadence
+
+    def _show_loss(self, state: Any, refresh: bool) -> None:
+        if state.batch_loss is not None:
+            self._bar.set_postfix(loss=f"{float(state.batch_loss):.4f}", refresh=refresh)
 
     def on_close(self) -> None:
         if self._bar is not None:
