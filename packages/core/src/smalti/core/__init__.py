@@ -24,6 +24,7 @@ _EXPORTS = {
     "Trainer": "smalti.core.trainer",
     "TrainingError": "smalti.core.errors",
     "hookimpl": "smalti.core.plugins",
+    "seed_all": "smalti.core.seed",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -27,7 +27,7 @@ from smalti.core.parallelism import DDP, Parallelism, SingleDevice
 from smalti.core.plugins import get_plugin_manager
 from smalti.core.plugins.manager import SmaltiPluginManager
 from smalti.core.precision import autocast, check_precision, make_grad_scaler
-from smalti.core.rng import seed_everything
+from smalti.core.seed import seed_all
 from smalti.core.state import State
 from smalti.core.time import Time
 
@@ -121,7 +121,7 @@ class Trainer:
         self.parallelism.init_distributed()
         if config is not None:
             distributed.check_same_config(config)
-        seed_everything(seed + 0)  # every rank the same seed: identical initial weights without a broadcast
+        seed_all(seed)  # every rank the same seed: identical initial weights without a broadcast
         self.seed = seed
         self.compile = compile
         self.pm = plugin_manager or get_plugin_manager()

@@ -14,7 +14,7 @@ from smalti.core import distributed
 from smalti.core.data import build_dataloader, per_rank_batch_size
 from smalti.core.errors import ConfigError
 from smalti.core.parallelism import Parallelism, SingleDevice
-from smalti.core.rng import seed_everything
+from smalti.core.seed import seed_all
 from smalti.core.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ def build_trainer(cfg: DictConfig) -> Trainer:
     if not isinstance(parallelism, Parallelism):
         raise ConfigError(f"`parallelism` built a {type(parallelism).__name__}, not a smalti Parallelism")
     parallelism.init_distributed()
-    seed_everything(cfg.trainer.seed)  # before the model is built: same initial weights on every rank and run
+    seed_all(cfg.trainer.seed)  # before the model is built: same initial weights on every rank and run
 
     data = cfg.data
     batch_size = per_rank_batch_size(data.global_train_batch_size, parallelism.dp_world_size)
