@@ -23,8 +23,10 @@ class Logger:
             self._hook.log_metrics(metrics=metrics, step=self._state.timestamp.batch if step is None else step)
 
     def log_hyperparameters(self, params: dict[str, Any]) -> None:
-        """Send the run's hyperparameters to every logger."""
-        self._hook.log_hyperparameters(params=params)
+        """Send the run's hyperparameters to every logger, with credentials redacted (:mod:`smalti.core.redact`)."""
+        from smalti.core.redact import redact
+
+        self._hook.log_hyperparameters(params=redact(params))
 
     def log_artifact(self, local_path: str, name: str | None = None) -> None:
         """Send a file to every logger that stores artifacts."""

@@ -8,12 +8,13 @@ from typing import Any
 
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from smalti.core import distributed
 from smalti.core.data import build_dataloader, per_rank_batch_size
 from smalti.core.errors import ConfigError
 from smalti.core.parallelism import Parallelism, SingleDevice
+from smalti.core.redact import redact
 from smalti.core.seed import seed_all
 from smalti.core.trainer import Trainer
 
@@ -37,7 +38,9 @@ def build_group(nodes: Any, key: str) -> dict[str, Any]:
         if node is None:
             continue
         if not isinstance(node, DictConfig) or "_target_" not in node:
-            raise ConfigError(f"`{key}.{name}` must be a mapping with a `_target_`, got {OmegaConf.to_yaml(node)!r}")
+            shown = redact(OmegaConf.to_container(node) if isinstance(node, DictConfig | ListConfig) else node)
+            text = OmegaConf.to_yaml(shown) if isinstance(shown, dict | list) else str(shown)
+            raise ConfigError(f"`{key}.{name}` must be a mapping with a `_target_`, got {text!r}")
         out[str(name)] = build(node, f"{key}.{name}")
     return out
 

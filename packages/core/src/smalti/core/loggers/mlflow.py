@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import sys
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 from smalti.core.errors import ConfigError
 from smalti.core.loggers.queued import QueuedLoggerDestination, flatten_params
+from smalti.core.redact import redact, redact_url
 
 # Limits of one MLflow ``log_batch`` request and of a parameter value.
 _MAX_METRICS_PER_BATCH = 1000
@@ -43,7 +47,7 @@ class MLflowLogger(QueuedLoggerDestination):
         tracking_uri: server address; default ``$MLFLOW_TRACKING_URI`` (else mlflow's default, ``./mlruns``).
         experiment_name: created if it does not exist.
         run_name: default: the trainer's run name.
-        tags: run tags.
+        tags: run tags (credentials in them are redacted, as in every logged config).
         log_system_metrics: also record CPU/GPU/memory use with mlflow's system-metrics monitor (needs psutil).
         system_metrics_interval_s: sampling interval of that monitor.
         **kwargs: queue settings of :class:`~smalti.core.loggers.queued.QueuedLoggerDestination`.
@@ -59,12 +63,13 @@ class MLflowLogger(QueuedLoggerDestination):
         self.tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
         self.experiment_name = experiment_name
         self.run_name = run_name
-        self.tags = {str(k): str(v) for k, v in (tags or {}).items()}
+        self.tags = {str(k): str(v) for k, v in redact(dict(tags or {})).items()}  # tags are logged: no secrets
         self.log_system_metrics = log_system_metrics
         self.system_metrics_interval_s = system_metrics_interval_s
         #: The MLflow run id, set once the sender thread has created the run.
         self.run_id: str | None = None
         self._client: Any = None
+        self._experiment_id: str | None = None
         self._monitor: Any = None
 
     def on_init(self, state: Any) -> None:
@@ -78,7 +83,7 @@ class MLflowLogger(QueuedLoggerDestination):
         experiment = client.get_experiment_by_name(self.experiment_name)
         experiment_id = experiment.experiment_id if experiment else client.create_experiment(self.experiment_name)
         run = client.create_run(experiment_id, run_name=self.run_name, tags=self.tags)
-        self._client, self.run_id = client, run.info.run_id
+        self._client, self.run_id, self._experiment_id = client, run.info.run_id, experiment_id
         if self.log_system_metrics:
             from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
@@ -125,7 +130,15 @@ class MLflowLogger(QueuedLoggerDestination):
             self._monitor.finish()
             self._monitor = None
         if self._client is not None and self.run_id is not None:
-            self._client.set_terminated(self.run_id, status=status)
+            shown = redact_url(self.tracking_uri or "")
+            if shown == (self.tracking_uri or ""):
+                self._client.set_terminated(self.run_id, status=status)
+                return
+            # MLflow prints the run's link with the tracking URI as given, password included: print it redacted.
+            with _env("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true"):
+                self._client.set_terminated(self.run_id, status=status)
+            experiment_url = f"{shown.rstrip('/')}/#/experiments/{self._experiment_id}"
+            sys.stdout.write(f"View run {self.run_name} at: {experiment_url}/runs/{self.run_id}\n")
 
     def _is_transient(self, exc: BaseException) -> bool:
         from mlflow.exceptions import MlflowException
@@ -135,3 +148,17 @@ class MLflowLogger(QueuedLoggerDestination):
         if isinstance(exc, MlflowException):
             return exc.error_code in _RETRYABLE_CODES
         return isinstance(exc, OSError)
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    """``os.environ[name] = value`` for the duration of the block."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 from smalti.core.errors import ConfigError
 from smalti.core.loggers.queued import QueuedLoggerDestination
+from smalti.core.redact import redact
 
 
 class WandBLogger(QueuedLoggerDestination):
@@ -30,7 +34,7 @@ class WandBLogger(QueuedLoggerDestination):
         self.project, self.entity, self.name = project, entity, name
         self.mode = mode or os.environ.get("WANDB_MODE")
         self.dir = dir
-        self.tags = list(tags or [])
+        self.tags = redact(list(tags or []))  # tags are logged: no URL credentials in them
         self.run: Any = None
 
     def on_init(self, state: Any) -> None:
@@ -42,8 +46,9 @@ class WandBLogger(QueuedLoggerDestination):
 
         if self.dir:
             os.makedirs(self.dir, exist_ok=True)
-        self.run = wandb.init(project=self.project, entity=self.entity, name=self.name, mode=self.mode,
-                              dir=self.dir, tags=self.tags, reinit="create_new")
+        with _redacted_argv():  # W&B records the command line, where overrides may carry credentials
+            self.run = wandb.init(project=self.project, entity=self.entity, name=self.name, mode=self.mode,
+                                  dir=self.dir, tags=self.tags, reinit="create_new")
 
     def _send(self, items: list[Any]) -> None:
         for item in items:
@@ -63,3 +68,14 @@ class WandBLogger(QueuedLoggerDestination):
         from wandb.errors import CommError
 
         return isinstance(exc, CommError | OSError)
+
+
+@contextlib.contextmanager
+def _redacted_argv() -> Iterator[None]:
+    """``sys.argv`` with credentials redacted while W&B reads it (its run metadata keeps the arguments)."""
+    original = list(sys.argv)
+    sys.argv[:] = redact(original)
+    try:
+        yield
+    finally:
+        sys.argv[:] = original
