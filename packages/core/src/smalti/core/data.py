@@ -1,14 +1,22 @@
-"""Train and eval dataloaders: per-rank batch from a global batch, a sampler that resumes mid-epoch."""
+"""Train and eval dataloaders: per-rank batch from a global batch, a sampler that resumes mid-epoch.
+
+Data loading never draws from torch's global generator: that stream belongs to the model (dropout, router
+jitter), and a checkpoint restores it exactly. A ``DataLoader`` left with ``generator=None`` takes its workers'
+base seed (and a ``RandomSampler`` its permutation) from the global stream at every ``iter()``, so a run resumed
+from a checkpoint would see the model's random numbers shifted by that draw. :func:`seed_data_loading` gives
+the loader a generator of its own, seeded from the run seed and the epoch.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, Sampler
 
 from smalti.core.errors import ConfigError
 
@@ -73,6 +81,40 @@ class ResumableDistributedSampler(Sampler[int]):
         return self.num_samples - self.start
 
 
+#: Set on a DataLoader whose generator smalti made, so the trainer may reseed it (a user's own is left alone).
+_OWNED = "_smalti_owns_generator"
+
+
+def data_seed(seed: int, epoch: int, stream: str = "train") -> int:
+    """The seed of data loading's own generator for ``epoch`` of a run seeded ``seed`` (63 bits, well mixed).
+
+    Hashed rather than ``seed + epoch``, so it never equals a seed the model's stream was given.
+    """
+    digest = hashlib.blake2b(f"smalti-data/{stream}/{seed}/{epoch}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def seed_data_loading(loader: Any, seed: int, epoch: int, stream: str = "train") -> None:
+    """Make ``loader`` draw its random numbers from a generator of its own, seeded by ``(seed, epoch)``.
+
+    Called by the trainer before each epoch (and each evaluation). A ``DataLoader`` without a generator gets
+    one (shared with its ``RandomSampler`` when that has none), so ``iter(loader)`` leaves torch's global
+    generator, the model's stream, untouched; one smalti made is reseeded, so epoch ``e`` of a resumed run
+    loads as epoch ``e`` of an uninterrupted one. A generator the user passed is theirs and is not reseeded.
+    Anything that is not a ``DataLoader`` is left as it is.
+    """
+    if not isinstance(loader, DataLoader):
+        return
+    if loader.generator is None:
+        loader.generator = torch.Generator()
+        setattr(loader, _OWNED, True)
+        sampler = loader.sampler
+        if isinstance(sampler, RandomSampler) and sampler.generator is None:
+            sampler.generator = loader.generator
+    if getattr(loader, _OWNED, False):
+        loader.generator.manual_seed(data_seed(seed, epoch, stream))
+
+
 def per_rank_batch_size(global_batch_size: int, dp_world_size: int, what: str = "global_train_batch_size") -> int:
     """``global_batch_size / dp_world_size``; raise naming the key when it does not divide evenly."""
     if global_batch_size % dp_world_size:
@@ -98,7 +140,8 @@ def build_dataloader(
     """A DataLoader over ``dataset`` for this rank (a ready DataLoader is returned unchanged).
 
     Map-style datasets get a :class:`ResumableDistributedSampler`; iterable datasets (streaming) split
-    themselves over ranks.
+    themselves over ranks. The loader draws from its own generator (see :func:`seed_data_loading`), never
+    from torch's global one.
     """
     if isinstance(dataset, DataLoader):
         return dataset
@@ -106,19 +149,22 @@ def build_dataloader(
         if getattr(dataset, "batch_size", None) != batch_size and hasattr(dataset, "batch_size"):
             # Streaming datasets split global batches themselves and must know the per-rank batch size.
             dataset.batch_size = batch_size
-        return DataLoader(
+        loader = DataLoader(
             dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn, drop_last=drop_last, **kwargs
         )
-    sampler = ResumableDistributedSampler(
-        dataset, num_replicas=dp_world_size, rank=dp_rank, shuffle=shuffle, seed=seed, drop_last=drop_last
-    )
-    return DataLoader(
-        dataset,
-        batch_size=batch_size,
-        sampler=sampler,
-        num_workers=num_workers,
-        collate_fn=collate_fn,
-        drop_last=drop_last,
-        persistent_workers=False,
-        **kwargs,
-    )
+    else:
+        sampler = ResumableDistributedSampler(
+            dataset, num_replicas=dp_world_size, rank=dp_rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+        )
+        loader = DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            num_workers=num_workers,
+            collate_fn=collate_fn,
+            drop_last=drop_last,
+            persistent_workers=False,
+            **kwargs,
+        )
+    seed_data_loading(loader, seed, 0)
+    return loader

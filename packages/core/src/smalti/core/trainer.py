@@ -18,6 +18,7 @@ from torch import nn
 
 from smalti.core import distributed
 from smalti.core.batching import batch_size_of, move_to_device, num_tokens_of, split_batch
+from smalti.core.data import seed_data_loading
 from smalti.core.errors import ConfigError, TrainingError
 from smalti.core.evaluator import Evaluator
 from smalti.core.events import Event
@@ -354,6 +355,7 @@ class Trainer:
     def _prepare_epoch(self, loader: Any) -> None:
         """Tell the sampler the epoch, and skip what was already trained when resuming mid-epoch."""
         ts = self.state.timestamp
+        seed_data_loading(loader, self.seed, ts.epoch)  # iter(loader) must not draw from the model's RNG stream
         sampler = getattr(loader, "sampler", None)
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(ts.epoch)
@@ -519,6 +521,7 @@ class Trainer:
             metric.reset()
             metric.to(state.device)
         self._event(Event.EVAL_START)
+        seed_data_loading(evaluator.dataloader, self.seed, 0, stream=f"eval/{evaluator.label}")
         eval_forward = getattr(state.raw_model, "eval_forward", None)
         updater = getattr(state.raw_model, "update_metric", None)
         with torch.no_grad():

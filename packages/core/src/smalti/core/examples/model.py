@@ -19,12 +19,20 @@ class TokenAccuracy(MeanMetric):
 
 
 class MLPRegressor(nn.Module):
-    """A small MLP for ``(x, y)`` regression batches, with MSE loss. No dropout: runs are bit-reproducible."""
+    """A small MLP for ``(x, y)`` regression batches, with MSE loss.
 
-    def __init__(self, in_features: int = 16, hidden: int = 64, out_features: int = 4, depth: int = 2) -> None:
+    ``dropout`` (default 0) adds dropout after each hidden layer; it draws from torch's global generator,
+    which checkpoints save and restore, so runs with it resume bit-identically too.
+    """
+
+    def __init__(self, in_features: int = 16, hidden: int = 64, out_features: int = 4, depth: int = 2,
+                 dropout: float = 0.0) -> None:
         super().__init__()
         dims = [in_features] + [hidden] * depth
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(a, b), nn.GELU()) for a, b in zip(dims, dims[1:]))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(a, b), nn.GELU(), *([nn.Dropout(dropout)] if dropout else []))
+            for a, b in zip(dims, dims[1:])
+        )
         self.head = nn.Linear(dims[-1], out_features)
 
     def init_weights(self) -> None:

@@ -1,0 +1,76 @@
+"""Models that draw random numbers (dropout, MoE router jitter) resume bit-identically after a SIGKILL.
+
+A run is killed (SIGKILL, no clean-up) after a committed checkpoint, started again with
+``checkpoint.autoresume=true``, and must end with parameters and optimizer state equal (``torch.equal``) to an
+uninterrupted run's. This holds only if nothing but the model draws from torch's global generator between the
+restore of the RNG states and the next step: ``iter(DataLoader)`` used to (its workers' base seed), which
+shifted every dropout mask and jitter draw after a resume.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("smalti.checkpoint")
+
+from smalti.checkpoint.export import load_full  # noqa: E402
+from smalti.testing.torchrun import run_process_group  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+PROBES = ROOT / "packages" / "core" / "tests" / "launch_fixtures"  # launch_probe.KillOnce
+
+
+def train(workdir: Path, name: str, overrides: list[str], *extra: str):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SMALTI_RUN_NAME": name,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(PROBES), os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "smalti.core.cli.train", *overrides, "callbacks=[]", "logger=[]", "checkpoint=dcp",
+           f"hydra.run.dir={workdir / name}", *extra]
+    return run_process_group(cmd, env=env, cwd=workdir, timeout=120)
+
+
+def final_state(folder: Path) -> dict[str, torch.Tensor]:
+    return {**load_full(folder, "model."), **{f"optim.{k}": v for k, v in load_full(folder, "optim.").items()}}
+
+
+def kill_and_resume(tmp_path: Path, overrides: list[str], save_every: int, kill_at: int, last: str) -> None:
+    """Reference run; run killed at the end of batch ``kill_at``; resumed run; compare the ``last`` checkpoints."""
+    ref = train(tmp_path, "reference", overrides, f"checkpoint.save_folder={tmp_path / 'ref'}",
+                "checkpoint.save_interval=null")
+    assert ref.returncode == 0, ref.stderr[-4000:]
+
+    ck, marker = tmp_path / "ck", tmp_path / "killed.txt"
+    common = [f"checkpoint.save_folder={ck}", f"checkpoint.save_interval={save_every}ba", "checkpoint.autoresume=true"]
+    killed = train(tmp_path, "run", overrides, *common, "+callbacks.kill._target_=launch_probe.KillOnce",
+                   f"+callbacks.kill.marker={marker}", f"+callbacks.kill.batch={kill_at}", "+callbacks.kill.rank=0")
+    assert killed.returncode == -9, killed.stderr[-4000:]
+    assert marker.exists() and not (ck / last).exists()
+    resumed = train(tmp_path, "run", overrides, *common)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    resumed_at = kill_at // save_every * save_every
+    assert f"batch {resumed_at}" in resumed.stdout + resumed.stderr
+
+    reference, got = final_state(tmp_path / "ref" / last), final_state(ck / last)
+    assert set(reference) == set(got)
+    differ = [key for key in reference if not torch.equal(reference[key], got[key])]
+    assert not differ, f"{len(differ)} of {len(reference)} tensors differ after the resume: {differ[:5]}"
+
+
+def test_mlp_with_dropout_resumes_bit_identical_across_an_epoch_boundary(tmp_path):
+    # 8 batches an epoch: checkpoints at 5 and 10, killed after 11, resumed mid-epoch 1 (batch 2 of it).
+    overrides = ["model=mlp", "model.dropout=0.3", "data=synthetic", "data.train.num_samples=256", "data.eval=null",
+                 "trainer.max_duration=14ba", "trainer.eval_interval=null"]
+    kill_and_resume(tmp_path, overrides, save_every=5, kill_at=11, last="ep1-ba14")
+
+
+def test_moe_tiny_with_router_jitter_resumes_bit_identical(tmp_path):
+    pytest.importorskip("smalti.llm")
+    pytest.importorskip("smalti.moe")
+    overrides = ["experiment=moe_tiny", "+model.moe.router_jitter=0.1", "model.n_layers=1", "model.max_seq_len=32",
+                 "data.global_train_batch_size=8", "data.eval=null", "callbacks.mlflow_model=null",
+                 "trainer.max_duration=6ba", "trainer.eval_interval=null"]
+    kill_and_resume(tmp_path, overrides, save_every=2, kill_at=3, last="ep0-ba6")
