@@ -5,13 +5,59 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from smalti.core.errors import DistributedError
+
+log = logging.getLogger(__name__)
+
+#: torchrun's agent reads it: "1" gives restarted workers a fresh rendezvous store each round. Left unset, the
+#: workers share the agent's TCP store, whose keys outlive a failed round; after a worker dies the restarted
+#: group fails to reconnect (gloo: connection refused) or hangs (pytorch/pytorch#135712).
+RDZV_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+_restart_warning_given = False
+
+
+def restart_store_problem(environ: Mapping[str, str] = os.environ) -> str | None:
+    """What to tell a torchrun worker whose restarts may not restart, or None when all is well.
+
+    Restarts are on when torchrun exported ``TORCHELASTIC_MAX_RESTARTS`` above 0; they work when the agent ran
+    with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (workers inherit its environment, so they see the same value).
+    """
+    try:
+        max_restarts = int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    except ValueError:
+        return None
+    if max_restarts <= 0 or environ.get(RDZV_STORE_ENV) == "1":
+        return None
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "False":  # a rendezvous that shares no store
+        return None
+    return (
+        f"torchrun restarts are on (--max-restarts={max_restarts}) but {RDZV_STORE_ENV} is not set to 1: after a "
+        "worker dies, the restarted workers can fail to reconnect (gloo: connection refused) or hang, because they "
+        f"share the agent's rendezvous store. Start torchrun with it set, e.g. `{RDZV_STORE_ENV}=1 torchrun "
+        f"--standalone ...`, or `export {RDZV_STORE_ENV}=1` before torchrun on every node (smalti-launch k8s and "
+        "the Slurm/submitit launchers set it themselves)"
+    )
+
+
+def warn_if_restarts_may_hang(environ: Mapping[str, str] = os.environ) -> bool:
+    """Log :func:`restart_store_problem`'s warning once, on rank 0 of the first attempt; return whether it did."""
+    global _restart_warning_given
+    if _restart_warning_given or environ.get("RANK", "0") != "0" or environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return False
+    problem = restart_store_problem(environ)
+    if problem is None:
+        return False
+    _restart_warning_given = True
+    log.warning(problem)
+    return True
 
 
 def env_world_size() -> int:
@@ -51,6 +97,7 @@ def init_process_group(backend: str | None = None, timeout_s: float = 600) -> bo
         return True
     if env_world_size() <= 1:
         return False
+    warn_if_restarts_may_hang()  # smalti-train warns earlier; this covers a Trainer started from Python
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":

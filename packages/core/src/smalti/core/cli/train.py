@@ -26,11 +26,13 @@ quiet_launcher_schema_notice()  # conf/hydra/launcher/submitit_*.yaml match smal
 @hydra.main(version_base="1.3", config_path="pkg://smalti.core.conf", config_name="train")
 def _train(cfg: DictConfig) -> float:
     from smalti.core.config.build import run
+    from smalti.core.distributed import warn_if_restarts_may_hang
 
     # Scale-out: inside a submitit (Slurm/local) job but not yet under torchrun, start torchrun's agent for this
     # node, which runs this app again on each rank (smalti.core.launch.node). Otherwise train here.
     if should_start_agent():
         return run_node_agent(cfg.run_name)
+    warn_if_restarts_may_hang()  # plain torchrun: smalti cannot set the variable for the agent, so it says how
     return report_result(run(cfg))
 
 
