@@ -158,7 +158,8 @@ def jsonl_section(loader: DataLoader, width: int, rounds: int, warmup: int) -> N
     share = flush_us * lines_per_step / (f_ms * 1e3)
     print(f"\nsmalti + JSONL buffered (100 lines)  median step {b_ms:7.3f} ms")
     print(f"smalti + JSONL flushed every line    median step {f_ms:7.3f} ms")
-    print(f"ratio flushed / buffered = {f_ms / b_ms:.3f}   (end to end; machine noise is of the order of 1-2%)")
+    print(f"ratio flushed / buffered = {f_ms / b_ms:.3f}   (end to end: on a busy machine its noise exceeds the flush "
+          "cost; the line below measures the flush directly)")
     print(f"flush cost: {flush_us:.2f} us per line x {lines_per_step:.1f} lines per step = "
           f"{flush_us * lines_per_step:.1f} us per step = {100 * share:.3f}% of the step   (goal < 1%)")
 
