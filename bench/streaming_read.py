@@ -8,8 +8,14 @@ the ratio smalti / mosaic and the time to the first batch (counted from the data
 so index download and set-up are included for both libraries).
 
     python bench/streaming_read.py [--samples 200000] [--skip-s3] [--repeats 1]
+    python bench/streaming_read.py --remote gs://bench/ds   # or az://bench/ds, s3://bench/ds
 
 The issue's figure is 200k samples (~800 MB); ``--samples 20000`` runs in about a minute on a small machine.
+
+``--remote gs://...`` / ``az://...`` reads a cold epoch from the loopback GCS emulator / Azurite (started
+here, the dataset uploaded through smalti-storage) with smalti-streaming only (mosaicml-streaming cannot be
+pointed at these emulators), and prints its ratio against the same epoch from loopback S3 (moto) as the
+baseline, run alternately in the same script.
 """
 
 from __future__ import annotations
@@ -114,14 +120,88 @@ def report(title: str, ours: dict[str, float], theirs: dict[str, float], mb_per_
     print(f"  ratio smalti / mosaic = {o / t:.2f}   time to first batch ratio = {ours['first_batch'] / theirs['first_batch']:.2f}")
 
 
+def start_remote(url: str, work: Path, data: Path) -> tuple[dict[str, str], object]:
+    """Start the loopback server for ``url``'s scheme, upload ``data`` there; (environment, server)."""
+    from smalti.storage import open_store, split_url
+    from smalti.testing.cloud_servers import find_azurite, start_azurite, start_gcs_server
+    from smalti.testing.servers import start_s3_server
+
+    scheme, bucket, _ = split_url(url)
+    work.mkdir(parents=True, exist_ok=True)
+    if scheme == "s3":
+        server = start_s3_server()
+        server.client().create_bucket(Bucket=bucket)
+        env = {k: os.environ[k] for k in ("S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                          "AWS_DEFAULT_REGION")}
+    elif scheme == "gs":
+        server = start_gcs_server(work)
+        server.client().create_bucket(bucket)
+        env = server.env()
+    elif scheme in ("az", "azure"):
+        exe = find_azurite(ROOT)
+        if exe is None:
+            raise SystemExit("Azurite is not installed: run scripts/setup.sh")
+        server = start_azurite(work, exe)
+        server.client().create_container(bucket)
+        env = server.env()
+    else:
+        raise SystemExit(f"--remote {url}: this bench starts loopback servers for s3://, gs:// and az:// only")
+    os.environ.update(env)
+    store = open_store(url)
+    for path in sorted(data.iterdir()):
+        store.put_file(path, path.name)
+    return env, server
+
+
+def compare_remote(url: str, work: Path, data: Path, repeats: int, mb_per_sample: float) -> None:
+    """Cold epochs from ``url`` (its emulator) against the same from loopback S3, smalti-streaming only."""
+    baseline = "s3://bench/ds"
+    servers = []
+    try:
+        env, server = start_remote(url, work / "remote", data)
+        servers.append(server)
+        base_env, server = start_remote(baseline, work / "s3", data)
+        servers.append(server)
+        runs: dict[str, list[dict[str, float]]] = {url: [], baseline: []}
+        for _ in range(repeats):
+            for target, target_env in ((url, env), (baseline, base_env)):
+                runs[target].append(run_once(sys.executable, "smalti", target, work / "cache", target_env))
+        med = {t: {k: float(np.median([r[k] for r in rs])) for k in ("samples", "seconds", "first_batch")}
+               for t, rs in runs.items()}
+        for t, m in med.items():
+            rate = m["samples"] / m["seconds"]
+            print(f"  {t:24s} {rate:10.0f} samples/s  {rate * mb_per_sample:8.1f} MB/s  "
+                  f"first batch {m['first_batch']:.2f} s")
+        ours, base = med[url], med[baseline]
+        print(f"  ratio {url} / s3 = {(ours['samples'] / ours['seconds']) / (base['samples'] / base['seconds']):.2f}"
+              f"   time to first batch ratio = {ours['first_batch'] / base['first_batch']:.2f}")
+    finally:
+        for server in servers:
+            server.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=200_000, help="dataset size (scale down on small machines)")
     parser.add_argument("--skip-s3", action="store_true")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs per library and source, alternating; the medians are reported")
+    parser.add_argument("--remote", help="gs://bucket/ds, az://container/ds or s3://bucket/ds: a cold epoch from "
+                        "that scheme's loopback server against loopback S3, smalti-streaming only")
     args = parser.parse_args()
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's request log
+    sys.path.insert(0, str(ROOT / "packages" / "testing" / "src"))
+    if args.remote:
+        work = Path(tempfile.mkdtemp(prefix="bench-streaming-"))
+        try:
+            data = work / "data"
+            size = write_data(data, args.samples)
+            print(f"dataset: {args.samples} samples x {SEQ} uint16 tokens, {size / 1e6:.0f} MB zstd")
+            print(f"\ncold epoch from {args.remote} vs loopback S3 (py1e, batch 32, 2 workers, empty cache)")
+            compare_remote(args.remote, work, data, args.repeats, SEQ * 2 / 1e6)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        return
     mosaic = str(ensure_mosaic_venv())
     work = Path(tempfile.mkdtemp(prefix="bench-streaming-"))
     try:
@@ -135,7 +215,6 @@ def main() -> None:
         report("local disk, full shuffled epoch (py1e, batch 32, 2 workers)", ours, theirs, mb_per_sample)
         if args.skip_s3:
             return
-        sys.path.insert(0, str(ROOT / "packages" / "testing" / "src"))
         from smalti.testing.servers import start_s3_server
 
         server = start_s3_server()

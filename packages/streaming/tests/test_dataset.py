@@ -298,14 +298,15 @@ def test_stale_temporary_downloads_are_removed_and_fresh_ones_kept(dataset_dir, 
     cache = tmp_path / "cache"
     cache.mkdir()
     shutil.copy(dataset_dir / "index.json", cache / "index.json")
-    stale = cache / ".shard.00001.mds.zstd.k1lled.tmp"  # left by a SIGKILLed download an hour ago
-    fresh = cache / ".shard.00002.mds.zstd.runn1ng.tmp"  # another process is downloading it right now
+    stale = cache / ".shard.00001.mds.zstd.smalti-tmp-k1lled"  # left by a SIGKILLed download an hour ago
+    legacy = cache / ".shard.00003.mds.zstd.k1lled.tmp"  # the same, by an older smalti-streaming
+    fresh = cache / ".shard.00002.mds.zstd.smalti-tmp-runn1ng"  # another process is downloading it right now
     unrelated = cache / "notes.tmp"
-    for path in (stale, fresh, unrelated):
+    for path in (stale, legacy, fresh, unrelated):
         path.write_bytes(b"partial")
     old = time.time() - 3600
-    os.utime(stale, (old, old))
-    os.utime(unrelated, (old, old))
+    for path in (stale, legacy, unrelated):
+        os.utime(path, (old, old))
     ds = StreamingDataset(remote=str(dataset_dir), local=str(cache), batch_size=8)
-    assert not stale.exists() and fresh.exists() and unrelated.exists()
+    assert not stale.exists() and not legacy.exists() and fresh.exists() and unrelated.exists()
     assert sorted(ids(ds)) == sorted(list(range(1003)) + list(range(5)))

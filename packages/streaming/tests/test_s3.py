@@ -93,7 +93,7 @@ def test_workers_download_each_shard_once(dataset_dir, upload_dataset, s3_proxy,
     cache = tmp_path / "cache"
     cache.mkdir()
     # A download killed in an earlier run left its temporary file behind: it must not stall this one.
-    stale = cache / ".shard.00000.mds.zstd.abc123.tmp"
+    stale = cache / ".shard.00000.mds.zstd.smalti-tmp-abc123"
     stale.write_bytes(b"partial")
     old = time.time() - 3600
     import os

@@ -1,4 +1,4 @@
-"""smalti-streaming: MDS shards and a deterministic, resumable StreamingDataset from disk or S3."""
+"""smalti-streaming: MDS shards and a deterministic, resumable StreamingDataset from local disk or object storage."""
 
 __version__ = "0.1.0"
 
@@ -7,11 +7,13 @@ from smalti.streaming.errors import (  # noqa: E402
     ShardCorruptError,
     StreamingError,
     UnsafePathError,
+    UploadError,
 )
 from smalti.streaming.mds import MDSWriter, ShardReader, load_index, merge_index, read_shard_samples  # noqa: E402
 
 __all__ = ["DownloadError", "MDSWriter", "ShardCorruptError", "ShardReader", "Stream", "StreamingDataLoader",
-           "StreamingDataset", "StreamingError", "UnsafePathError", "load_index", "merge_index", "read_shard_samples"]
+           "StreamingDataset", "StreamingError", "UnsafePathError", "UploadError", "load_index", "merge_index",
+           "read_shard_samples"]
 
 
 def __getattr__(name: str):

@@ -34,7 +34,7 @@ from smalti.streaming.mds import (
     remove_copy,
     verify_file,
 )
-from smalti.streaming.storage import download_file
+from smalti.streaming.storage import Fetcher
 
 if TYPE_CHECKING:
     from smalti.streaming.dataset import Stream
@@ -58,12 +58,12 @@ class ShardCache:
     """Local copies of the shards of ``streams``; ``shards`` lists ``(stream index, index entry)``."""
 
     def __init__(self, streams: list[Stream], shards: list[tuple[int, dict[str, Any]]], cache_limit: int | None,
-                 download_retry: int, download_timeout: float, validate_hash: bool,
+                 fetcher: Fetcher, validate_hash: bool,
                  peer_grace_s: float = 2.0, allow_unsafe_types: bool = False) -> None:
         self.streams, self.shards = streams, shards
         self.allow_unsafe_types = allow_unsafe_types
         self.cache_limit = cache_limit
-        self.download_retry, self.download_timeout = download_retry, download_timeout
+        self.fetcher = fetcher
         self.validate_hash = validate_hash
         self.peer_grace_s = peer_grace_s
         self._lock = threading.Lock()
@@ -90,6 +90,7 @@ class ShardCache:
         self._shard_locks = {}
         self._readers = OrderedDict()
         self._checked = set()
+        self.fetcher._new_process()
 
     def raw_path(self, shard: int) -> Path:
         si, entry = self.shards[shard]
@@ -178,7 +179,7 @@ class ShardCache:
             return
         downloaded = False
         if not fetched.exists():
-            remote = stream.remote_path(info["basename"])
+            remote = stream.remote_root()
             if remote is None:
                 raise StreamingError(f"shard {fetched} of stream {stream.name} is missing and there is no remote")
 
@@ -188,7 +189,7 @@ class ShardCache:
                 if not zip_info:  # the downloaded file is the copy samples are read from: record it
                     record_copy(tmp, file_digest(tmp), final=fetched)
 
-            download_file(remote, fetched, self.download_retry, self.download_timeout, check)
+            self.fetcher.get(remote, info["basename"], fetched, check)
             downloaded = True
         if zip_info:
             try:

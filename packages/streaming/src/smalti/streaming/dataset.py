@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import IterableDataset, get_worker_info
 
+from smalti.storage import is_temp_name
 from smalti.streaming.cache import ShardCache
 from smalti.streaming.errors import StreamingError
 from smalti.streaming.mds import INDEX, check_columns, load_index, parse_size
@@ -29,7 +30,7 @@ from smalti.streaming.order import (
     split_selection,
     stream_counts,
 )
-from smalti.streaming.storage import download_file
+from smalti.streaming.storage import Fetcher
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +105,17 @@ class Stream:
         return Path(self.local) / self.split if self.split else Path(self.local)
 
     def remote_path(self, name: str) -> str | None:
+        """The URL (or path) of file ``name`` of this stream's remote copy; ``None`` without a remote."""
+        root = self.remote_root()
+        if root is None:
+            return None
+        return f"{root}/{name}" if "://" in root else os.path.join(root, name)
+
+    def remote_root(self) -> str | None:
+        """The URL (or folder) of this stream's remote copy (with ``split``); ``None`` without a remote."""
         if self.remote is None:
             return None
-        parts = [self.remote.rstrip("/")] + ([self.split] if self.split else []) + [name]
+        parts = [self.remote.rstrip("/")] + ([self.split] if self.split else [])
         return "/".join(parts) if "://" in self.remote else os.path.join(*parts)
 
     @property
@@ -224,6 +233,7 @@ class StreamingDataset(IterableDataset):
         self.epoch_size = epoch_size
         self.predownload = 8 * self.batch_size if predownload is None else predownload
         self.download_retry, self.download_timeout = download_retry, download_timeout
+        self._fetcher = Fetcher(download_retry, download_timeout)
         self.validate_hash = validate_hash
         self.allow_unsafe_types = allow_unsafe_types
         self.proportion_schedule = self._check_schedule(proportion_schedule or [], len(streams))
@@ -255,7 +265,7 @@ class StreamingDataset(IterableDataset):
             if self.cache_limit < largest:
                 raise StreamingError(f"cache_limit={self.cache_limit} bytes is smaller than the largest shard "
                                      f"({largest} bytes with its zip); raise cache_limit")
-        self.cache = ShardCache(streams, shards, self.cache_limit, download_retry, download_timeout, validate_hash,
+        self.cache = ShardCache(streams, shards, self.cache_limit, self._fetcher, validate_hash,
                                 allow_unsafe_types=allow_unsafe_types)
         self._remove_stale_downloads()
 
@@ -276,7 +286,9 @@ class StreamingDataset(IterableDataset):
         for folder in dirs:
             if not folder.is_dir():
                 continue
-            for tmp in folder.glob(".*.tmp"):
+            for tmp in folder.glob(".*"):
+                if not (is_temp_name(tmp.name) or tmp.name.endswith(".tmp")):  # .tmp: left by older versions
+                    continue
                 try:
                     if tmp.stat().st_mtime < cutoff:
                         tmp.unlink()
@@ -347,9 +359,9 @@ class StreamingDataset(IterableDataset):
 
     def _load_stream_index(self, stream: Stream) -> list[dict[str, Any]]:
         local = stream.local_dir() / INDEX
-        remote = stream.remote_path(INDEX)
+        remote = stream.remote_root()
         if remote is not None and not local.exists():
-            download_file(remote, local, self.download_retry, self.download_timeout)
+            self._fetcher.get(remote, INDEX, local)
         if not local.exists():
             raise StreamingError(f"stream {stream.name}: no {INDEX} at {local} and no remote to fetch it from")
         entries = load_index(local)

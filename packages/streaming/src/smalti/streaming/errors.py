@@ -20,3 +20,7 @@ class DownloadError(StreamingError):
 
 class UnsafePathError(StreamingError):
     """A file or folder name read from a file (an index's shard basename, a sub-index) would leave its folder."""
+
+
+class UploadError(StreamingError):
+    """A dataset file could not be written to its remote store (after smalti-storage's retries)."""

@@ -20,9 +20,10 @@ from typing import Any
 
 import numpy as np
 
+from smalti.storage import StorageError, atomic_write, atomic_write_bytes, open_store, split_url
 from smalti.streaming import compression as comp
 from smalti.streaming import encodings
-from smalti.streaming.errors import ShardCorruptError, StreamingError
+from smalti.streaming.errors import ShardCorruptError, StreamingError, UploadError
 from smalti.streaming.hashing import digest
 from smalti.streaming.paths import check_name
 
@@ -51,48 +52,27 @@ def parse_size(value: int | str | None) -> int | None:
     return int(value)
 
 
-def _file_mode() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
-FILE_MODE = _file_mode()  # what open() would give; mkstemp's 0600 would hide shared datasets from other users
-
-
-def temp_file(path: Path) -> tuple[int, str]:
-    """An open temporary file beside ``path`` (``.<name>.<random>.tmp``) with the usual permissions."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.fchmod(fd, FILE_MODE)
-    return fd, tmp
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to a temporary name beside ``path`` and rename it: never a half-written ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = temp_file(path)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 class MDSWriter:
     """Writes samples (dicts keyed by column) into MDS shards of at most ``size_limit`` bytes.
 
-    ``out`` is a local directory or an ``s3://`` prefix (shards are staged locally, uploaded, and
-    ``index.json`` goes last). Use as a context manager; ``index.json`` is written only by :meth:`finish`,
-    so an interrupted write never looks like a complete dataset.
+    ``out`` is a local directory or any URL smalti-storage opens (``s3://``, ``gs://``, ``az://``, ``oci://``,
+    plugin schemes): shards are staged locally, uploaded, and ``index.json`` goes last, so readers never see
+    an index that lists a shard not yet there. Use as a context manager; ``index.json`` is written only by
+    :meth:`finish`, so an interrupted write never looks like a complete dataset.
     """
 
     def __init__(self, out: str | os.PathLike[str], columns: dict[str, str], compression: str | None = None,
                  hashes: list[str] | None = None, size_limit: int | str | None = DEFAULT_SIZE_LIMIT,
                  exist_ok: bool = False, allow_unsafe_types: bool = False) -> None:
-        self.remote = str(out) if str(out).startswith("s3://") else None
-        self.local = Path(tempfile.mkdtemp(prefix="smalti-mds-")) if self.remote else Path(out)
+        scheme, _, path = split_url(out)
+        self.remote = str(out) if scheme != "file" else None
+        self._store = None
+        if self.remote:
+            try:  # an unknown scheme or a missing client fails now, not after the shards are written
+                self._store = open_store(self.remote)
+            except StorageError as exc:
+                raise StreamingError(f"MDSWriter(out={self.remote!r}): {exc}") from exc
+        self.local = Path(tempfile.mkdtemp(prefix="smalti-mds-")) if self.remote else Path(path)
         if not self.remote:
             if self.local.exists() and any(self.local.iterdir()) and not exist_ok:
                 raise StreamingError(f"output directory {self.local} is not empty; pass exist_ok=True to overwrite")
@@ -161,32 +141,36 @@ class MDSWriter:
             zip_name = basename + comp.extension(self.compression)
             entry["zip_data"] = {"basename": zip_name, "bytes": len(packed),
                                  "hashes": {h: digest(h, packed) for h in self.hashes}}
-            atomic_write(self.local / zip_name, packed)
+            atomic_write_bytes(self.local / zip_name, packed, fsync=not self.remote)
         else:
-            atomic_write(self.local / basename, raw)
+            atomic_write_bytes(self.local / basename, raw, fsync=not self.remote)  # staged copies need no fsync
         self.shards.append(entry)
         self._samples = []
         self._size = 8 + len(self.config)
 
     def finish(self) -> None:
-        """Flush the last shard and write ``index.json`` (uploading everything first for ``s3://``)."""
+        """Flush the last shard and write ``index.json`` (for a remote ``out``: uploading the shards first)."""
         if self._finished:
             return
         if self._samples or not self.shards:
             self._flush()
         index = json.dumps({"shards": self.shards, "version": 2}, sort_keys=True).encode("utf-8")
-        if self.remote:
-            from smalti.streaming.storage import upload_file
-
-            for entry in self.shards:
-                name = (entry["zip_data"] or entry["raw_data"])["basename"]
-                upload_file(self.local / name, f"{self.remote.rstrip('/')}/{name}")
-            atomic_write(self.local / INDEX, index)
-            upload_file(self.local / INDEX, f"{self.remote.rstrip('/')}/{INDEX}")
+        if self._store is not None:
+            names = [(entry["zip_data"] or entry["raw_data"])["basename"] for entry in self.shards]
+            for name in names:
+                self._upload(lambda name=name: self._store.put_file(self.local / name, name), name)
+            self._upload(lambda: self._store.put_bytes(INDEX, index), INDEX)  # last: the commit
             shutil.rmtree(self.local, ignore_errors=True)
         else:
-            atomic_write(self.local / INDEX, index)
+            atomic_write_bytes(self.local / INDEX, index)
         self._finished = True
+
+    def _upload(self, put: Any, name: str) -> None:
+        try:
+            put()
+        except StorageError as exc:
+            raise UploadError(f"could not upload {name} of the dataset to {self.remote} (staged in {self.local}; "
+                              f"nothing is published until index.json is): {exc}") from exc
 
     def __enter__(self) -> MDSWriter:
         return self
@@ -329,7 +313,7 @@ def record_copy(path: Path, hexdigest: str, final: Path | None = None) -> None:
     try:
         os.setxattr(path, _COPY_XATTR, hexdigest.encode("ascii"))
     except (OSError, AttributeError):  # no user xattrs on this filesystem (or not Linux)
-        atomic_write(copy_record(final or path), hexdigest.encode("ascii"))
+        atomic_write_bytes(copy_record(final or path), hexdigest.encode("ascii"), fsync=False)
     else:
         copy_record(final or path).unlink(missing_ok=True)  # a record left by an earlier copy would mislead
 
@@ -415,33 +399,27 @@ def decompress_shard(root: Path, entry: dict[str, Any], stream: str = "", valida
     if validate_hash:
         verify_file(packed, zip_info, stream)
     declared = entry["raw_data"]["bytes"]
-    src = open(packed, "rb")  # noqa: SIM115 (closed below; opened first so a missing zip leaves no temp file)
-    fd, tmp = temp_file(raw)
-    try:
+    with open(packed, "rb") as src, atomic_write(raw, "wb", fsync=False) as dst:
+        # no fsync: a copy a crash damaged fails its recorded hash and is made again from the zip or remote
         import xxhash
 
         hasher = getattr(xxhash, COPY_HASH)()
-        with src, os.fdopen(fd, "wb") as dst:
-            try:
-                size = comp.decompress_stream(entry["compression"], src, dst, limit=declared,
-                                              on_write=hasher.update)
-            except comp.OutputLimitError as exc:
-                raise ShardCorruptError(
-                    f"shard {packed} of stream {stream or root} decompresses to more than the {declared} bytes "
-                    f"its index declares (raw_data.bytes; stopped at {exc.produced}): refused as damaged or "
-                    "hostile; write the dataset again"
-                ) from None
-            except Exception as exc:  # zstd/zlib/bz2/brotli/snappy errors on damaged data
-                raise ShardCorruptError(f"shard {packed} of stream {stream or root} does not decompress: "
-                                        f"{exc}") from exc
+        try:
+            size = comp.decompress_stream(entry["compression"], src, dst, limit=declared, on_write=hasher.update)
+        except comp.OutputLimitError as exc:
+            raise ShardCorruptError(
+                f"shard {packed} of stream {stream or root} decompresses to more than the {declared} bytes "
+                f"its index declares (raw_data.bytes; stopped at {exc.produced}): refused as damaged or "
+                "hostile; write the dataset again"
+            ) from None
+        except Exception as exc:  # zstd/zlib/bz2/brotli/snappy errors on damaged data
+            raise ShardCorruptError(f"shard {packed} of stream {stream or root} does not decompress: "
+                                    f"{exc}") from exc
         if size != declared:
             raise ShardCorruptError(f"shard {packed} of stream {stream or root} decompresses to {size} bytes, the "
                                     f"index says {declared}: truncated or replaced")
-        record_copy(Path(tmp), hasher.hexdigest(), final=raw)
-        os.replace(tmp, raw)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        dst.flush()
+        record_copy(Path(dst.name), hasher.hexdigest(), final=raw)
     return raw
 
 
@@ -475,5 +453,5 @@ def merge_index(root: str | os.PathLike[str], subdirs: list[str] | None = None) 
             if entry.get("zip_data"):
                 entry["zip_data"]["basename"] = f"{sub}/{entry['zip_data']['basename']}"
             shards.append(entry)
-    atomic_write(root / INDEX, json.dumps({"shards": shards, "version": 2}, sort_keys=True).encode())
+    atomic_write_bytes(root / INDEX, json.dumps({"shards": shards, "version": 2}, sort_keys=True).encode())
     return root / INDEX

@@ -1,141 +1,90 @@
-"""Where shards come from: local paths and ``s3://`` (boto3, honouring ``S3_ENDPOINT_URL``), behind one interface.
+"""Where shards come from and go to: any URL smalti-storage opens, through smalti-storage.
 
-Other schemes can be added with :func:`register_backend`. Every download goes to a temporary name and is
-renamed when complete, and is retried with exponential backoff on errors and time-outs.
+Local paths, ``s3://``, ``gs://``, ``az://``/``azure://``, ``oci://`` and the schemes other distributions add
+through the ``smalti.storage`` entry-point group. smalti-storage does the I/O: its one retry policy rides
+out transient store errors within a time budget (``SMALTI_STORAGE_RETRY_BUDGET_S``, 120 s by default), with
+jitter from a private generator, and a download appears under its real name only complete. What this module
+adds is what streaming means by a download: a file that fails its check is fetched again (``retries``
+times), a read that stalls longer than ``timeout`` seconds is abandoned and retried, and failures become
+:class:`~smalti.streaming.errors.DownloadError`.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import random
-import shutil
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from smalti.storage import ObjectNotFoundError, ObjectStore, StorageError, open_object, open_store
 from smalti.streaming.errors import DownloadError
-from smalti.streaming.mds import temp_file
-
-log = logging.getLogger(__name__)
-
-Downloader = Callable[[str, Path, float], None]
-_BACKENDS: dict[str, Downloader] = {}
-_UPLOADERS: dict[str, Callable[[Path, str], None]] = {}
-_local = threading.local()
 
 
-def register_backend(scheme: str, download: Downloader, upload: Callable[[Path, str], None] | None = None) -> None:
-    """Add a remote scheme (``"gs"``): ``download(remote, local_tmp_path, timeout_s)`` writes the file."""
-    _BACKENDS[scheme] = download
-    if upload is not None:
-        _UPLOADERS[scheme] = upload
+class Fetcher:
+    """Downloads files of remote datasets, keeping one open store per dataset root in each process.
+
+    A store's client is made once and reused by every download from that root (a client costs about a
+    second to set up); a forked DataLoader worker, or an unpickled copy, opens its own.
+    """
+
+    def __init__(self, retries: int = 2, timeout: float = 60.0) -> None:
+        self.retries, self.timeout = retries, timeout
+        self._new_process()
+
+    def _new_process(self) -> None:
+        self._pid = os.getpid()
+        self._stores: dict[str, ObjectStore] = {}
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"retries": self.retries, "timeout": self.timeout}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._new_process()
+
+    def store(self, root: str) -> ObjectStore:
+        """The store rooted at ``root`` (a URL or a folder), opened once per process."""
+        if os.getpid() != self._pid:  # forked: the parent's clients (and a lock it may hold) stay behind
+            self._new_process()
+        store = self._stores.get(root)
+        if store is None:
+            with self._lock:
+                store = self._stores.get(root)
+                if store is None:
+                    try:
+                        store = open_store(root, read_timeout_s=self.timeout)
+                    except StorageError as exc:
+                        raise DownloadError(f"cannot read {root}: {exc}") from exc
+                    self._stores[root] = store
+        return store
+
+    def get(self, root: str, key: str, local: Path, check: Callable[[Path], None] | None = None) -> Path:
+        """Download ``key`` under ``root`` to ``local`` atomically; see :func:`download_file` for ``check``."""
+        return _get(self.store(root), key, local, check, self.retries)
 
 
-def _s3_client(timeout: float = 60.0):
-    """A boto3 S3 client for this thread and process (a forked worker must not reuse its parent's connections)."""
-    key = (os.getpid(), os.environ.get("S3_ENDPOINT_URL"), timeout)
-    cache = getattr(_local, "clients", None)
-    if cache is None:
-        cache = _local.clients = {}
-    if key not in cache:
-        import boto3
-        from botocore.config import Config
-
-        cache[key] = boto3.session.Session().client(
-            "s3", endpoint_url=key[1] or None,
-            config=Config(connect_timeout=timeout, read_timeout=timeout, retries={"max_attempts": 1}),
-        )
-    return cache[key]
-
-
-def _split_s3(url: str) -> tuple[str, str]:
-    bucket, _, key = url[len("s3://") :].partition("/")
-    return bucket, key
-
-
-def _s3_download(remote: str, path: Path, timeout: float) -> None:
-    bucket, key = _split_s3(remote)
-    body = _s3_client(timeout).get_object(Bucket=bucket, Key=key)["Body"]
-    with open(path, "wb") as f:
-        shutil.copyfileobj(body, f, length=1 << 20)
-
-
-def _s3_upload(path: Path, remote: str) -> None:
-    bucket, key = _split_s3(remote)
-    _s3_client().upload_file(str(path), bucket, key)
-
-
-register_backend("s3", _s3_download, _s3_upload)
-
-
-def _scheme(url: str) -> str | None:
-    return url.split("://", 1)[0] if "://" in url else None
+def _get(store: ObjectStore, key: str, local: Path, check: Callable[[Path], None] | None, retries: int) -> Path:
+    try:
+        return store.get_file(key, local, check=check, check_attempts=retries + 1)
+    except ObjectNotFoundError as exc:
+        raise DownloadError(f"{store.url_of(key)} does not exist") from exc
+    except StorageError as exc:
+        raise DownloadError(f"could not download {store.url_of(key)}: {exc}") from exc
 
 
 def download_file(remote: str, local: Path, retries: int = 2, timeout: float = 60.0,
                   check: Callable[[Path], None] | None = None) -> Path:
-    """Fetch ``remote`` (URL or local path) to ``local``, atomically, with ``retries`` retries and backoff.
+    """Fetch one file ``remote`` (a URL or a local path) to ``local``, atomically.
 
     ``check(tmp_path)`` runs on the complete temporary file before it is renamed to ``local``; if it raises,
-    the download is retried, and its error is raised when no retry is left.
+    the file is downloaded again, up to ``retries`` more times, and its error is raised when none is left.
+    Transient store errors are retried by smalti-storage's retry policy; a read that stalls for ``timeout``
+    seconds counts as one.
     """
-    local.parent.mkdir(parents=True, exist_ok=True)
-    scheme = _scheme(remote)
-    if scheme is not None and scheme not in _BACKENDS:
-        raise DownloadError(f"no storage backend for {scheme}:// (have: {', '.join(_BACKENDS)}); "
-                            "register one with smalti.streaming.storage.register_backend")
-    last: Exception | None = None
-    for attempt in range(retries + 1):
-        if attempt:
-            delay = 2 ** (attempt - 1) * 0.25 + random.uniform(0, 0.25)
-            log.warning("download of %s failed (%r); retry %d/%d in %.2f s", remote, last, attempt, retries, delay)
-            time.sleep(delay)
-        fd, name = temp_file(local)
-        os.close(fd)
-        tmp = Path(name)
-        try:
-            try:
-                if scheme is None:
-                    shutil.copyfile(remote, tmp)
-                else:
-                    _BACKENDS[scheme](remote, tmp, timeout)
-            except FileNotFoundError as exc:
-                raise DownloadError(f"{remote} does not exist") from exc
-            except Exception as exc:
-                if _is_missing(exc):
-                    raise DownloadError(f"{remote} does not exist") from exc
-                last = exc
-                continue
-            if check is not None:
-                try:
-                    check(tmp)
-                except Exception as exc:
-                    if attempt == retries:
-                        raise
-                    last = exc
-                    continue
-            os.replace(tmp, local)
-            return local
-        finally:
-            tmp.unlink(missing_ok=True)
-    raise DownloadError(f"could not download {remote} after {retries + 1} attempts: {last!r}") from last
-
-
-def _is_missing(exc: Exception) -> bool:
-    response = getattr(exc, "response", None)
-    code = (response or {}).get("Error", {}).get("Code") if isinstance(response, dict) else None
-    return code in ("NoSuchKey", "404", "NoSuchBucket")
-
-
-def upload_file(local: Path, remote: str) -> None:
-    """Copy ``local`` to ``remote`` (a path or a registered URL scheme)."""
-    scheme = _scheme(remote)
-    if scheme is None:
-        Path(remote).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(local, remote)
-        return
-    if scheme not in _UPLOADERS:
-        raise DownloadError(f"no upload backend for {scheme}://")
-    _UPLOADERS[scheme](local, remote)
+    try:
+        store, key = open_object(remote, read_timeout_s=timeout)
+    except StorageError as exc:
+        raise DownloadError(f"cannot read {remote}: {exc}") from exc
+    return _get(store, key, Path(local), check, retries)
