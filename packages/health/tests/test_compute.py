@@ -39,3 +39,12 @@ def test_ranks_compare_with_the_median_of_their_peers():
     # Of two ranks the median is the faster one, so no rank reaches 1.5x of it: both must fail.
     strict = run_compute_check("cpu", size=128, seconds=0.1, min_fraction_of_median=1.5)
     assert strict.verdict is Verdict.FAIL and "x the median rank's" in strict.message
+
+
+def test_the_check_leaves_the_global_random_stream_alone():
+    """It runs mid-training (the MFU alarm): drawing from torch's global generator would shift dropout and
+    router jitter from the point it fires, and a resumed run would no longer match."""
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    measure_matmul_flops(torch.device("cpu"), 32, 0.01, torch.float32)
+    assert torch.equal(torch.get_rng_state(), before)

@@ -40,8 +40,10 @@ def _sync(device: torch.device) -> None:
 
 def measure_matmul_flops(device: torch.device, size: int, seconds: float, dtype: torch.dtype) -> float:
     """Achieved FLOP/s of ``size``-square matmuls run back to back for about ``seconds`` (after a warmup)."""
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
+    # A private generator: the check runs mid-training (the MFU alarm) and must not shift the model's stream.
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
     torch.mm(a, b)
     _sync(device)
     iters, start = 0, time.perf_counter()
