@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import signal
@@ -25,13 +24,12 @@ from smalti.checkpoint.manifest import (
     data_files,
     hash_files,
     split_by_size,
-    write_json_atomic,
     writer_rank,
 )
 from smalti.checkpoint.naming import MANIFEST_NAME, folder_name, sort_key
 from smalti.checkpoint.read_ahead import AheadFile, ReadAhead
 from smalti.checkpoint.resume import Found, default_cache_dir, newest_good, resolve_load_path
-from smalti.checkpoint.storage import S3Store, is_remote, open_store
+from smalti.checkpoint.storage import open_store
 from smalti.checkpoint.writer import ReusedHostStager, storage_key
 from smalti.core import distributed
 from smalti.core.errors import ConfigError
@@ -56,7 +54,8 @@ class Checkpointer(Callback):
     """Sharded, verifiable checkpoints of the whole run state through ``torch.distributed.checkpoint``.
 
     Args:
-        save_folder: local directory or ``s3://bucket/prefix``; ``None`` saves nothing (load only).
+        save_folder: local directory or an object-store folder (``s3://``, ``gs://``, ``az://``, ``oci://``
+            ``bucket/prefix``, any scheme smalti-storage opens); ``None`` saves nothing (load only).
         save_interval: cadence as a :class:`~smalti.core.time.Time` (``"500ba"``, ``"1ep"``); ``None`` for none.
         save_on_fit_end: also save when training ends (unless that batch was just saved).
         save_on_signal: signal names (``SIGTERM``, ``SIGUSR1``) that make every rank save after the current
@@ -69,7 +68,7 @@ class Checkpointer(Callback):
         keep_last_n: keep the newest N committed checkpoints (``-1``: all). Deletes happen only after a
             newer checkpoint is committed.
         keep_every_n: additionally keep every checkpoint whose batch count is a multiple of N.
-        load_path: checkpoint folder, or a save folder (its newest good checkpoint), local or ``s3://``.
+        load_path: checkpoint folder, or a save folder (its newest good checkpoint), local or remote.
         load_weights_only: load the model weights only (no optimizer, time, RNG, data position).
         load_ignore_keys: glob patterns of what not to load: ``model.<fqn>``, ``optim``, ``timestamp``,
             ``schedulers``, ``rng``, ``dataloader``, ``grad_scaler``, ``plugins.<name>``.
@@ -97,7 +96,11 @@ class Checkpointer(Callback):
             data files ahead with ``O_DIRECT`` too, unless this is ``false``.
         read_ahead_mb: how far (MiB per rank) the background read of the data files may get ahead of the load
             (it starts while the trainer builds the state to load into); the bytes wait in host memory.
-        s3_retries, s3_multipart_mb, timeout_s: object-store retries, multipart threshold and time-outs.
+        retry_budget_s: seconds each object-store call may keep retrying through a brown-out (smalti-storage's
+            one retry policy; ``None``: its default, 120 s, or ``SMALTI_STORAGE_RETRY_BUDGET_S``).
+        s3_multipart_mb: object-store uploads above this size go in parts of this size (every scheme).
+        s3_retries: obsolete (retries are bounded by ``retry_budget_s`` now); accepted so older configs load.
+        timeout_s: collective and save time-out; object-store requests time out after ``min(timeout_s, 120)``.
     """
 
     def __init__(
@@ -119,8 +122,9 @@ class Checkpointer(Callback):
         thread_count: int = 1,
         direct_io: bool = True,
         read_ahead_mb: int = 1024,
-        s3_retries: int = 5,
+        s3_retries: int | None = None,
         s3_multipart_mb: int = 64,
+        retry_budget_s: float | None = None,
         timeout_s: float = 600,
         overwrite: bool = False,
         trust_pickles: bool = False,
@@ -148,8 +152,12 @@ class Checkpointer(Callback):
         self.direct_io = direct_io
         self.read_ahead_mb = read_ahead_mb
         self.timeout_s = timeout_s
-        self.s3_options = {"retries": s3_retries, "multipart_threshold_mb": s3_multipart_mb, "timeout_s": min(timeout_s, 120)}
-        self.store = open_store(self.save_folder, **self._s3(self.save_folder)) if self.save_folder else None
+        if s3_retries not in (None, 5):  # 5 was the old default, still in older configs
+            log.warning("checkpoint.s3_retries=%s is ignored: object-store retries are bounded by time, "
+                        "set checkpoint.retry_budget_s (seconds) instead", s3_retries)
+        self.store_options = {"retry_budget_s": retry_budget_s, "multipart_threshold_mb": s3_multipart_mb,
+                              "timeout_s": min(timeout_s, 120)}
+        self.store = open_store(self.save_folder, **self.store_options) if self.save_folder else None
         if local_cache_dir:
             self.cache_dir = Path(local_cache_dir)
         else:
@@ -182,9 +190,6 @@ class Checkpointer(Callback):
         self._read_ahead: ReadAhead | None = None
 
     # ------------------------------------------------------------------ helpers
-
-    def _s3(self, url: str | None) -> dict[str, Any]:
-        return self.s3_options if url and url.startswith("s3://") else {}
 
     @staticmethod
     def _signal_number(name: str | int) -> int:
@@ -230,9 +235,7 @@ class Checkpointer(Callback):
 
     def _staging(self, name: str) -> Path:
         assert self.store is not None
-        if isinstance(self.store, S3Store):
-            return self.cache_dir / "staging" / name
-        return self.store.folder(name)
+        return self.store.staging(name, self.cache_dir)
 
     # ------------------------------------------------------------------ set-up and loading
 
@@ -257,7 +260,7 @@ class Checkpointer(Callback):
             if self._rank != 0 and not (found.folder / MANIFEST_NAME).is_file():
                 # another node: fetch our own copy of what rank 0 chose (its data files are checked as they load)
                 found = resolve_load_path(found.source, self.cache_dir, self.verify, defer_data=True,
-                                          trust_pickles=self.trust_pickles, **self._s3(found.source))
+                                          trust_pickles=self.trust_pickles, **self.store_options)
             self._start_read_ahead(found)
             weights_only = self.load_weights_only and not autoresumed  # resuming this run restores everything
             load_error: Exception | None = None
@@ -350,9 +353,7 @@ class Checkpointer(Callback):
     def _in_save_folder(self, found: Found) -> bool:
         assert self.store is not None
         parent = found.source.rstrip("/").rpartition("/")[0]
-        if isinstance(self.store, S3Store):
-            return is_remote(parent) and parent.rstrip("/") == self.store.url
-        return not is_remote(parent) and Path(parent).resolve() == self.store.root.resolve()
+        return self.store.same_folder(parent)
 
     def _check_save_folder(self, state: Any, found: Found | None) -> None:
         """Fail at start when saving would overwrite, or interleave with, another run's committed checkpoints."""
@@ -410,7 +411,7 @@ class Checkpointer(Callback):
                         log.info("autoresume: no committed checkpoint in %s yet", self.store.url)
                 if found is None and self.load_path:
                     found = resolve_load_path(self.load_path, None, self.verify, defer_data=True, exclude=damaged,
-                                              trust_pickles=self.trust_pickles, **self._s3(self.load_path))
+                                              trust_pickles=self.trust_pickles, **self.store_options)
                 if found is not None:
                     found.skipped_names = [*found.skipped_names, *(n for n in damaged if n not in found.skipped_names)]
                 choice = (found, autoresumed)
@@ -615,7 +616,7 @@ class Checkpointer(Callback):
         if staging.exists():
             (staging / MANIFEST_NAME).unlink(missing_ok=True)
             shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(self.store, S3Store) and name in self.store.list_names():
+        if name in self.store.list_names():
             log.warning("removing %s/%s, left by an earlier save of the same batch", self.store.url, name)
             self.store.delete(name)
         return None
@@ -668,9 +669,8 @@ class Checkpointer(Callback):
             if unhashed:  # not seen by the hashing writer (should not happen): read them back
                 written.update(hash_files(staging, unhashed))
             records = {rel: written[rel] for rel in mine}
-            if isinstance(self.store, S3Store):
-                for rel in mine:
-                    self.store.upload_file(staging / rel, f"{name}/{rel}")
+            for rel in mine:
+                self.store.publish(staging, name, rel)
         except Exception as exc:
             error = f"rank {self._rank}: {exc}"
         gathered = [(records, error)]
@@ -681,8 +681,7 @@ class Checkpointer(Callback):
         if self._rank == 0:
             status = self._commit(name, staging, info, gathered)
         status = self._broadcast(status)
-        if isinstance(self.store, S3Store):
-            shutil.rmtree(staging, ignore_errors=True)
+        self.store.release_staging(staging)
         if status is not None:
             raise CheckpointError(status)
         with self._lock:
@@ -704,10 +703,7 @@ class Checkpointer(Callback):
                 extra={"run_name": info["run_name"], "dp_world_size": info["dp_world_size"],
                        "bytes": sum(f["size"] for f in files.values())},
             )
-            if isinstance(self.store, S3Store):
-                self.store.put_bytes(f"{name}/{MANIFEST_NAME}", json.dumps(manifest, indent=1, sort_keys=True).encode())
-            else:
-                write_json_atomic(staging / MANIFEST_NAME, manifest)
+            self.store.write_manifest(name, manifest)  # the commit: after every rank's files
             self.store.write_latest(name)
             log.info("committed checkpoint %s/%s (%d files, %.1f MB)", self.store.url, name, len(files), manifest["bytes"] / 1e6)
             if self.overwrite:

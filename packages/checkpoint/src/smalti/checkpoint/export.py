@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from smalti.storage import atomic_write
+
 
 def load_full(folder: Path, prefix: str = "model.", trust_pickles: bool = False) -> dict[str, torch.Tensor]:
     """Every tensor under ``prefix`` of the DCP checkpoint in ``folder``, consolidated (no process group needed).
@@ -39,8 +41,6 @@ def export_safetensors(
     folder: Path, out: Path, dtype: str | None = None, trust_pickles: bool = False
 ) -> dict[str, torch.Tensor]:
     """Write the checkpoint's model weights to one safetensors file (through a temp name); return them."""
-    import os
-
     from safetensors.torch import save_file
 
     tensors = load_full(folder, trust_pickles=trust_pickles)
@@ -49,9 +49,9 @@ def export_safetensors(
         tensors = {k: v.to(target) if v.is_floating_point() else v for k, v in tensors.items()}
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    save_file(tensors, str(tmp), metadata={"format": "pt", "source": str(folder)})
-    os.replace(tmp, out)
+    # safetensors writes by file name: the temp file is saved over, then committed by atomic_write
+    with atomic_write(out, "wb") as f:
+        save_file(tensors, f.name, metadata={"format": "pt", "source": str(folder)})
     return tensors
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from smalti.checkpoint.errors import CheckpointCorruptError, UncommittedCheckpointError, UnsafeCheckpointError
 from smalti.checkpoint.naming import MANIFEST_NAME
 from smalti.checkpoint.safe_load import check_inside
+from smalti.storage import atomic_write_text
 
 FORMAT = "smalti-checkpoint/2"
 #: manifests written before the self-checksum (read as before: no ``manifest_sha256`` required)
@@ -93,28 +94,8 @@ def seal(manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_json_atomic(path: Path, payload: dict[str, Any] | str) -> None:
-    """Write ``payload`` (JSON or text) to ``path`` through a temp name, fsync and ``os.replace``."""
-    text = payload if isinstance(payload, str) else json.dumps(payload, indent=1, sort_keys=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    """Write ``payload`` (JSON or text) to ``path`` atomically (smalti-storage's temp name, fsync, rename)."""
+    atomic_write_text(path, payload if isinstance(payload, str) else json.dumps(payload, indent=1, sort_keys=True))
 
 
 def parse_manifest(raw: bytes | str, where: str) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from typing import Any
 from smalti.checkpoint.errors import CheckpointCorruptError, CheckpointError, UncommittedCheckpointError
 from smalti.checkpoint.manifest import data_files, verify_folder
 from smalti.checkpoint.naming import MANIFEST_NAME, parse_folder_name
-from smalti.checkpoint.storage import LocalStore, S3Store, Store, is_remote, open_store
+from smalti.checkpoint.storage import Store, is_remote, open_store
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +60,7 @@ def fetch(
             f"{where} has no {MANIFEST_NAME}: it is not a committed checkpoint (a save was interrupted or is running)",
             f"{where}/{MANIFEST_NAME}",
         )
-    if isinstance(store, S3Store):
-        folder = cache_dir / name
-        store.download_checkpoint(name, folder, manifest)
-    else:
-        folder = store.folder(name)
+    folder = store.local_copy(name, cache_dir, manifest)
     defer = defer_data and verify != "none"
     verify_folder(folder, verify, manifest, defer_data=defer, trust_pickles=trust_pickles)
     return folder, manifest, data_files(manifest) if defer else []
@@ -118,7 +114,7 @@ def newest_good(
 
 def resolve_load_path(
     load_path: str, cache_dir: Path | None, verify: str, defer_data: bool = False,
-    exclude: dict[str, str] | None = None, trust_pickles: bool = False, **s3_options: Any,
+    exclude: dict[str, str] | None = None, trust_pickles: bool = False, **store_options: Any,
 ) -> Found:
     """``load_path`` names a checkpoint folder, or a save folder (its newest good checkpoint is used).
 
@@ -128,15 +124,15 @@ def resolve_load_path(
     parent, _, last = path.rpartition("/")
     cache = cache_dir or default_cache_dir(parent or path)
     if parse_folder_name(last) is not None and parent:
-        store = open_store(parent, **s3_options)
+        store = open_store(parent, **store_options)
         folder, manifest, unchecked = fetch(store, last, cache, verify, defer_data=defer_data, trust_pickles=trust_pickles)
         return Found(last, path, folder, manifest, [], unchecked=unchecked)
     if not is_remote(path) and (Path(path) / MANIFEST_NAME).is_file():
-        store = LocalStore(Path(path).parent)
+        store = open_store(Path(path).parent)
         folder, manifest, unchecked = fetch(store, Path(path).name, cache, verify, defer_data=defer_data,
                                             trust_pickles=trust_pickles)
         return Found(Path(path).name, path, folder, manifest, [], unchecked=unchecked)
-    store = open_store(path, **s3_options)
+    store = open_store(path, **store_options)
     found = newest_good(store, cache_dir or default_cache_dir(store.url), verify, defer_data, exclude, trust_pickles)
     if found is None:
         raise CheckpointError(

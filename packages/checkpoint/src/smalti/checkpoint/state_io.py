@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ from smalti.checkpoint.safe_load import SafeLoadPlanner, dump_safe, from_safe_tr
 from smalti.checkpoint.writer import HashingFileSystemWriter, ReusedHostStager
 from smalti.core.rng import load_rng_state_dict, rng_state_dict
 from smalti.core.state import State
+from smalti.storage import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 
@@ -91,12 +91,7 @@ def write_rank_local_state(folder: Path, state: State) -> tuple[str, dict[str, A
     path = folder / rel
     path.parent.mkdir(parents=True, exist_ok=True)
     data = dump_safe(rank_local_state(state), f"the rank-local state {path}")
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_bytes(path, data)
     return rel, {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 

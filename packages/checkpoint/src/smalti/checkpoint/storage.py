@@ -1,275 +1,216 @@
-"""Where checkpoints live: a local folder or ``s3://bucket/prefix`` (boto3, honouring ``S3_ENDPOINT_URL``).
+"""Where checkpoints live: any folder URL smalti-storage opens (a path, ``s3://``, ``gs://``, ``az://``, ``oci://``).
 
-Both stores speak in checkpoint folder names and paths relative to the save folder. Remote writes are
-whole-file uploads with retries (multipart above a threshold) and a size check afterwards; S3 has no
-rename, so a checkpoint becomes visible only when its manifest object is put, after every other file.
+:class:`CheckpointStore` speaks in checkpoint folder names and paths relative to the save folder, over one
+:class:`smalti.storage.ObjectStore`. Every call goes through smalti-storage's retry policy (a time budget,
+120 s by default); what outlasts it becomes :class:`CheckpointUploadError`. No object store has a rename, so
+a checkpoint becomes visible only when its manifest is put, after every other file (the same on a local
+folder, where files are written in place and the manifest last).
 """
 
 from __future__ import annotations
 
-import logging
+import contextlib
+import json
 import os
-import random
 import shutil
-import time
-from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-from smalti.checkpoint.errors import CheckpointCorruptError, CheckpointUploadError
-from smalti.checkpoint.manifest import parse_manifest, write_json_atomic
+from smalti.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointUploadError
+from smalti.checkpoint.manifest import hash_file, parse_manifest, write_json_atomic
 from smalti.checkpoint.naming import LATEST_NAME, MANIFEST_NAME, checkpoint_names
 from smalti.checkpoint.safe_load import check_inside
+from smalti.storage import ObjectNotFoundError, RetryPolicy, StorageError, split_url
+from smalti.storage import open_store as _open_object_store
 
-log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-def is_remote(url: str) -> bool:
-    """Whether ``url`` names an object store (``s3://``) rather than a local path."""
-    return str(url).startswith("s3://")
-
-
-class LocalStore:
-    """Checkpoints in a local (or shared) directory."""
-
-    remote = False
-
-    def __init__(self, root: str | os.PathLike[str]) -> None:
-        self.root = Path(root)
-        self.url = str(self.root)
-
-    def folder(self, name: str) -> Path:
-        """The local path of checkpoint ``name``."""
-        return self.root / name
-
-    def list_names(self) -> list[str]:
-        """Checkpoint folder names present (committed or not), oldest first."""
-        if not self.root.is_dir():
-            return []
-        return checkpoint_names([p.name for p in self.root.iterdir() if p.is_dir()])
-
-    def read_manifest(self, name: str) -> dict[str, Any] | None:
-        """The parsed manifest of ``name``, ``None`` when it has none; raises when it is invalid."""
-        path = self.root / name / MANIFEST_NAME
-        if not path.is_file():
-            return None
-        return parse_manifest(path.read_bytes(), str(path))
-
-    def write_latest(self, name: str) -> None:
-        """Point ``latest`` at checkpoint ``name``."""
-        write_json_atomic(self.root / LATEST_NAME, name + "\n")
-
-    def read_latest(self) -> str | None:
-        path = self.root / LATEST_NAME
-        return path.read_text().strip() or None if path.is_file() else None
-
-    def delete(self, name: str) -> None:
-        """Delete checkpoint ``name``: the manifest first, so a crash mid-way leaves an uncommitted folder."""
-        folder = self.root / name
-        (folder / MANIFEST_NAME).unlink(missing_ok=True)
-        shutil.rmtree(folder, ignore_errors=True)
+# the per-request time-out option of each built-in backend
+_TIMEOUT_OPTION = {"s3": "read_timeout_s", "oci": "read_timeout_s", "gs": "timeout_s", "az": "timeout_s",
+                   "azure": "timeout_s"}
+_MIN_PART = 5 << 20  # S3's smallest multipart part
 
 
-class S3Store:
-    """Checkpoints under ``s3://bucket/prefix/``; the endpoint comes from ``S3_ENDPOINT_URL`` when set."""
+def is_remote(url: str | os.PathLike[str]) -> bool:
+    """Whether ``url`` names an object store (``s3://``, ``gs://``, ...) rather than a local path."""
+    return split_url(str(url))[0] != "file"
 
-    remote = True
+
+@contextlib.contextmanager
+def _transport(what: str, path: str) -> Iterator[None]:
+    """Turn what the storage layer raises (after its retries) into :class:`CheckpointUploadError`."""
+    try:
+        yield
+    except ObjectNotFoundError:
+        raise
+    except StorageError as exc:  # its message names the operation, the URL and the fix
+        raise CheckpointUploadError(str(exc) or f"{what} failed", path) from exc
+
+
+class CheckpointStore:
+    """The checkpoints under one save folder, local or remote.
+
+    Args:
+        url: the save folder: a path, ``file://``, or ``scheme://bucket/prefix`` of any smalti-storage scheme.
+        retry_budget_s: seconds an object-store call may keep retrying (``None``: smalti-storage's default,
+            120 s or ``SMALTI_STORAGE_RETRY_BUDGET_S``). Local folders are not retried.
+        multipart_threshold_mb: files above this size upload in parts of this size (at least 5 MiB).
+        timeout_s: per-request time-out of the object store's client.
+    """
 
     def __init__(
         self,
-        url: str,
-        retries: int = 5,
+        url: str | os.PathLike[str],
+        retry_budget_s: float | None = None,
         multipart_threshold_mb: int = 64,
         timeout_s: float = 60,
-        endpoint_url: str | None = None,
     ) -> None:
-        if not is_remote(url):
-            raise ValueError(f"{url!r} is not an s3:// URL")
-        bucket, _, prefix = url[len("s3://") :].partition("/")
-        if not bucket:
-            raise CheckpointUploadError(f"save folder {url!r} names no bucket; use s3://bucket/prefix")
-        self.bucket = bucket
-        self.prefix = prefix.strip("/")
-        self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
-        self.retries = retries
-        self.multipart_threshold = multipart_threshold_mb << 20
-        self.timeout_s = timeout_s
-        self.endpoint_url = endpoint_url or os.environ.get("S3_ENDPOINT_URL") or None
-        self._client: Any = None
+        text = str(url)
+        scheme = split_url(text)[0]
+        self.remote = scheme != "file"
+        options: dict[str, Any] = {}
+        if self.remote:
+            threshold = int(multipart_threshold_mb) << 20
+            options = {"retry": RetryPolicy(budget_s=retry_budget_s), "multipart_threshold": threshold,
+                       "part_size": max(threshold, _MIN_PART)}
+            if scheme in _TIMEOUT_OPTION:
+                options[_TIMEOUT_OPTION[scheme]] = timeout_s
+        try:
+            self.objects = _open_object_store(text, **options)
+        except StorageError as exc:
+            raise CheckpointError(f"checkpoint folder {text!r}: {exc}") from None
+        self.url = self.objects.url.rstrip("/") if self.remote else str(Path(split_url(text)[2] or "."))
+        self.root = None if self.remote else Path(self.url)
 
-    # ------------------------------------------------------------------ plumbing
+    def __repr__(self) -> str:
+        return f"CheckpointStore({self.url!r})"
 
-    @property
-    def client(self) -> Any:
-        if self._client is None:
-            import boto3
-            from botocore.config import Config
+    def _where(self, rel: str) -> str:
+        return f"{self.url}/{rel}"
 
-            self._client = boto3.client(
-                "s3",
-                endpoint_url=self.endpoint_url,
-                config=Config(
-                    retries={"max_attempts": 3, "mode": "standard"},
-                    connect_timeout=min(self.timeout_s, 10),
-                    read_timeout=self.timeout_s,
-                ),
-            )
-        return self._client
+    # ------------------------------------------------------------------ local folders
 
-    def key(self, rel: str) -> str:
-        """The object key of ``rel`` (a path relative to the save folder)."""
-        return f"{self.prefix}/{rel}" if self.prefix else rel
+    def folder(self, name: str) -> Path:
+        """The local path of checkpoint ``name`` (local stores only)."""
+        if self.root is None:
+            raise CheckpointError(f"{self.url} is an object store: its checkpoints have no local folder")
+        return self.root / name
 
-    def _retry(self, what: str, fn: Callable[[], T], path: str | None = None) -> T:
-        from boto3.exceptions import Boto3Error
-        from botocore.exceptions import BotoCoreError, ClientError
+    def staging(self, name: str, cache_dir: Path) -> Path:
+        """Where a save of ``name`` writes its files: in place locally, else a folder under ``cache_dir``."""
+        return cache_dir / "staging" / name if self.remote else self.folder(name)
 
-        delay = 0.2
-        for attempt in range(1, self.retries + 1):
-            try:
-                return fn()
-            except (Boto3Error, BotoCoreError, ClientError, OSError, CheckpointUploadError) as exc:
-                code = getattr(exc, "response", {}).get("Error", {}).get("Code") if isinstance(exc, ClientError) else None
-                if code in ("NoSuchBucket", "AccessDenied", "InvalidAccessKeyId", "NoSuchKey", "404"):
-                    raise CheckpointUploadError(f"{what} failed: {exc}", path) from exc
-                if attempt == self.retries:
-                    raise CheckpointUploadError(f"{what} failed after {self.retries} attempts: {exc}", path) from exc
-                log.warning("%s failed (attempt %d of %d): %s; retrying", what, attempt, self.retries, exc)
-                time.sleep(delay * (1 + random.random()))
-                delay = min(delay * 2, 5.0)
-        raise AssertionError("unreachable")
+    def release_staging(self, staging: Path) -> None:
+        """Remove a remote save's local staging folder once the save is over (a local save *is* its folder)."""
+        if self.remote:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def same_folder(self, url: str) -> bool:
+        """Whether ``url`` names this save folder."""
+        if self.remote:
+            return is_remote(url) and url.rstrip("/") == self.url
+        assert self.root is not None
+        return not is_remote(url) and Path(split_url(url)[2]).resolve() == self.root.resolve()
 
     # ------------------------------------------------------------------ listing and reading
 
     def list_names(self) -> list[str]:
-        """Checkpoint folder names present under the prefix (committed or not), oldest first."""
-
-        def run() -> list[str]:
-            names = []
-            paginator = self.client.get_paginator("list_objects_v2")
-            prefix = f"{self.prefix}/" if self.prefix else ""
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix, Delimiter="/"):
-                for entry in page.get("CommonPrefixes", []):
-                    names.append(entry["Prefix"][len(prefix) :].rstrip("/"))
-            return names
-
-        return checkpoint_names(self._retry(f"listing {self.url}/", run))
+        """Checkpoint folder names present (committed or not), oldest first."""
+        with _transport(f"listing {self.url}/", self.url):
+            try:
+                keys = [info.key for info in self.objects.list("")]
+            except ObjectNotFoundError:
+                return []
+        return checkpoint_names(sorted({key.split("/", 1)[0] for key in keys if "/" in key}))
 
     def read_bytes(self, rel: str) -> bytes | None:
         """The object's bytes, or ``None`` when it does not exist."""
-        from botocore.exceptions import ClientError
-
-        def run() -> bytes | None:
+        with _transport(f"reading {self._where(rel)}", self._where(rel)):
             try:
-                return self.client.get_object(Bucket=self.bucket, Key=self.key(rel))["Body"].read()
-            except ClientError as exc:
-                if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-                    return None
-                raise
-
-        return self._retry(f"reading {self.url}/{rel}", run, f"{self.url}/{rel}")
+                return self.objects.get_bytes(rel)
+            except ObjectNotFoundError:
+                return None
 
     def read_manifest(self, name: str) -> dict[str, Any] | None:
         """The parsed manifest of ``name``, ``None`` when it has none; raises when it is invalid."""
         raw = self.read_bytes(f"{name}/{MANIFEST_NAME}")
-        return None if raw is None else parse_manifest(raw, f"{self.url}/{name}/{MANIFEST_NAME}")
+        return None if raw is None else parse_manifest(raw, self._where(f"{name}/{MANIFEST_NAME}"))
 
     def read_latest(self) -> str | None:
+        """The checkpoint name ``latest`` points at, ``None`` when there is none."""
         raw = self.read_bytes(LATEST_NAME)
         return raw.decode().strip() or None if raw else None
 
     # ------------------------------------------------------------------ writing
 
-    def upload_file(self, local: Path, rel: str) -> None:
-        """Upload ``local`` to ``rel`` (multipart above the threshold), then check the stored size."""
-        from boto3.s3.transfer import TransferConfig
-
-        size = local.stat().st_size
-        config = TransferConfig(
-            multipart_threshold=self.multipart_threshold,
-            multipart_chunksize=max(self.multipart_threshold, 5 << 20),
-            max_concurrency=4,
-        )
-        target = f"{self.url}/{rel}"
-
-        def run() -> None:
-            self.client.upload_file(str(local), self.bucket, self.key(rel), Config=config)
-            stored = self.client.head_object(Bucket=self.bucket, Key=self.key(rel))["ContentLength"]
-            if stored != size:
-                raise CheckpointUploadError(f"{target} holds {stored} bytes after upload, expected {size}", target)
-
-        self._retry(f"uploading {local} to {target}", run, target)
-
     def put_bytes(self, rel: str, data: bytes) -> None:
-        """Put a small object."""
-        self._retry(
-            f"writing {self.url}/{rel}",
-            lambda: self.client.put_object(Bucket=self.bucket, Key=self.key(rel), Body=data),
-            f"{self.url}/{rel}",
-        )
+        """Put a small object (atomic per object)."""
+        with _transport(f"writing {self._where(rel)}", self._where(rel)):
+            self.objects.put_bytes(rel, data)
+
+    def write_manifest(self, name: str, manifest: dict[str, Any]) -> None:
+        """Put ``name``'s manifest: the commit, so only after every other file of the checkpoint."""
+        self.put_bytes(f"{name}/{MANIFEST_NAME}", json.dumps(manifest, indent=1, sort_keys=True).encode())
 
     def write_latest(self, name: str) -> None:
-        """Point the remote ``latest`` object at checkpoint ``name``."""
+        """Point ``latest`` at checkpoint ``name``."""
         self.put_bytes(LATEST_NAME, (name + "\n").encode())
 
+    def upload_file(self, local: Path, rel: str) -> None:
+        """Upload ``local`` to ``rel`` (in parts above the threshold), then check the stored size."""
+        target = self._where(rel)
+        size = local.stat().st_size
+        with _transport(f"uploading {local} to {target}", target):
+            self.objects.put_file(local, rel)
+            stored = self.objects.stat(rel).size
+        if stored != size:
+            raise CheckpointUploadError(f"{target} holds {stored} bytes after upload, expected {size}", target)
+
+    def publish(self, staging: Path, name: str, rel: str) -> None:
+        """Make file ``rel`` of a save staged in ``staging`` part of checkpoint ``name`` (locally: already is)."""
+        if self.remote:
+            self.upload_file(staging / rel, f"{name}/{rel}")
+
     def download(self, rel: str, local: Path) -> None:
-        """Download ``rel`` to ``local`` through a temp name."""
-        from botocore.exceptions import ClientError
-
+        """Download ``rel`` to ``local`` atomically (temp name, fsync, rename)."""
         local.parent.mkdir(parents=True, exist_ok=True)
-        tmp = local.with_name(f".{local.name}.part-{os.getpid()}")
-
-        def run() -> None:
+        with _transport(f"downloading {self._where(rel)}", self._where(rel)):
             try:
-                self.client.download_file(self.bucket, self.key(rel), str(tmp))
-            except ClientError as exc:
-                if exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-                    # a file the manifest lists is gone: the checkpoint is damaged, not the connection
-                    raise CheckpointCorruptError(
-                        f"checkpoint file {self.url}/{rel} listed in the manifest is missing", f"{self.url}/{rel}"
-                    ) from None
-                raise
-
-        try:
-            self._retry(f"downloading {self.url}/{rel}", run, f"{self.url}/{rel}")
-            os.replace(tmp, local)
-        finally:
-            tmp.unlink(missing_ok=True)
+                self.objects.get_file(rel, local)
+            except ObjectNotFoundError:
+                # a file the manifest lists is gone: the checkpoint is damaged, not the connection
+                raise CheckpointCorruptError(
+                    f"checkpoint file {self._where(rel)} listed in the manifest is missing", self._where(rel)
+                ) from None
 
     def download_checkpoint(self, name: str, dest: Path, manifest: dict[str, Any]) -> None:
         """Fetch every file the manifest lists (and the manifest, last) into local folder ``dest``."""
-        from smalti.checkpoint.manifest import hash_file
-
         for rel, entry in manifest["files"].items():
-            local = dest / check_inside(rel, f"manifest {self.url}/{name}/{MANIFEST_NAME}")
+            local = dest / check_inside(rel, f"manifest {self._where(f'{name}/{MANIFEST_NAME}')}")
             if local.is_file() and local.stat().st_size == entry["size"] and hash_file(local)[1] == entry["sha256"]:
                 continue  # already here from an earlier download
             self.download(f"{name}/{rel}", local)
         write_json_atomic(dest / MANIFEST_NAME, manifest)
 
+    def local_copy(self, name: str, cache_dir: Path, manifest: dict[str, Any]) -> Path:
+        """A local folder holding checkpoint ``name``: itself, or a download under ``cache_dir``."""
+        if not self.remote:
+            return self.folder(name)
+        folder = cache_dir / name
+        self.download_checkpoint(name, folder, manifest)
+        return folder
+
     def delete(self, name: str) -> None:
-        """Delete checkpoint ``name``: the manifest object first, then the rest of its objects."""
-        self._retry(
-            f"deleting {self.url}/{name}/{MANIFEST_NAME}",
-            lambda: self.client.delete_object(Bucket=self.bucket, Key=self.key(f"{name}/{MANIFEST_NAME}")),
-        )
-
-        def run() -> None:
-            paginator = self.client.get_paginator("list_objects_v2")
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=self.key(name) + "/"):
-                keys = [{"Key": obj["Key"]} for obj in page.get("Contents", [])]
-                if keys:
-                    self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True})
-
-        self._retry(f"deleting {self.url}/{name}/", run)
+        """Delete checkpoint ``name``: the manifest first, so a crash mid-way leaves an uncommitted folder."""
+        with _transport(f"deleting {self.url}/{name}/", self._where(name)):
+            self.objects.delete(f"{name}/{MANIFEST_NAME}")
+            self.objects.delete_many([info.key for info in self.objects.list(f"{name}/")])
+        if self.root is not None:
+            shutil.rmtree(self.root / name, ignore_errors=True)  # empty folders and temp files left
 
 
-Store = LocalStore | S3Store
+Store = CheckpointStore
 
 
-def open_store(url: str | os.PathLike[str], **s3_options: Any) -> Store:
-    """A :class:`LocalStore` or :class:`S3Store` for ``url``."""
-    url = str(url)
-    return S3Store(url, **s3_options) if is_remote(url) else LocalStore(url)
-
+def open_store(url: str | os.PathLike[str], **options: Any) -> CheckpointStore:
+    """The :class:`CheckpointStore` of save folder ``url``; ``options`` as :class:`CheckpointStore` takes them."""
+    return CheckpointStore(url, **options)
