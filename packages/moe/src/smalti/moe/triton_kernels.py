@@ -27,6 +27,9 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _SORT_BLOCK = 128 if INTERPRET else 1024
 _COPY_BLOCK_M = 32 if INTERPRET else 64
 _COPY_BLOCK_D = 64 if INTERPRET else 128
+# The scatter holds an fp32 [BLOCK_M, BLOCK_D] accumulator across its loop over k: at 64 rows ptxas spilled on
+# sm_90 (python -m smalti.moe.aot; 8 warps did not cure it), at 32 rows no target or dtype spills.
+_SCATTER_BLOCK_M = 32
 
 
 def _configs(gpu: list[dict], interpreted: dict) -> list[triton.Config]:
@@ -159,9 +162,9 @@ def scatter_rows(ys: torch.Tensor, perm: torch.Tensor, weights: torch.Tensor | N
     out = torch.empty(t, d, dtype=ys.dtype, device=ys.device)
     if t and d:
         w = weights.contiguous() if weights is not None else ys
-        grid = (triton.cdiv(t, _COPY_BLOCK_M), triton.cdiv(d, _COPY_BLOCK_D))
+        grid = (triton.cdiv(t, _SCATTER_BLOCK_M), triton.cdiv(d, _COPY_BLOCK_D))
         _scatter_kernel[grid](ys, inverse_permutation(perm), w, out, t, d, k, HAS_W=weights is not None,
-                              BLOCK_M=_COPY_BLOCK_M, BLOCK_D=_COPY_BLOCK_D)
+                              BLOCK_M=_SCATTER_BLOCK_M, BLOCK_D=_COPY_BLOCK_D)
     return out
 
 
