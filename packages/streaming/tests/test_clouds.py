@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from smalti.storage import open_store
-from smalti.streaming import MDSWriter, StreamingDataset, StreamingError
+from smalti.streaming import DownloadError, MDSWriter, StreamingDataset, StreamingError
 
 FIXTURES = Path(__file__).parent / "fixtures"
 COLUMNS = {"id": "int", "x": "ndarray:float32:4", "s": "str", "b": "bytes"}
@@ -107,6 +107,8 @@ def test_golden_fixture_in_bucket_reads_exactly(bucket_url, tmp_path):
 def test_unknown_scheme_names_the_schemes_and_fails_before_writing(tmp_path):
     with pytest.raises(StreamingError, match=r"no storage backend for nope://.*have: .*gs.*s3"):
         MDSWriter("nope://bucket/ds", COLUMNS)
+    with pytest.raises(DownloadError, match=r"no storage backend for nope://.*have: .*gs.*s3"):
+        StreamingDataset(remote="nope://bucket/ds", local=str(tmp_path / "cache"), batch_size=8)
 
 
 def test_s3_brown_out_during_an_epoch_is_ridden_out(s3_server, s3_bucket, fault_proxy, monkeypatch, tmp_path):
