@@ -116,6 +116,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None
 
 
+# Left to eager under torch.compile: the chunk loop is matrix products and data-dependent row selection, which
+# Inductor would not speed up and dynamo would break the graph on anyway.
+@torch.compiler.disable
 def fused_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
