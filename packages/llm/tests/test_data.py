@@ -99,13 +99,17 @@ def test_prepare_pretrain_to_mds_and_read_back(tmp_path):
     assert "\nWh" in text
 
 
-def test_prepare_finetune_to_s3_and_train_from_it(s3_bucket, tmp_path):
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_prepare_finetune_to_a_bucket_and_train_from_it(scheme, request, tmp_path):
+    """Prepared shards go to any store smalti-storage speaks (real loopback servers), index.json last."""
     pytest.importorskip("smalti.streaming")
     from smalti.llm.data.prepare import prepare
 
-    counts = prepare(["smalti-llm:finetune_tiny/eval.jsonl"], f"s3://{s3_bucket}/sft", mode="finetune")
+    bucket = request.getfixturevalue({"s3": "s3_bucket", "gs": "gcs_bucket"}[scheme])
+    remote = f"{scheme}://{bucket}/sft"
+    counts = prepare(["smalti-llm:finetune_tiny/eval.jsonl"], remote, mode="finetune")
     assert counts == {"train": 60}
-    ds = FinetuneDataset(local=str(tmp_path / "cache"), remote=f"s3://{s3_bucket}/sft", max_seq_len=64)
+    ds = FinetuneDataset(local=str(tmp_path / "cache"), remote=remote, max_seq_len=64)
     direct = FinetuneDataset("smalti-llm:finetune_tiny/eval.jsonl", max_seq_len=64)
     assert len(ds) == len(direct)
     torch.testing.assert_close(ds[0]["input_ids"], direct[0]["input_ids"])
@@ -193,3 +197,13 @@ def test_cli_data_prepare_pretrain_to_s3(s3_bucket, tmp_path, capsys):
         assert len(ds) == counts[split]
         text = tok.decode(ds[0]["input_ids"].tolist())
         assert "copper coins by the river" in text
+
+
+def test_cli_data_prepare_names_an_unknown_scheme_before_any_work(tmp_path, capsys):
+    from smalti.llm.cli import main
+
+    source = tmp_path / "docs.txt"
+    source.write_text("\n\n".join(DOCS))
+    assert main(["data", "prepare", "--input", str(source), "--out", "nope://bucket/ds"]) == 2
+    err = capsys.readouterr().err
+    assert "nope://" in err and "s3" in err and "gs" in err and "Traceback" not in err

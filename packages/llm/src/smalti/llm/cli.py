@@ -201,8 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args))
     except Exception as exc:
         from smalti.core.errors import SmaltiError
+        from smalti.storage import StorageError
 
-        if isinstance(exc, SmaltiError):
+        if isinstance(exc, SmaltiError | StorageError):
             print(f"smalti-llm: error: {exc}", file=sys.stderr)
             return 2
         raise

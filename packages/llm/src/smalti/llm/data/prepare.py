@@ -1,4 +1,4 @@
-"""``smalti-llm data prepare``: text/JSONL/Parquet to MDS shards, local or ``s3://``.
+"""``smalti-llm data prepare``: text/JSONL/Parquet to MDS shards, local or in object storage.
 
 * ``pretrain``: documents are tokenized, joined with EOS (and an optional BOS) and cut into fixed-length
   ``max_seq_len`` samples (column ``tokens``, ``ndarray:int32``); the remainder carries over to the next
@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from smalti.llm.errors import DataError
 from smalti.llm.tokenizer import Tokenizer, load_tokenizer
+from smalti.storage import ObjectStore, open_store, split_url
 
 log = logging.getLogger(__name__)
 
@@ -63,18 +64,13 @@ class _Writers:
         return self.counts
 
 
-def _upload(local: Path, remote: str) -> None:
-    """Copy ``local``'s files to ``s3://bucket/prefix``; every ``index.json`` goes last so readers never see a
-    dataset whose shards are missing."""
-    import boto3
-
-    bucket, _, prefix = remote[len("s3://"):].partition("/")
-    client = boto3.client("s3", endpoint_url=os.environ.get("S3_ENDPOINT_URL") or None)
+def _upload(local: Path, store: ObjectStore) -> None:
+    """Copy ``local``'s files into ``store``; every ``index.json`` goes last so readers never see a dataset whose
+    shards are missing."""
     files = sorted(p for p in local.rglob("*") if p.is_file())
     files.sort(key=lambda p: p.name == "index.json")
     for path in files:
-        key = "/".join(x for x in (prefix.rstrip("/"), path.relative_to(local).as_posix()) if x)
-        client.upload_file(str(path), bucket, key)
+        store.put_file(path, path.relative_to(local).as_posix())
 
 
 def prepare(
@@ -93,7 +89,8 @@ def prepare(
     size_limit: int | str = 1 << 26,
     progress: bool | None = None,
 ) -> dict[str, int]:
-    """Convert ``inputs`` to MDS under ``out`` (a folder or ``s3://bucket/prefix``); returns samples per split.
+    """Convert ``inputs`` to MDS under ``out`` (a folder or any object-store URL smalti-storage speaks: ``s3://``,
+    ``gs://``, ``az://``, ``oci://``); returns samples per split.
 
     With ``eval_fraction > 0`` documents are assigned to ``out/train`` and ``out/eval`` by a hash of their
     position, otherwise everything goes to ``out`` itself. ``data=text_mds`` (:func:`PreparedTextMDS`) reads
@@ -104,9 +101,8 @@ def prepare(
     if mode not in ("pretrain", "finetune"):
         raise DataError(f"mode={mode!r} must be 'pretrain' or 'finetune'")
     tok = load_tokenizer(tokenizer)
-    remote = out if out.startswith("s3://") else None
-    if "://" in out and remote is None:
-        raise DataError(f"output {out!r}: only local folders and s3:// are supported")
+    # Any scheme smalti-storage speaks; opened before any work so a bad URL or missing client fails first.
+    remote = open_store(out) if split_url(out)[0] != "file" else None
     staging = Path(tempfile.mkdtemp(prefix="smalti-prepare-")) if remote else Path(out)
     if not remote and staging.exists() and any(staging.iterdir()):
         raise DataError(f"output folder {out} is not empty; remove it or choose another --out")
