@@ -217,7 +217,7 @@ def test_a_signal_on_one_rank_makes_every_rank_save_and_stop(shared_tmp_path):
 
 @pytest.mark.world_size(2)
 def test_ranks_split_the_data_hash_check_and_a_bad_file_in_either_share_falls_back(shared_tmp_path, monkeypatch):
-    import smalti.checkpoint.checkpointer as checkpointer
+    import smalti.checkpoint.loading as loading
     from smalti.checkpoint import state_io
     from smalti.core.parallelism import FSDP
 
@@ -228,13 +228,13 @@ def test_ranks_split_the_data_hash_check_and_a_bad_file_in_either_share_falls_ba
     at_batch_2.fit()
     reference = full_state(at_batch_2)
     checked = []
-    real = checkpointer.ReadAhead
+    real = loading.ReadAhead
 
     def spy(where, files, *args):
         checked.append((where.name, sorted(f.relpath for f in files if f.sha256)))
         return real(where, files, *args)
 
-    monkeypatch.setattr(checkpointer, "ReadAhead", spy)
+    monkeypatch.setattr(loading, "ReadAhead", spy)
     prefilled = []  # AdamW's state is made from the checkpoint (sharded like the parameters), not by a zero-lr step
     real_prefill = state_io._prefill_adam_state
     monkeypatch.setattr(state_io, "_prefill_adam_state", lambda *args: prefilled.append(real_prefill(*args)) or prefilled[-1])

@@ -115,6 +115,9 @@ class CheckpointStore:
 
     def list_names(self) -> list[str]:
         """Checkpoint folder names present (committed or not), oldest first."""
+        if self.root is not None:
+            # the folders themselves: an empty leftover counts too, and no walk over every file on a shared FS
+            return checkpoint_names([p.name for p in self.root.iterdir() if p.is_dir()]) if self.root.is_dir() else []
         with _transport(f"listing {self.url}/", self.url):
             try:
                 keys = [info.key for info in self.objects.list("")]
