@@ -22,8 +22,9 @@ def train(args, cwd, env=None, timeout=180, module="smalti.core.cli.train"):
 def test_train_runs_and_writes_output_dir(tmp_path):
     out = train(QUICK + ["optimizer.lr=3e-3"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert (tmp_path / "outputs" / "smalti-run" / ".hydra" / "config.yaml").is_file()
-    assert "finished smalti-run" in (tmp_path / "outputs" / "smalti-run" / "rank0.log").read_text()
+    run_dir = (tmp_path / "outputs" / "latest").resolve()
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+    assert f"finished {run_dir.name}" in (run_dir / "rank0.log").read_text()
 
 
 def test_misspelt_group_option_lists_choices(tmp_path):
@@ -51,7 +52,7 @@ def test_bad_component_argument_names_the_key(tmp_path):
 def test_multirun_sweep(tmp_path):
     out = train(["-m", "optimizer.lr=1e-3,3e-3", *QUICK], tmp_path, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    sweep = tmp_path / "multirun" / "smalti-run"
+    (sweep,) = (tmp_path / "multirun").iterdir()
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0", "1"]
     lrs = [(sweep / n / ".hydra" / "overrides.yaml").read_text() for n in ("0", "1")]
     assert "optimizer.lr=0.001" in lrs[0] and "optimizer.lr=0.003" in lrs[1]
@@ -75,7 +76,7 @@ def test_torchrun_ddp(tmp_path):
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     # torchrun's run id names the run on every rank: one output folder, one log per rank.
-    (run_dir,) = (tmp_path / "outputs").iterdir()
+    (run_dir,) = (p for p in (tmp_path / "outputs").iterdir() if not p.is_symlink())  # and outputs/latest
     assert sorted(p.name for p in run_dir.glob("rank*.log")) == ["rank0.log", "rank1.log"]
 
 
@@ -126,7 +127,7 @@ def test_default_run_with_loggers_and_callbacks(tmp_path):
     assert "[batch 40 40/40ba] loss/train/total" in out.stdout
     from smalti.core.loggers import read_jsonl
 
-    rows = read_jsonl(tmp_path / "outputs" / "smalti-run" / "metrics.jsonl")
+    rows = read_jsonl(tmp_path / "outputs" / "latest" / "metrics.jsonl")
     losses = [r["metrics"]["loss/train/total"] for r in rows if "loss/train/total" in r["metrics"]]
     assert len(losses) == 40 and sum(losses[-5:]) < 0.7 * sum(losses[:5])
     assert any("throughput/tokens_per_sec" in r["metrics"] for r in rows)

@@ -8,7 +8,7 @@ from smalti.core import Algorithm, Callback, LoggerDestination, PluginError, Tra
 from smalti.core.data import build_dataloader
 from smalti.core.events import Event
 from smalti.core.examples import MLPRegressor, SyntheticRegression
-from smalti.core.plugins import SmaltiPluginManager, hookspecs
+from smalti.core.plugins import SmaltiPluginManager, hookspecs, reset_plugin_manager
 from smalti.testing.events import EventRecorder
 
 MICRO = ["microbatch_start", "before_forward", "after_forward", "before_loss", "after_loss", "before_backward",
@@ -161,11 +161,13 @@ def test_broken_entry_point_names_distribution_and_escape_hatch(monkeypatch):
     ep = md.EntryPoint(name="broken", value="smalti_no_such_module.plugin", group="smalti")
     monkeypatch.setattr(md.EntryPoint, "dist", FakeDist(), raising=False)
     monkeypatch.setattr(md, "entry_points", lambda group=None: [ep])
+    reset_plugin_manager()  # entry points are scanned once per process: rescan with the broken one
     pm = SmaltiPluginManager()
     with pytest.raises(PluginError, match=r"'broken'.*smalti-broken 0.2.*SMALTI_DISABLED_PLUGINS=broken"):
         pm.load_entry_points()
     monkeypatch.setenv("SMALTI_DISABLED_PLUGINS", "broken")
     pm.load_entry_points()
+    reset_plugin_manager()
 
 
 def test_unclosed_trainer_plugins_do_not_leak_into_the_next_run():

@@ -29,11 +29,11 @@ def test_submitit_local_job_runs_torchrun_with_two_ranks(tmp_path):
     out = smalti_train(["-m", "hydra/launcher=submitit_local", "hydra.launcher.torchrun.nproc_per_node=2",
                         "parallelism=ddp", "optimizer.lr=0.003", *QUICK], tmp_path)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
-    job_dir = tmp_path / "multirun" / "smalti-run" / "0"
+    (job_dir,) = (tmp_path / "multirun").glob("*/0")
     # torchrun started two ranks inside the submitit job, each with its own rank-prefixed log ...
     assert sorted(p.name for p in job_dir.glob("rank*.log")) == ["rank0.log", "rank1.log"]
     rank0 = (job_dir / "rank0.log").read_text()
-    assert rank0.startswith("[rank0][") and "finished smalti-run" in rank0
+    assert rank0.startswith("[rank0][") and f"finished {job_dir.parent.name}-0" in rank0
     # ... the agent logged the torchrun command it ran, with the job's overrides ...
     agent = (job_dir / "agent-node0.log").read_text()
     assert re.search(r"torchrun --nnodes=1 --nproc-per-node=2 --rdzv-backend=c10d .*-m smalti.core.cli.train", agent)
@@ -56,7 +56,8 @@ def test_slurm_dry_run_writes_the_sbatch_script(tmp_path):
                         "hydra.launcher.dry_run=true", "optimizer.lr=1e-3,3e-3", *QUICK], tmp_path, timeout=120)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     assert "validated against ConfigStore schema" not in out.stderr
-    script = (tmp_path / "multirun" / "smalti-run" / ".submitit" / "dry-run" / "job.sbatch").read_text()
+    (script_path,) = (tmp_path / "multirun").glob("*/.submitit/dry-run/job.sbatch")
+    script = script_path.read_text()
     flags = dict(re.findall(r"^#SBATCH --([\w-]+)=(.*)$", script, flags=re.M))
     assert flags["nodes"] == "4" and flags["ntasks-per-node"] == "1" and flags["gpus-per-node"] == "8"
     assert flags["partition"] == "train" and flags["exclude"] == "gpu13"

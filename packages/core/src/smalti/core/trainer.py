@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import weakref
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -25,17 +24,13 @@ from smalti.core.events import Event
 from smalti.core.logger import Logger
 from smalti.core.optim import DecoupledAdamW, Schedule
 from smalti.core.parallelism import DDP, Parallelism, SingleDevice
-from smalti.core.plugins import get_plugin_manager
-from smalti.core.plugins.manager import SmaltiPluginManager
+from smalti.core.plugins.manager import SmaltiPluginManager, new_plugin_manager
 from smalti.core.precision import autocast, check_precision, make_grad_scaler
 from smalti.core.seed import seed_all
 from smalti.core.state import State
 from smalti.core.time import Time
 
 log = logging.getLogger(__name__)
-
-# The trainer whose run plugins are registered now; a new trainer closes it first (plugins are process-wide).
-_active: weakref.ReferenceType[Trainer] | None = None
 
 PluginSpec = Mapping[str, Any] | Iterable[Any] | None
 OptimizerSpec = torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | list[Any] | None
@@ -125,7 +120,7 @@ class Trainer:
         seed_all(seed)  # every rank the same seed: identical initial weights without a broadcast
         self.seed = seed
         self.compile = compile
-        self.pm = plugin_manager or get_plugin_manager()
+        self.pm = plugin_manager or new_plugin_manager()  # this trainer's own: no other run's plugins
         device = torch.device(device) if device is not None else distributed.default_device()
 
         micro, auto = self._parse_microbatch(device_train_microbatch_size)
@@ -152,17 +147,9 @@ class Trainer:
             raise TrainingError("the train dataloader has no batches; check the dataset path, its size and the batch size")
         self.logger = Logger(self.pm.hook, self.state)
         self.hook = self.pm.hook
-        global _active
-        previous = _active() if _active is not None else None
-        if previous is not None and not previous._closed:
-            log.warning("closing the previous Trainer (never fitted or closed) so its plugins do not see this run")
-            previous.close()
-        _active = weakref.ref(self)
         self._run_plugins = self.pm.register_run_plugins(
             [("algorithms", _named(algorithms)), ("callbacks", _named(callbacks)), ("loggers", _named(loggers))]
         )
-        # A trainer dropped without close() must not leave its plugins registered for the next run.
-        weakref.finalize(self, self.pm.unregister_run_plugins, self._run_plugins)
         self._closed = False
         self._replay = 0
         try:
@@ -579,9 +566,16 @@ def _safe_len(loader: Any) -> int | None:
 
 
 def _default_run_name() -> str:
-    """A run name that is the same on every rank: from the launcher's job id, never from the clock."""
-    for var in ("TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
-        value = os.environ.get(var)
-        if value and value != "none":
-            return f"run-{value}"
-    return "smalti-run"
+    """The launcher's name for the run, else a generated one that rank 0 decides and every rank receives."""
+    from smalti.core import run_name
+
+    name = run_name.stable_name_from_env()
+    if name is not None:
+        return name
+    name = run_name.generate_run_name()
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        shared = [name]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        name = shared[0]
+        run_name.mark_generated(name)
+    return name

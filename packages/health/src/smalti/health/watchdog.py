@@ -244,7 +244,7 @@ class HangWatchdog(Callback):
         # Every rank writes the merged report (atomically): the first to exit makes torchrun stop the others.
         report = write_hang_report(folder, attempt, run_id=where["run_id"])
         self._log_report(folder, attempt, report)
-        _flush_loggers(self.grace_s)
+        _flush_loggers(self.grace_s, self._plugin_manager())
         # The first rank to exit makes torchrun kill the rest: wait (bounded) until every rank has logged.
         _write_atomic(folder / f".done-rank{self._rank}-attempt{attempt}", str(time.time()))
         deadline = time.monotonic() + self.grace_s
@@ -310,12 +310,11 @@ def hooks_in_progress(thread_id: int, pm: Any = None) -> list[dict[str, Any]]:
     return hooks
 
 
-def _flush_loggers(timeout_s: float) -> None:
+def _flush_loggers(timeout_s: float, pm: Any) -> None:
     """Deliver what the run's queued loggers hold (best effort, bounded): the metrics up to the hang matter."""
     from smalti.core.plugins import LoggerDestination
-    from smalti.core.plugins.manager import get_plugin_manager
 
-    for plugin in get_plugin_manager().get_plugins():
+    for plugin in pm.get_plugins():
         flush = getattr(plugin, "flush", None)
         if isinstance(plugin, LoggerDestination) and callable(flush):
             try:

@@ -27,7 +27,9 @@ quiet_launcher_schema_notice()  # conf/hydra/launcher/submitit_*.yaml match smal
 def _train(cfg: DictConfig) -> float:
     from smalti.core.config.build import run
     from smalti.core.distributed import warn_if_restarts_may_hang
+    from smalti.core.run_name import start_hydra_run
 
+    start_hydra_run(cfg)  # refuse autoresume under a generated name; point outputs/latest at this run
     # Scale-out: inside a submitit (Slurm/local) job but not yet under torchrun, start torchrun's agent for this
     # node, which runs this app again on each rank (smalti.core.launch.node). Otherwise train here.
     if should_start_agent():

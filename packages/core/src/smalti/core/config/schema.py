@@ -60,4 +60,9 @@ class RunConfig:
 
 def register_configs(store: ConfigStore | None = None) -> None:
     """Put the schema in Hydra's ConfigStore as ``smalti_train_schema``."""
+    from smalti.core.config.hydra_errors import install as list_options_in_errors
+    from smalti.core.run_name import register_resolvers
+
+    register_resolvers()
+    list_options_in_errors()
     (store or ConfigStore.instance()).store(name="smalti_train_schema", node=RunConfig)

@@ -17,6 +17,7 @@ from smalti.core.plugins.base import Algorithm, Callback, LoggerDestination, Sma
 from smalti.core.plugins.manager import (  # noqa: E402
     SmaltiPluginManager,
     get_plugin_manager,
+    new_plugin_manager,
     reset_plugin_manager,
 )
 
@@ -29,5 +30,6 @@ __all__ = [
     "get_plugin_manager",
     "hookimpl",
     "hookspec",
+    "new_plugin_manager",
     "reset_plugin_manager",
 ]

@@ -1,4 +1,9 @@
-"""The process-wide plugin manager: entry-point discovery, run-scoped registration and typo checks."""
+"""Plugin managers: one per Trainer, built from entry points discovered once per process; typo checks.
+
+In an entry-point module, a plain function named after a hookspec is a hook (as pytest treats ``pytest_*``
+functions); a function that looks like a hook (``on_*``, ``should_*``, ``smalti_*``, ``log_*``, the state
+hooks) but matches no hookspec fails at start, naming the function and the closest hook.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import importlib.metadata as md
 import inspect
 import logging
 import os
+import types
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +31,10 @@ DISABLED_ENV = "SMALTI_DISABLED_PLUGINS"
 TRACE_ENV = "SMALTI_TRACE_PLUGINS"
 
 _HOOK_PREFIXES = ("on_", "should_")
+#: What a plain function in a plugin module must look like to be taken for a hook (and checked against the specs).
+_MODULE_HOOK_PREFIXES = ("on_", "should_", "smalti_", "log_")
+_DEFAULT_OPTS = {"wrapper": False, "hookwrapper": False, "optionalhook": False, "tryfirst": False,
+                 "trylast": False, "specname": None}
 _EXTRA_HOOK_NAMES = ("plugin_state_dict", "load_plugin_state_dict", "log_metrics", "log_hyperparameters", "log_artifact")
 
 
@@ -57,6 +67,8 @@ class SmaltiPluginManager(pluggy.PluginManager):
     # pluggy calls this for every attribute of a registered plugin.
     def parse_hookimpl_opts(self, plugin: Any, name: str) -> pluggy.HookimplOpts | None:
         opts = super().parse_hookimpl_opts(plugin, name)
+        if opts is None and isinstance(plugin, types.ModuleType):
+            return self._plain_module_function(plugin, name)
         if not isinstance(plugin, SmaltiPlugin):
             return opts
         if opts is None:
@@ -69,13 +81,25 @@ class SmaltiPluginManager(pluggy.PluginManager):
                 return None
             if not self._overridden(plugin, name):
                 return None
-            opts = {"wrapper": False, "hookwrapper": False, "optionalhook": False, "tryfirst": False,
-                    "trylast": False, "specname": None}
+            opts = dict(_DEFAULT_OPTS)
         else:
             opts = dict(opts)
         if not (opts.get("tryfirst") or opts.get("trylast")):
             opts.update(plugin.role_order)
         return opts  # type: ignore[return-value]
+
+    def _plain_module_function(self, module: types.ModuleType, name: str) -> pluggy.HookimplOpts | None:
+        """A function defined in a plugin module is a hook when a spec has its name or it looks like a hook."""
+        if name.startswith("_"):
+            return None
+        func = getattr(module, name, None)
+        if not inspect.isfunction(func) or func.__module__ != module.__name__:
+            return None
+        caller = getattr(self.hook, name, None)
+        is_spec = caller is not None and caller.spec is not None
+        if not (is_spec or name.startswith(_MODULE_HOOK_PREFIXES) or name in _EXTRA_HOOK_NAMES):
+            return None
+        return dict(_DEFAULT_OPTS)  # type: ignore[return-value]
 
     @staticmethod
     def _overridden(plugin: SmaltiPlugin, name: str) -> bool:
@@ -107,39 +131,12 @@ class SmaltiPluginManager(pluggy.PluginManager):
                 )
 
     def load_entry_points(self) -> None:
-        """Load every installed ``smalti`` entry point, sorted by name, honouring the allow and block lists."""
-        if os.environ.get(DISABLE_AUTOLOAD_ENV):
-            return
-        allowed = _env_list(ALLOWED_ENV)
-        disabled = _env_list(DISABLED_ENV)
-        seen: set[str] = set()
-        for ep in sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
-            if ep.name in seen:
+        """Register every installed ``smalti`` entry point (discovered once per process), then check hook names."""
+        for name, plugin, info in discover_entry_points():
+            if self.get_plugin(name) is not None or self.is_registered(plugin):
                 continue
-            seen.add(ep.name)
-            dist = ep.dist
-            dist_name = dist.name if dist is not None else "?"
-            if ep.name in disabled or dist_name in disabled:
-                log.debug("plugin %s (%s) disabled by %s", ep.name, dist_name, DISABLED_ENV)
-                continue
-            if allowed and ep.name not in allowed and dist_name not in allowed:
-                continue
-            if self.get_plugin(ep.name) is not None:
-                continue
-            version = dist.version if dist is not None else "?"
-            try:
-                plugin = ep.load()
-            except Exception as exc:
-                raise PluginError(
-                    f"entry point {ep.name!r} ({ep.value}) of {dist_name} {version} failed to import: {exc!r}; "
-                    f"set {DISABLED_ENV}={ep.name} to skip it"
-                ) from exc
-            if self.is_registered(plugin):
-                continue
-            self.register(plugin, name=ep.name)
-            location = getattr(plugin, "__file__", None) or repr(plugin)
-            self.entry_point_info[ep.name] = PluginInfo(ep.name, dist_name, version, ep.value, location)
-            log.debug("loaded plugin %s from %s %s", ep.name, dist_name, version)
+            self.register(plugin, name=name)
+            self.entry_point_info[name] = info
         self.check_unknown_hooks()
 
     def config_searchpaths(self) -> list[str]:
@@ -178,23 +175,73 @@ class SmaltiPluginManager(pluggy.PluginManager):
                 self.unregister(obj)
 
 
+_DISCOVERED: dict[tuple[str, str, str], list[tuple[str, Any, PluginInfo]]] = {}
+
+
+def discover_entry_points() -> list[tuple[str, Any, PluginInfo]]:
+    """The installed ``smalti`` entry points as ``(name, loaded object, info)``, sorted by name, honouring the
+    allow and block lists. Loaded once per process (per setting of those variables)."""
+    key = (os.environ.get(DISABLE_AUTOLOAD_ENV, ""), os.environ.get(ALLOWED_ENV, ""), os.environ.get(DISABLED_ENV, ""))
+    if key in _DISCOVERED:
+        return _DISCOVERED[key]
+    found: list[tuple[str, Any, PluginInfo]] = []
+    if not key[0]:
+        allowed = _env_list(ALLOWED_ENV)
+        disabled = _env_list(DISABLED_ENV)
+        seen: set[str] = set()
+        for ep in sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+            if ep.name in seen:
+                continue
+            seen.add(ep.name)
+            dist = ep.dist
+            dist_name = dist.name if dist is not None else "?"
+            if ep.name in disabled or dist_name in disabled:
+                log.debug("plugin %s (%s) disabled by %s", ep.name, dist_name, DISABLED_ENV)
+                continue
+            if allowed and ep.name not in allowed and dist_name not in allowed:
+                continue
+            version = dist.version if dist is not None else "?"
+            try:
+                plugin = ep.load()
+            except Exception as exc:
+                raise PluginError(
+                    f"entry point {ep.name!r} ({ep.value}) of {dist_name} {version} failed to import: {exc!r}; "
+                    f"set {DISABLED_ENV}={ep.name} to skip it"
+                ) from exc
+            location = getattr(plugin, "__file__", None) or repr(plugin)
+            found.append((ep.name, plugin, PluginInfo(ep.name, dist_name, version, ep.value, location)))
+            log.debug("loaded plugin %s from %s %s", ep.name, dist_name, version)
+    _DISCOVERED[key] = found
+    return found
+
+
+def new_plugin_manager() -> SmaltiPluginManager:
+    """A fresh manager for one run: core's builtin plugin plus every installed entry point.
+
+    Each :class:`~smalti.core.trainer.Trainer` builds its own, so two trainers in one process never see each
+    other's plugins; only the entry-point scan (:func:`discover_entry_points`) is shared.
+    """
+    from smalti.core import plugin as core_plugin
+
+    manager = SmaltiPluginManager()
+    manager.register(core_plugin, name="core")
+    manager.load_entry_points()
+    return manager
+
+
 _MANAGER: SmaltiPluginManager | None = None
 
 
 def get_plugin_manager() -> SmaltiPluginManager:
-    """The process's plugin manager: core's builtin plugin plus every installed entry point, built once."""
+    """The process's discovery manager (config search path, ``smalti plugins``); runs never register in it."""
     global _MANAGER
     if _MANAGER is None:
-        from smalti.core import plugin as core_plugin
-
-        manager = SmaltiPluginManager()
-        manager.register(core_plugin, name="core")
-        manager.load_entry_points()
-        _MANAGER = manager
+        _MANAGER = new_plugin_manager()
     return _MANAGER
 
 
 def reset_plugin_manager() -> None:
-    """Forget the process's plugin manager (tests; a changed environment)."""
+    """Forget the process's discovery manager and entry-point scan (tests; a changed environment)."""
     global _MANAGER
     _MANAGER = None
+    _DISCOVERED.clear()

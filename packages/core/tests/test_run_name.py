@@ -1,0 +1,98 @@
+"""Run names and output folders: runs never collide, ranks agree, autoresume needs a stable name."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from smalti.core.run_name import generate_run_name, is_generated, stable_name_from_env
+
+QUICK = ["model=mlp", "data=synthetic", "trainer.max_duration=3ba", "trainer.eval_interval=100ba", "callbacks=[]",
+         "logger=[jsonl]"]
+GENERATED = re.compile(r"^\d{8}-\d{6}-[a-z]+-[a-z]+$")
+
+
+def train(args, cwd, env=None, timeout=240):
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    for var in ("SMALTI_RUN_NAME", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SMALTI_SWEEP_RUN_NAME"):
+        if var not in (env or {}):
+            full_env.pop(var, None)
+    return subprocess.run([sys.executable, "-m", "smalti.core.cli.train", *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def losses(path):
+    from smalti.core.loggers import read_jsonl
+
+    return [r["metrics"]["loss/train/total"] for r in read_jsonl(path) if "loss/train/total" in r["metrics"]]
+
+
+def test_two_runs_in_a_row_get_their_own_folders_and_latest_points_at_the_second(tmp_path):
+    first = train(QUICK, tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = train(QUICK + ["trainer.max_duration=2ba"], tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    runs = sorted(p for p in (tmp_path / "outputs").iterdir() if not p.is_symlink())
+    assert len(runs) == 2 and all(GENERATED.match(p.name) for p in runs), runs
+    # each run's metrics file holds that run's batches only
+    assert sorted(len(losses(p / "metrics.jsonl")) for p in runs) == [2, 3]
+    latest = tmp_path / "outputs" / "latest"
+    assert latest.is_symlink() and len(losses(latest / "metrics.jsonl")) == 2
+    assert f"finished {latest.resolve().name}" in (latest / "rank0.log").read_text()
+
+
+def test_sweep_points_get_their_own_names_and_checkpoint_folders(tmp_path):
+    out = train(["-m", "checkpoint=dcp", "optimizer.lr=1e-3,3e-3", *QUICK], tmp_path, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (sweep,) = (tmp_path / "multirun").iterdir()
+    assert GENERATED.match(sweep.name)
+    for num in ("0", "1"):
+        point = sweep / num
+        assert (point / "checkpoints" / "ep0-ba3").is_dir(), sorted(point.rglob("*"))
+        assert f"finished {sweep.name}-{num} " in (point / "rank0.log").read_text()
+        assert len(losses(point / "metrics.jsonl")) == 3
+    assert (tmp_path / "outputs" / "latest").resolve() == (sweep / "1").resolve()
+
+
+def test_autoresume_without_a_stable_name_fails_saying_how_to_name_it(tmp_path):
+    out = train(QUICK + ["checkpoint=dcp", "checkpoint.autoresume=true"], tmp_path)
+    assert out.returncode != 0
+    assert "checkpoint.autoresume=true" in out.stderr and "run_name=<name>" in out.stderr
+    assert "SMALTI_RUN_NAME" in out.stderr and "--rdzv-id" in out.stderr
+    assert not list(tmp_path.glob("outputs/*/checkpoints/*"))
+    named = train(QUICK + ["checkpoint=dcp", "checkpoint.autoresume=true"], tmp_path,
+                  env={"SMALTI_RUN_NAME": "nightly"})
+    assert named.returncode == 0, named.stderr[-3000:]
+    assert (tmp_path / "outputs" / "nightly" / "checkpoints" / "ep0-ba3").is_dir()
+
+
+def test_torchrun_ranks_agree_on_the_generated_name(tmp_path):
+    from smalti.testing.torchrun import torchrun_command
+
+    cmd = torchrun_command(2) + ["-m", "smalti.core.cli.train", *QUICK, "parallelism=ddp"]
+    env = {k: v for k, v in os.environ.items() if k not in ("SMALTI_RUN_NAME", "SLURM_JOB_ID")}
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**env, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    (run_dir,) = (p for p in (tmp_path / "outputs").iterdir() if not p.is_symlink())
+    assert GENERATED.match(run_dir.name), run_dir.name
+    assert sorted(p.name for p in run_dir.glob("rank*.log")) == ["rank0.log", "rank1.log"]
+    assert f"finished {run_dir.name} " in (run_dir / "rank0.log").read_text()
+
+
+@pytest.mark.parametrize(("env", "expected"), [
+    ({"SMALTI_RUN_NAME": "mine", "TORCHELASTIC_RUN_ID": "job7"}, "mine"),
+    ({"TORCHELASTIC_RUN_ID": "job7", "SLURM_JOB_ID": "42"}, "job7"),
+    ({"TORCHELASTIC_RUN_ID": "none", "SLURM_JOB_ID": "42"}, "slurm-42"),
+    ({"TORCHELASTIC_RUN_ID": "3f2b8c1e-5d4a-4c3b-9e8f-0a1b2c3d4e5f"}, None),  # torchrun --standalone: random
+    ({}, None),
+])
+def test_stable_names_come_from_the_user_or_launcher(env, expected):
+    assert stable_name_from_env(env) == expected
+
+
+def test_generated_names_are_readable_and_not_stable():
+    names = {generate_run_name() for _ in range(20)}
+    assert len(names) > 1 and all(GENERATED.match(n) and is_generated(n) for n in names)
