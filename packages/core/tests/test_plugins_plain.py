@@ -94,3 +94,13 @@ def test_two_trainers_in_one_process_never_see_each_others_plugins():
 def test_each_manager_gets_the_installed_plugins():
     one, two = new_plugin_manager(), new_plugin_manager()
     assert one is not two and one.get_plugin("core") is two.get_plugin("core") is not None
+
+
+def test_plugins_run_lists_what_a_run_will_have(tmp_path):
+    out = run("smalti.core.cli.main", ["plugins", "--run", "callbacks=[speed_monitor,lr_monitor]", "logger=[jsonl]",
+                                       "callbacks.lr_monitor=null"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    callbacks = out.stdout.split("callbacks:\n")[1].split("logger:")[0]
+    assert "speed_monitor: smalti.core.callbacks.SpeedMonitor" in callbacks and "lr_monitor" not in callbacks
+    assert "jsonl: smalti.core.loggers.JSONLLogger" in out.stdout.split("logger:\n")[1]
+    assert "checkpoint: -" in out.stdout

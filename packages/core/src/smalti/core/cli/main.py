@@ -24,13 +24,46 @@ def list_plugins(out=sys.stdout) -> int:
     return 0
 
 
+RUN_GROUPS = ("algorithms", "callbacks", "logger", "health")
+
+
+def list_run_plugins(overrides: list[str], out=sys.stdout) -> int:
+    """Print what a ``smalti-train <overrides>`` run will register: each group's entries and their targets.
+
+    Every entry can be switched off from the command line: ``<group>=[]`` drops a whole group,
+    ``<group>.<name>=null`` one entry, ``checkpoint=none`` the checkpointer.
+    """
+    from hydra import compose, initialize_config_module
+    from omegaconf import DictConfig
+
+    from smalti.core.config.schema import register_configs
+
+    register_configs()
+    with initialize_config_module(config_module="smalti.core.conf", version_base="1.3"):
+        cfg = compose("train", overrides=overrides)
+    for group in RUN_GROUPS:
+        entries = {k: v for k, v in (cfg.get(group) or {}).items() if isinstance(v, DictConfig) and "_target_" in v}
+        print(f"{group}:", file=out)
+        for name, node in entries.items():
+            print(f"  {name}: {node._target_}  (off: {group}.{name}=null)", file=out)
+        if not entries:
+            print("  -", file=out)
+    checkpoint = cfg.get("checkpoint")
+    target = checkpoint.get("_target_") if isinstance(checkpoint, DictConfig) else None
+    print(f"checkpoint: {target or '-'}", file=out)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="smalti", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("plugins", help="list installed smalti plugins, their versions, hooks and config paths")
+    plugins = sub.add_parser("plugins", help="list installed smalti plugins, their versions, hooks and config paths")
+    plugins.add_argument("--run", nargs=argparse.REMAINDER, metavar="OVERRIDES",
+                         help="list instead the algorithms, callbacks, loggers and checkpointer a run with these "
+                              "smalti-train overrides will have")
     args = parser.parse_args(argv)
     if args.command == "plugins":
-        return list_plugins()
+        return list_run_plugins(args.run) if args.run is not None else list_plugins()
     return 2
 
 
