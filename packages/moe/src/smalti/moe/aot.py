@@ -201,13 +201,21 @@ class _Recorder:
             jit_fn = _jit(self.kernel)
             options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
             signature, constexprs, divisible = _specialise(jit_fn, args, kwargs)
-            configs = ([(dict(c.kwargs), c.num_warps, c.num_stages) for c in self.kernel.configs]
+            configs = ([(dict(c.kwargs), c.num_warps, c.num_stages) for c in _candidates(self.kernel, args, kwargs)]
                        if hasattr(self.kernel, "configs")
                        else [({}, options.get("num_warps", 4), options.get("num_stages", 3))])
             case = Case(self.name, tuple(signature.items()), tuple(sorted(constexprs.items())), tuple(divisible), 0, 0)
             self.sink.append(_Launch(self.name, case, configs, f"{_caller()} {self.phase[0]}"))
 
         return launch
+
+
+def _candidates(autotuner: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
+    """The autotune configs the autotuner would time for this launch (after its ``early_config_prune``)."""
+    prune = getattr(autotuner, "early_config_prune", None)
+    if prune is None:
+        return list(autotuner.configs)
+    return list(prune(autotuner.configs, dict(zip(_jit(autotuner).arg_names, args)), **kwargs))
 
 
 def _caller() -> str:

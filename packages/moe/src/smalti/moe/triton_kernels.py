@@ -173,15 +173,34 @@ def scatter_rows(ys: torch.Tensor, perm: torch.Tensor, weights: torch.Tensor | N
 _GMM_BLOCK_M = 16 if INTERPRET else 128
 
 
+_GMM_16BIT = [dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+              dict(BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
+              dict(BLOCK_N=128, BLOCK_K=32, num_warps=4, num_stages=4),
+              dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)]
+# fp32 runs tl.dot in IEEE mode (FMA, no tensor cores) on 4-byte tiles: the 16-bit list spilled up to 12 KB and
+# BLOCK_N=256 needed 196608 B of shared memory (> sm_80's 166912) per `python -m smalti.moe.aot`. These do not.
+_GMM_FP32 = [dict(BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3),
+             dict(BLOCK_N=64, BLOCK_K=16, num_warps=4, num_stages=3)]
+_GMM_CONFIGS = _configs(_GMM_16BIT + _GMM_FP32, dict(BLOCK_N=32, BLOCK_K=32))
+
+
+def _by_dtype(configs: list[triton.Config], n_16bit: int):
+    """An autotune prune keeping ``configs[n_16bit:]`` for fp32 (``IEEE``) launches, the rest otherwise."""
+    fp32_ids = {id(c) for c in configs[n_16bit:]}
+
+    def prune(candidates: list, named_args: dict, **kwargs) -> list:
+        if INTERPRET:  # one config only
+            return candidates
+        ieee = bool(kwargs.get("IEEE", named_args.get("IEEE")))
+        return [c for c in candidates if (id(c) in fp32_ids) == ieee]
+
+    return prune
+
+
 @triton.autotune(
-    configs=_configs(
-        [dict(BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
-         dict(BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=3),
-         dict(BLOCK_N=128, BLOCK_K=32, num_warps=4, num_stages=4),
-         dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)],
-        dict(BLOCK_N=32, BLOCK_K=32),
-    ),
-    key=["kdim", "m", "BLOCK_M", "A_GATHER", "C_SCATTER"],
+    configs=_GMM_CONFIGS,
+    key=["kdim", "m", "BLOCK_M", "A_GATHER", "C_SCATTER", "IEEE"],
+    prune_configs_by={"early_config_prune": _by_dtype(_GMM_CONFIGS, len(_GMM_16BIT))},
 )
 @triton.jit
 def _grouped_mm_kernel(a_ptr, b_ptr, c_ptr, a_idx_ptr, c_idx_ptr, tile_expert_ptr, tile_row_ptr, ends_ptr,
@@ -278,14 +297,18 @@ def mm_scatter(h: torch.Tensor, w: torch.Tensor, perm: torch.Tensor, offsets: to
     return _grouped(h, w, offsets, perm.numel(), None, perm.contiguous())
 
 
+_WGRAD_16BIT = [dict(BLOCK_K=128, BLOCK_N=128, BLOCK_R=32, num_warps=8, num_stages=3),
+                dict(BLOCK_K=64, BLOCK_N=128, BLOCK_R=64, num_warps=4, num_stages=3),
+                dict(BLOCK_K=64, BLOCK_N=64, BLOCK_R=64, num_warps=4, num_stages=4)]
+# In fp32 (IEEE) the two 4-warp configs spilled 9-15 KB on sm_80 (python -m smalti.moe.aot); 8 warps do not.
+_WGRAD_FP32 = [dict(BLOCK_K=128, BLOCK_N=128, BLOCK_R=32, num_warps=8, num_stages=3)]
+_WGRAD_CONFIGS = _configs(_WGRAD_16BIT + _WGRAD_FP32, dict(BLOCK_K=32, BLOCK_N=32, BLOCK_R=32))
+
+
 @triton.autotune(
-    configs=_configs(
-        [dict(BLOCK_K=128, BLOCK_N=128, BLOCK_R=32, num_warps=8, num_stages=3),
-         dict(BLOCK_K=64, BLOCK_N=128, BLOCK_R=64, num_warps=4, num_stages=3),
-         dict(BLOCK_K=64, BLOCK_N=64, BLOCK_R=64, num_warps=4, num_stages=4)],
-        dict(BLOCK_K=32, BLOCK_N=32, BLOCK_R=32),
-    ),
-    key=["kdim", "m", "A_GATHER", "DC_GATHER"],
+    configs=_WGRAD_CONFIGS,
+    key=["kdim", "m", "A_GATHER", "DC_GATHER", "IEEE"],
+    prune_configs_by={"early_config_prune": _by_dtype(_WGRAD_CONFIGS, len(_WGRAD_16BIT))},
 )
 @triton.jit
 def _wgrad_kernel(a_ptr, dc_ptr, db_ptr, a_idx_ptr, dc_idx_ptr, ends_ptr, kdim, m, s_am, s_dcm,
