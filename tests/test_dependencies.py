@@ -1,7 +1,7 @@
 """Each package declares what its code imports, and imports what it declares.
 
-A small AST check of our own (deptry does not follow PEP 420 namespace packages split over several
-distributions): every third-party module imported under ``packages/<pkg>/src`` (outside ``try: ... except
+A small AST check of our own (no tool to install; it maps ``smalti.<pkg>`` imports, one PEP 420 namespace
+split over several distributions, to ``smalti-<pkg>``): every third-party module imported under ``packages/<pkg>/src`` (outside ``try: ... except
 ImportError``, the optional integrations) must belong to a distribution
 listed in that package's ``[project] dependencies`` or one of its non-test extras, and every such declared
 distribution must be imported somewhere in ``src`` (or be listed in ``USED_WITHOUT_IMPORT`` with the reason).
