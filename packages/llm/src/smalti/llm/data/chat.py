@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.data import Dataset
 
-from smalti.llm.data.finetune import IGNORE_INDEX, _iterate, encode_pair, pack
+from smalti.llm.data.finetune import IGNORE_INDEX, _iterate, encode_pair, pack, packed_row
 from smalti.llm.errors import DataError, TokenizerError
 from smalti.llm.tokenizer import Tokenizer, load_tokenizer
 
@@ -259,19 +259,8 @@ class ChatDataset(Dataset):
         return len(self.rows)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        ids: list[int] = []
-        labels: list[int] = []
-        seq: list[int] = []
-        for k, idx in enumerate(self.rows[i]):
-            ex = self.examples[idx]
-            ids += ex.ids
-            labels += [t if m else IGNORE_INDEX for t, m in zip(ex.ids, ex.mask, strict=True)]
-            seq += [k] * len(ex.ids)
-        n = len(ids)
-        pad = self.max_seq_len - n
-        return {
-            "input_ids": torch.tensor(ids + [self.pad_id] * pad, dtype=torch.long),
-            "labels": torch.tensor(labels + [IGNORE_INDEX] * pad, dtype=torch.long),
-            "sequence_id": torch.tensor(seq + [-1] * pad, dtype=torch.long),
-            "attention_mask": torch.tensor([1] * n + [0] * pad, dtype=torch.long),
-        }
+        examples = (self.examples[idx] for idx in self.rows[i])
+        return packed_row(
+            [(ex.ids, [t if m else IGNORE_INDEX for t, m in zip(ex.ids, ex.mask, strict=True)]) for ex in examples],
+            self.max_seq_len, self.pad_id,
+        )

@@ -111,22 +111,29 @@ class FinetuneDataset(Dataset):
         return len(self.rows)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        ids: list[int] = []
-        labels: list[int] = []
-        seq: list[int] = []
-        for k, idx in enumerate(self.rows[i]):
-            prompt, response = self.examples[idx]
-            ids += prompt + response
-            labels += [IGNORE_INDEX] * len(prompt) + response
-            seq += [k] * (len(prompt) + len(response))
-        n = len(ids)
-        pad = self.max_seq_len - n
-        return {
-            "input_ids": torch.tensor(ids + [self.pad_id] * pad, dtype=torch.long),
-            "labels": torch.tensor(labels + [IGNORE_INDEX] * pad, dtype=torch.long),
-            "sequence_id": torch.tensor(seq + [-1] * pad, dtype=torch.long),
-            "attention_mask": torch.tensor([1] * n + [0] * pad, dtype=torch.long),
-        }
+        examples = (self.examples[idx] for idx in self.rows[i])
+        return packed_row([(p + r, [IGNORE_INDEX] * len(p) + r) for p, r in examples], self.max_seq_len, self.pad_id)
+
+
+def packed_row(examples: Sequence[tuple[list[int], list[int]]], max_seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """One training row from ``(token ids, labels)`` examples packed in order and padded to ``max_seq_len``:
+    ``input_ids``, ``labels`` (``-100`` on padding), ``sequence_id`` (the example's place in the row, ``-1`` on
+    padding) and ``attention_mask``."""
+    ids: list[int] = []
+    labels: list[int] = []
+    seq: list[int] = []
+    for k, (example_ids, example_labels) in enumerate(examples):
+        ids += example_ids
+        labels += example_labels
+        seq += [k] * len(example_ids)
+    n = len(ids)
+    pad = max_seq_len - n
+    return {
+        "input_ids": torch.tensor(ids + [pad_id] * pad, dtype=torch.long),
+        "labels": torch.tensor(labels + [IGNORE_INDEX] * pad, dtype=torch.long),
+        "sequence_id": torch.tensor(seq + [-1] * pad, dtype=torch.long),
+        "attention_mask": torch.tensor([1] * n + [0] * pad, dtype=torch.long),
+    }
 
 
 def _iterate(ds: Any) -> Iterable[dict[str, Any]]:
