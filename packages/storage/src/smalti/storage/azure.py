@@ -17,12 +17,11 @@ import base64
 import contextlib
 import importlib
 import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
-from smalti.storage.base import BaseStore, ObjectInfo, read_part
+from smalti.storage.base import BaseStore, ObjectInfo, PerProcess, read_part
 from smalti.storage.errors import (
     BucketNotFoundError,
     CredentialsError,
@@ -95,8 +94,7 @@ class AzureStore(BaseStore):
         self._credential = credential
         if not (connection_string or account_url):
             self._resolve(account)
-        self._clients: dict[int, Any] = {}
-        self._lock = threading.Lock()
+        self._container = PerProcess(self._make_container)
 
     def _resolve(self, account: str | None) -> None:
         env = os.environ
@@ -128,21 +126,16 @@ class AzureStore(BaseStore):
     @property
     def container(self) -> Any:
         """This process's container client (thread-safe; a forked child makes its own)."""
-        pid = os.getpid()
-        client = self._clients.get(pid)
-        if client is None:
-            with self._lock:
-                client = self._clients.get(pid)
-                if client is None:
-                    blob = _import_azure()
-                    kwargs = {"retry_total": 0, "connection_timeout": min(self.timeout_s, 10),
-                              "read_timeout": self.timeout_s}
-                    if self._connection_string:
-                        service = blob.BlobServiceClient.from_connection_string(self._connection_string, **kwargs)
-                    else:
-                        service = blob.BlobServiceClient(self._account_url, credential=self._credential, **kwargs)
-                    client = self._clients[pid] = service.get_container_client(self.bucket)
-        return client
+        return self._container.get()
+
+    def _make_container(self) -> Any:
+        blob = _import_azure()
+        kwargs = {"retry_total": 0, "connection_timeout": min(self.timeout_s, 10), "read_timeout": self.timeout_s}
+        if self._connection_string:
+            service = blob.BlobServiceClient.from_connection_string(self._connection_string, **kwargs)
+        else:
+            service = blob.BlobServiceClient(self._account_url, credential=self._credential, **kwargs)
+        return service.get_container_client(self.bucket)
 
     # ---------------------------------------------------------------- errors
 

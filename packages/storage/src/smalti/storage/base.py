@@ -7,10 +7,11 @@ that root, ``/``-separated (``"ep1-ba2/model.distcp"``). Keys may not be absolut
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Protocol, runtime_checkable
+from typing import IO, Any, Protocol, runtime_checkable
 
 from smalti.storage.atomic import commit_temp, temp_path
 from smalti.storage.errors import ObjectNotFoundError, StorageError
@@ -107,6 +108,27 @@ def check_key(key: str, root: str) -> str:
     if ".." in parts:
         raise StorageError(f"key {key!r} under {root} leaves its folder ('..' is not allowed in a key)", root)
     return "/".join(parts) + ("/" if key.endswith("/") and parts else "")
+
+
+class PerProcess:
+    """A value made on first use in each process and shared by its threads: a client library's connection
+    pool must not cross a fork (a DataLoader worker makes its own)."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make = make
+        self._values: dict[int, Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self) -> Any:
+        """This process's value, made now if it has none."""
+        pid = os.getpid()
+        value = self._values.get(pid)
+        if value is None:
+            with self._lock:
+                value = self._values.get(pid)
+                if value is None:
+                    value = self._values[pid] = self._make()
+        return value
 
 
 class BaseStore:

@@ -11,12 +11,11 @@ import contextlib
 import importlib
 import os
 import shutil
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
-from smalti.storage.base import BaseStore, ObjectInfo, read_part
+from smalti.storage.base import BaseStore, ObjectInfo, PerProcess, read_part
 from smalti.storage.errors import (
     BucketNotFoundError,
     CredentialsError,
@@ -89,21 +88,13 @@ class S3Store(BaseStore):
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.max_concurrency = max(1, max_concurrency)
-        self._clients: dict[int, Any] = {}
-        self._lock = threading.Lock()
+        self._client = PerProcess(self._make_client)
         _import_boto3()  # fail at open time, naming the extra, rather than at the first read
 
     @property
     def client(self) -> Any:
         """This process's boto3 client (thread-safe; a forked child makes its own)."""
-        pid = os.getpid()
-        client = self._clients.get(pid)
-        if client is None:
-            with self._lock:
-                client = self._clients.get(pid)
-                if client is None:
-                    client = self._clients[pid] = self._make_client()
-        return client
+        return self._client.get()
 
     def _make_client(self) -> Any:
         boto3 = _import_boto3()
