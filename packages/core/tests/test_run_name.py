@@ -1,26 +1,17 @@
-"""Run names and output folders: runs never collide, ranks agree, autoresume needs a stable name."""
+"""Run names and output folders: runs never collide, ranks agree (with checkpoints: tests/test_run_names_with_checkpoints.py)."""
 
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 
 from smalti.core.run_name import generate_run_name, is_generated, stable_name_from_env
+from smalti.testing.train_cli import smalti_train as train
 
 QUICK = ["model=mlp", "data=synthetic", "trainer.max_duration=3ba", "trainer.eval_interval=100ba", "callbacks=[]",
          "logger=[jsonl]"]
 GENERATED = re.compile(r"^\d{8}-\d{6}-[a-z]+-[a-z]+$")
-
-
-def train(args, cwd, env=None, timeout=240):
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    for var in ("SMALTI_RUN_NAME", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SMALTI_SWEEP_RUN_NAME"):
-        if var not in (env or {}):
-            full_env.pop(var, None)
-    return subprocess.run([sys.executable, "-m", "smalti.core.cli.train", *args], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
 
 
 def losses(path):
@@ -41,31 +32,6 @@ def test_two_runs_in_a_row_get_their_own_folders_and_latest_points_at_the_second
     latest = tmp_path / "outputs" / "latest"
     assert latest.is_symlink() and len(losses(latest / "metrics.jsonl")) == 2
     assert f"finished {latest.resolve().name}" in (latest / "rank0.log").read_text()
-
-
-def test_sweep_points_get_their_own_names_and_checkpoint_folders(tmp_path):
-    out = train(["-m", "checkpoint=dcp", "optimizer.lr=1e-3,3e-3", *QUICK], tmp_path, timeout=400)
-    assert out.returncode == 0, out.stderr[-3000:]
-    (sweep,) = (tmp_path / "multirun").iterdir()
-    assert GENERATED.match(sweep.name)
-    for num in ("0", "1"):
-        point = sweep / num
-        assert (point / "checkpoints" / "ep0-ba3").is_dir(), sorted(point.rglob("*"))
-        assert f"finished {sweep.name}-{num} " in (point / "rank0.log").read_text()
-        assert len(losses(point / "metrics.jsonl")) == 3
-    assert (tmp_path / "outputs" / "latest").resolve() == (sweep / "1").resolve()
-
-
-def test_autoresume_without_a_stable_name_fails_saying_how_to_name_it(tmp_path):
-    out = train(QUICK + ["checkpoint=dcp", "checkpoint.autoresume=true"], tmp_path)
-    assert out.returncode != 0
-    assert "checkpoint.autoresume=true" in out.stderr and "run_name=<name>" in out.stderr
-    assert "SMALTI_RUN_NAME" in out.stderr and "--rdzv-id" in out.stderr
-    assert not list(tmp_path.glob("outputs/*/checkpoints/*"))
-    named = train(QUICK + ["checkpoint=dcp", "checkpoint.autoresume=true"], tmp_path,
-                  env={"SMALTI_RUN_NAME": "nightly"})
-    assert named.returncode == 0, named.stderr[-3000:]
-    assert (tmp_path / "outputs" / "nightly" / "checkpoints" / "ep0-ba3").is_dir()
 
 
 def test_torchrun_ranks_agree_on_the_generated_name(tmp_path):
