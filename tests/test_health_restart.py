@@ -31,7 +31,8 @@ def train_cmd(ckpt_dir: Path) -> list[str]:
 
 
 def run(cmd: list[str], cwd: Path) -> tuple[int, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    # autoresume needs a stable run name (a generated one is refused at start)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "SMALTI_RUN_NAME": cwd.name,
            "PYTHONPATH": os.pathsep.join(filter(None, [*map(str, PROBES), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
