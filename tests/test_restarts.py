@@ -66,7 +66,10 @@ def submitit_local(workdir: Path, *extra: str):
            "hydra.launcher.torchrun.nproc_per_node=2", "hydra.launcher.torchrun.max_restarts=1",
            "hydra.launcher.torchrun.monitor_interval=0.5", "hydra.launcher.torchrun.preflight=false",
            f"hydra.launcher.torchrun.rdzv_port={free_port()}", *RUN, f"checkpoint.save_folder={workdir / 'ck'}", *extra]
-    return run_process_group(cmd, env=environment(SMALTI_CONF_DIR=str(ROOT / "conf")), cwd=workdir, timeout=200)
+    # a Slurm job's run name comes from SLURM_JOB_ID; the local launcher has none, so the test names the run
+    # (autoresume refuses a generated name)
+    return run_process_group(cmd, env=environment(SMALTI_CONF_DIR=str(ROOT / "conf"), SMALTI_RUN_NAME=workdir.name),
+                             cwd=workdir, timeout=200)
 
 
 def final_state(folder: Path) -> dict[str, torch.Tensor]:
