@@ -71,6 +71,6 @@ def test_moe_tiny_with_router_jitter_resumes_bit_identical(tmp_path):
     pytest.importorskip("smalti.llm")
     pytest.importorskip("smalti.moe")
     overrides = ["experiment=moe_tiny", "+model.moe.router_jitter=0.1", "model.n_layers=1", "model.max_seq_len=32",
-                 "data.global_train_batch_size=8", "data.eval=null", "callbacks.mlflow_model=null",
+                 "data.global_train_batch_size=8", "data.eval=null",
                  "trainer.max_duration=6ba", "trainer.eval_interval=null"]
     kill_and_resume(tmp_path, overrides, save_every=2, kill_at=3, last="ep0-ba6")

@@ -37,7 +37,7 @@ def test_hf_export_from_checkpoint_equals_the_fit_end_export(tmp_path, capsys):
     run = tmp_path / "run"
     env = {**os.environ, "SMALTI_RUN_NAME": "hf-ckpt", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "smalti.core.cli.train", "experiment=finetune_hf", f"model.pretrained={source}",
-           "callbacks=[]", "logger=[]", "callbacks.mlflow_model=null", f"hydra.run.dir={run}",
+           "callbacks=[hf_export]", "logger=[]", f"hydra.run.dir={run}",
            "trainer.max_duration=3ba", "trainer.eval_interval=null", "model.max_seq_len=64",
            "data.global_train_batch_size=4", "optimizer.lr=1e-3", "checkpoint=dcp",
            f"checkpoint.save_folder={run / 'checkpoints'}", "checkpoint.save_interval=null"]

@@ -20,7 +20,7 @@ from smalti.testing.hf_models import write_tiny_hf_model  # noqa: E402
 
 STEPS = 20
 COMMON = [f"trainer.max_duration={STEPS}ba", "trainer.eval_interval=null", "optimizer.lr=2e-3",
-          "model.max_seq_len=64", "data.global_train_batch_size=4", "callbacks.mlflow_model=null"]
+          "model.max_seq_len=64", "data.global_train_batch_size=4"]
 
 
 def _losses(metrics_file: Path) -> list[float]:
@@ -41,7 +41,7 @@ def _assert_falls(losses: list[float]) -> None:
 
 def _train_cli(run_dir: Path, name: str, overrides: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
     env = {**os.environ, "SMALTI_RUN_NAME": name, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    args = ["experiment=finetune_hf", "callbacks=[]", "logger=[jsonl]", f"hydra.run.dir={run_dir}", *COMMON,
+    args = ["experiment=finetune_hf", "callbacks=[hf_export]", "logger=[jsonl]", f"hydra.run.dir={run_dir}", *COMMON,
             *overrides]
     if nproc == 1:
         cmd = [sys.executable, "-m", "smalti.core.cli.train", *args]
@@ -99,7 +99,7 @@ def test_finetune_hf_in_process_exports_the_trained_model(tmp_path, monkeypatch,
     register_configs()
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="smalti.core.conf", version_base="1.3"):
-        cfg = compose("train", overrides=["experiment=finetune_hf", f"model.pretrained={source}", "callbacks=[]",
+        cfg = compose("train", overrides=["experiment=finetune_hf", f"model.pretrained={source}", "callbacks=[hf_export]",
                                           "logger=[jsonl]", f"logger.jsonl.path={tmp_path / 'm.jsonl'}",
                                           f"run_name=ft-{family}", *COMMON])
     trainer = build_trainer(cfg)
