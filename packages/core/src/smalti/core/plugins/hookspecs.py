@@ -70,6 +70,25 @@ def smalti_addhooks(pluginmanager: pluggy.PluginManager) -> None:
     """
 
 
+@hookspec
+def smalti_config_schemas() -> dict[str, type] | None:
+    """Return the schemas of the config nodes a package owns, checked once Hydra has composed the run.
+
+    Keys say which nodes a schema checks: a ``_target_`` (``"smalti.llm.LLM"``) checks every node built
+    from that class wherever it sits (``model``, ``data.train``, ``callbacks.<name>``, ...); a name
+    without a dot (``"trainer"``, ``"data"``) checks that top-level section. Values are pydantic models,
+    best subclasses of :class:`smalti.core.config.types.Schema` (extra keys allowed, shared types such as
+    ``TimeStr``, ``PositiveInt``, ``Probability``, ``ExistingPath``). A ``model_validator`` sees the whole
+    resolved config in ``info.context["config"]`` for rules spanning sections and reports them with
+    :func:`smalti.core.config.validate.field_error`.
+
+    Called by ``smalti-train`` (and ``smalti plugins --run``) before any model, data or process group is
+    built; every bad value of every schema is reported together as a
+    :class:`~smalti.core.errors.ConfigError` (exit code 2), each line naming the full key, the value given
+    and what is expected. Import the schemas inside the hook so the plugin module stays import-light.
+    """
+
+
 # --------------------------------------------------------------------------------------------------
 # Trainer set-up events
 # --------------------------------------------------------------------------------------------------
