@@ -89,6 +89,19 @@ def smalti_config_schemas() -> dict[str, type] | None:
     """
 
 
+@hookspec(firstresult=True)
+def smalti_plan_model(model: Any, setup: Any) -> Any:
+    """Estimate one micro batch of ``model`` on one GPU for ``smalti plan``; ``None`` if not your model.
+
+    ``model`` was built on the meta device from the run's ``model`` config; ``setup`` is a
+    :class:`smalti.core.plan.types.PlanSetup` (the config, micro batch size, dtype sizes, sequence-parallel
+    degree, GPU). Return a :class:`smalti.core.plan.types.ModelEstimate`: activation bytes by part at the
+    step's peak (with the model's activation checkpointing and loss), training FLOPs of the micro batch
+    (LLM Foundry's formula, for MFU), tokens, and notes to print. Called many times per plan (once per
+    candidate micro batch size), so answer from arithmetic, not by running the model.
+    """
+
+
 # --------------------------------------------------------------------------------------------------
 # Trainer set-up events
 # --------------------------------------------------------------------------------------------------
