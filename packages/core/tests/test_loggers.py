@@ -359,22 +359,62 @@ def test_logger_config_group_builds_every_option(tmp_path, monkeypatch):
 
     from smalti.core.config.build import build_group
     from smalti.core.config.schema import register_configs
-    from smalti.core.loggers import MLflowLogger, WandBLogger
+    from smalti.core.loggers import MLflowLogger, TensorBoardLogger, WandBLogger
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:1")
     monkeypatch.setenv("WANDB_MODE", "offline")
     register_configs()
     with initialize_config_module("smalti.core.conf", version_base="1.3"):
-        cfg = compose("train", overrides=["logger=[console,jsonl,mlflow,wandb]", "run_name=cfg-test"],
+        cfg = compose("train", overrides=["logger=[console,jsonl,mlflow,wandb,tensorboard]", "run_name=cfg-test"],
                       return_hydra_config=True)
         with open_dict(cfg):
             cfg.hydra.runtime.output_dir = str(tmp_path)
         HydraConfig.instance().set_config(cfg)
         built = build_group(cfg.logger, "logger")
-    assert list(built) == ["console", "jsonl", "mlflow", "wandb"]
+    assert list(built) == ["console", "jsonl", "mlflow", "wandb", "tensorboard"]
     assert isinstance(built["console"], ConsoleLogger) and str(built["console"].interval) == "10ba"
     assert isinstance(built["jsonl"], JSONLLogger) and built["jsonl"].path == tmp_path / "metrics.jsonl"
     assert isinstance(built["mlflow"], MLflowLogger) and built["mlflow"].tracking_uri == "http://127.0.0.1:1"
     assert built["mlflow"].run_name == "cfg-test"
     assert isinstance(built["wandb"], WandBLogger) and built["wandb"].mode == "offline"
     assert built["wandb"].name == "cfg-test" and built["wandb"].dir == str(tmp_path)
+    assert isinstance(built["tensorboard"], TensorBoardLogger) and built["tensorboard"].log_dir == str(tmp_path / "tensorboard")
+
+
+def _tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_tensorboard_scalars_read_back_equal_the_jsonl_record(tmp_path):
+    pytest.importorskip("tensorboard")
+    from smalti.core.loggers import TensorBoardLogger
+
+    fit({"jsonl": JSONLLogger(str(tmp_path / "m.jsonl")), "tb": TensorBoardLogger(str(tmp_path / "tb"))},
+        config={"optimizer": {"lr": 0.001, "password": "hunter2"}})
+    scalars = _tensorboard_scalars(tmp_path / "tb")
+    records = read_jsonl(tmp_path / "m.jsonl")
+    expected = [r["metrics"]["loss/train/total"] for r in records if "loss/train/total" in r["metrics"]]
+    assert [step for step, _ in scalars["loss/train/total"]] == [1, 2, 3, 4, 5, 6]
+    assert [value for _, value in scalars["loss/train/total"]] == pytest.approx(expected, rel=1e-6)  # float32
+    assert [step for step, _ in scalars["metrics/eval/MSE"]] == [3, 6]
+    text = b"".join(p.read_bytes() for p in (tmp_path / "tb").iterdir())
+    assert b"0.001" in text and b"hunter2" not in text  # hyperparameters as text, credentials redacted
+
+
+def test_tensorboard_from_the_command_line_writes_in_the_run_folder(tmp_path):
+    pytest.importorskip("tensorboard")
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "smalti.core.cli.train", "model=mlp", "data=synthetic", "trainer.max_duration=3ba",
+           "trainer.eval_interval=null", "callbacks=[]", "logger=[tensorboard]", "run_name=tb-run"]
+    out = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                         text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    scalars = _tensorboard_scalars(tmp_path / "outputs" / "tb-run" / "tensorboard")
+    assert [step for step, _ in scalars["loss/train/total"]] == [1, 2, 3]

@@ -1,4 +1,4 @@
-"""Logger plugins: console, JSONL file, MLflow and W&B (the last two are extras, imported on first use)."""
+"""Logger plugins: console, JSONL file, MLflow, W&B and TensorBoard (the last three are extras, imported on first use)."""
 
 from typing import Any
 
@@ -6,7 +6,7 @@ from smalti.core.loggers.console import ConsoleLogger
 from smalti.core.loggers.jsonl import JSONLLogger, read_jsonl
 from smalti.core.loggers.queued import QueuedLoggerDestination
 
-__all__ = ["ConsoleLogger", "JSONLLogger", "MLflowLogger", "QueuedLoggerDestination", "WandBLogger", "read_jsonl"]
+__all__ = ["ConsoleLogger", "JSONLLogger", "MLflowLogger", "QueuedLoggerDestination", "TensorBoardLogger", "WandBLogger", "read_jsonl"]
 
 
 def __getattr__(name: str) -> Any:
@@ -18,4 +18,8 @@ def __getattr__(name: str) -> Any:
         from smalti.core.loggers.wandb import WandBLogger
 
         return WandBLogger
+    if name == "TensorBoardLogger":
+        from smalti.core.loggers.tensorboard import TensorBoardLogger
+
+        return TensorBoardLogger
     raise AttributeError(name)
