@@ -66,3 +66,28 @@ def test_cordon_on_s3(s3_server, s3_bucket):
     assert remove_from_cordon(path, "node-a")
     assert is_cordoned(path, "node-b") == "slow link" and is_cordoned(path, "node-a") is None
 
+
+
+def _adds_from_threads(path: str, writers: int = 3, each: int = 4) -> None:
+    import threading
+
+    threads = [threading.Thread(target=_add_many, args=(path, f"w{n}", each)) for n in range(writers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads)
+    assert sorted(h.host for h in read_cordon(path)) == sorted(f"w{n}-{i}" for n in range(writers) for i in range(each))
+
+
+def test_concurrent_adds_on_s3_all_land(s3_server, s3_bucket):
+    _adds_from_threads(f"s3://{s3_bucket}/ops/cordon.json")
+
+
+def test_cordon_on_azure_blob_with_concurrent_adds(azurite_server, azure_container, monkeypatch):
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite_server.connection_string())
+    path = f"az://{azure_container}/ops/cordon.json"
+    assert read_cordon(path) == []
+    _adds_from_threads(path)
+    assert remove_from_cordon(path, "w0-0") and is_cordoned(path, "w0-0") is None
+    assert is_cordoned(path, "w1-1") == "test"

@@ -263,3 +263,46 @@ def test_every_backend_takes_read_timeout_s(target):
     assert store.get_bytes("t.bin") == b"timed"
     if target.name != "file":
         assert getattr(store, "read_timeout_s", None) == 7.5 or getattr(store, "timeout_s", None) == 7.5
+
+
+def test_conditional_put_creates_once_and_refuses_a_stale_version(target):
+    if target.name == "gs":
+        pytest.xfail("gcp-storage-emulator (2026.7) neither reports generations nor enforces ifGenerationMatch")
+    store = target.open(retry=_fast_retry())
+    assert store.get_versioned("lease.json") is None
+    assert store.put_if("lease.json", b"one", None) is True
+    assert store.put_if("lease.json", b"two", None) is False  # it exists now: "create" must not overwrite
+    data, token = store.get_versioned("lease.json")
+    assert data == b"one"
+    store.put_bytes("lease.json", b"changed behind our back")
+    assert store.put_if("lease.json", b"three", token) is False  # stale version
+    assert store.get_bytes("lease.json") == b"changed behind our back"
+    data, token = store.get_versioned("lease.json")
+    assert store.put_if("lease.json", b"three", token) is True
+    assert store.get_versioned("lease.json")[0] == b"three"
+
+
+def test_conditional_read_modify_write_from_threads_loses_no_update(target):
+    if target.name == "gs":
+        pytest.xfail("gcp-storage-emulator (2026.7) neither reports generations nor enforces ifGenerationMatch")
+    store = target.open(retry=_fast_retry())
+    per_thread, threads = 6, 3
+
+    def add(name: str) -> None:
+        own = target.open(retry=_fast_retry())
+        for i in range(per_thread):
+            while True:
+                found = own.get_versioned("counter.txt")
+                lines = found[0].decode().split() if found else []
+                if own.put_if("counter.txt", " ".join([*lines, f"{name}{i}"]).encode(), found[1] if found else None):
+                    break
+                time.sleep(random.random() * 0.01)
+
+    workers = [threading.Thread(target=add, args=(f"t{n}-",)) for n in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=120)
+    assert not any(w.is_alive() for w in workers)
+    entries = store.get_bytes("counter.txt").decode().split()
+    assert sorted(entries) == sorted(f"t{n}-{i}" for n in range(threads) for i in range(per_thread))

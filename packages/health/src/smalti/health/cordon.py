@@ -1,40 +1,39 @@
-"""The cordon list: hosts found bad, each with a reason and a time, in a JSON file local or on S3.
+"""The cordon list: hosts found bad, each with a reason and a time, in a JSON file local or in a bucket.
 
 The file is ``{"cordoned": [{"host": ..., "reason": ..., "time": ...}, ...]}``, which smalti-core's launch
 tools read (``smalti.core.launch.cordon``) to keep jobs off those hosts, and ``smalti-health preflight``
-reads to refuse to join. Writes never leave a half-written file: locally a temporary file renamed over
-the old one under an exclusive lock on the folder (concurrent adds from several nodes all land); on S3 a
-conditional put on the object's ETag, retried when another writer got there first.
+reads to refuse to join. It lives wherever smalti-storage reaches (a path, ``s3://``, ``az://``, ``gs://``,
+``oci://``). Every update is a read, a change and a conditional write (:meth:`ObjectStore.put_if`: the
+object's ETag or generation on a bucket, the content under a folder lock on a file system), retried when
+another writer got there first, so concurrent adds from several nodes all land and a reader never sees a
+half-written file.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
-import tempfile
+import random
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from smalti.core.launch.cordon import CordonedHost, parse_cordon
 from smalti.core.launch.errors import LaunchError
 from smalti.health.errors import HealthError
+from smalti.storage import ObjectStore, StorageError, open_object
+
+_BACKOFF_RNG = random.Random()  # jitter of its own: training's seeded global generator stays untouched
 
 
-def _split_s3(path: str) -> tuple[str, str]:
-    bucket, _, key = path.removeprefix("s3://").partition("/")
-    if not bucket or not key:
-        raise HealthError(f"cordon file {path}: an S3 path needs a bucket and a key (s3://bucket/cordon.json)")
-    return bucket, key
-
-
-def _s3_client() -> Any:
-    import boto3
-
-    return boto3.client("s3", endpoint_url=os.environ.get("S3_ENDPOINT_URL") or None)
+def _open(path: str) -> tuple[ObjectStore, str]:
+    try:
+        store, key = open_object(path if "://" in path else os.path.abspath(path))
+    except StorageError as exc:
+        raise HealthError(f"cordon file {path}: {exc}") from exc
+    if "://" in path and not path.startswith("file://") and "/" not in path.split("://", 1)[1].strip("/"):
+        raise HealthError(f"cordon file {path}: a bucket path needs a bucket and a key (s3://bucket/cordon.json)")
+    return store, key
 
 
 def _parse(text: str, source: str) -> list[dict[str, Any]]:
@@ -62,7 +61,7 @@ def _render(entries: list[dict[str, Any]]) -> str:
 
 
 def read_cordon(path: str) -> list[CordonedHost]:
-    """The cordoned hosts in ``path`` (local or ``s3://``); a missing file is an empty list."""
+    """The cordoned hosts in ``path`` (a path or a bucket URL); a missing file is an empty list."""
     return [CordonedHost(e["host"], e.get("reason", "")) for e in _read_entries(path)[0]]
 
 
@@ -72,64 +71,28 @@ def is_cordoned(path: str, host: str) -> str | None:
 
 
 def _read_entries(path: str) -> tuple[list[dict[str, Any]], str | None]:
-    """Entries and, on S3, the ETag they were read at (None when the object does not exist)."""
-    if path.startswith("s3://"):
-        bucket, key = _split_s3(path)
-        client = _s3_client()
-        try:
-            obj = client.get_object(Bucket=bucket, Key=key)
-        except client.exceptions.NoSuchKey:
-            return [], None
-        return _parse(obj["Body"].read().decode(), path), obj["ETag"]
+    """Entries and the version token they were read at (None when the file does not exist)."""
+    store, key = _open(path)
     try:
-        return _parse(Path(path).read_text(), path), None
-    except FileNotFoundError:
+        found = store.get_versioned(key)
+    except StorageError as exc:
+        raise HealthError(f"cordon file {path}: {exc}") from exc
+    if found is None:
         return [], None
+    return _parse(found[0].decode(), path), found[1]
 
 
-@contextlib.contextmanager
-def _folder_lock(folder: Path) -> Iterator[None]:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
-
-
-def _update(path: str, change: Callable[[list[dict[str, Any]]], list[dict[str, Any]]], retries: int = 8) -> None:
-    if path.startswith("s3://"):
-        bucket, key = _split_s3(path)
-        client = _s3_client()
-        for attempt in range(retries):
-            entries, etag = _read_entries(path)
-            body = _render(change(entries)).encode()
-            condition = {"IfMatch": etag} if etag else {"IfNoneMatch": "*"}
-            try:
-                client.put_object(Bucket=bucket, Key=key, Body=body, ContentType="application/json", **condition)
-                return
-            except client.exceptions.ClientError as exc:
-                code = exc.response.get("Error", {}).get("Code", "")
-                if code not in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
-                    raise HealthError(f"cordon file {path}: S3 write failed: {exc}") from exc
-                time.sleep(0.05 * (attempt + 1))
-        raise HealthError(f"cordon file {path}: {retries} writers raced and this one never got in; try again")
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with _folder_lock(target.parent):
-        entries, _ = _read_entries(path)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+def _update(path: str, change: Callable[[list[dict[str, Any]]], list[dict[str, Any]]], retries: int = 20) -> None:
+    store, key = _open(path)
+    for attempt in range(retries):
+        entries, token = _read_entries(path)
         try:
-            with os.fdopen(fd, "w") as f:
-                f.write(_render(change(entries)))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
+            if store.put_if(key, _render(change(entries)).encode(), token):
+                return
+        except StorageError as exc:
+            raise HealthError(f"cordon file {path}: write failed: {exc}") from exc
+        time.sleep(_BACKOFF_RNG.uniform(0.01, 0.05) * (attempt + 1))
+    raise HealthError(f"cordon file {path}: {retries} writers raced and this one never got in; try again")
 
 
 def add_to_cordon(path: str, host: str, reason: str) -> None:

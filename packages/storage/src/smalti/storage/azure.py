@@ -198,6 +198,31 @@ class AzureStore(BaseStore):
     def _put_bytes(self, full_key: str, data: bytes) -> None:
         self.container.upload_blob(full_key, data, overwrite=True, timeout=self.timeout_s)
 
+    def _get_versioned(self, full_key: str) -> tuple[bytes, str] | None:
+        from azure.core.exceptions import ResourceNotFoundError
+
+        try:
+            stream = self.container.download_blob(full_key, timeout=self.timeout_s)
+        except ResourceNotFoundError as exc:
+            if str(getattr(exc, "error_code", "") or "") == "ContainerNotFound":
+                raise
+            return None
+        return stream.readall(), str(stream.properties.etag)  # one response: the ETag is the content's
+
+    def _put_if(self, full_key: str, data: bytes, token: str | None) -> bool:
+        from azure.core import MatchConditions
+        from azure.core.exceptions import ResourceExistsError, ResourceModifiedError
+
+        conditions: dict[str, Any] = (
+            {"overwrite": True, "etag": token, "match_condition": MatchConditions.IfNotModified}
+            if token else {"overwrite": False}
+        )
+        try:
+            self.container.upload_blob(full_key, data, timeout=self.timeout_s, **conditions)
+        except (ResourceExistsError, ResourceModifiedError):
+            return False
+        return True
+
     def _put_multipart(self, local: Path, full_key: str, key: str, size: int) -> None:
         blob_client = self.container.get_blob_client(full_key)
         offsets = list(range(0, size, self.part_size))

@@ -99,6 +99,19 @@ class ObjectStore(Protocol):
         """Delete each of ``keys`` (missing ones are skipped)."""
         ...
 
+    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
+        """``(content, version token)`` of ``key`` for a later :meth:`put_if`; None when it does not exist."""
+        ...
+
+    def put_if(self, key: str, data: bytes, token: str | None) -> bool:
+        """Store ``data`` as ``key`` only if it is still at ``token`` (None: only if it does not exist yet).
+
+        True when written; False when another writer changed (or created) the object first: read it again
+        with :meth:`get_versioned`, redo the change and try again. This is what a small shared file (a
+        cordon list, a lease) needs when several machines update it at once.
+        """
+        ...
+
 
 def check_key(key: str, root: str) -> str:
     """``key`` normalised (no leading ``./``); refuses absolute keys and ``..`` segments, naming the store."""
@@ -274,7 +287,25 @@ class BaseStore:
         for key in keys:
             self.delete(key)
 
+    def get_versioned(self, key: str) -> tuple[bytes, str] | None:
+        full = self._full(key)
+        found = self._call("read", key, lambda: self._get_versioned(full))
+        assert found is None or isinstance(found, tuple)
+        return found
+
+    def put_if(self, key: str, data: bytes, token: str | None) -> bool:
+        full = self._full(key)
+        written = self._call("conditional write", key, lambda: self._put_if(full, bytes(data), token))
+        return bool(written)
+
     # ---------------------------------------------------------------- backend primitives (full keys)
+
+    def _get_versioned(self, full_key: str) -> tuple[bytes, str] | None:
+        raise NotImplementedError(f"{type(self).__name__} has no conditional writes")
+
+    def _put_if(self, full_key: str, data: bytes, token: str | None) -> bool:
+        raise NotImplementedError(f"{type(self).__name__} has no conditional writes")
+
 
     def _stat(self, full_key: str) -> ObjectInfo:
         raise NotImplementedError

@@ -191,6 +191,36 @@ class GcsStore(BaseStore):
     def _put_bytes(self, full_key: str, data: bytes) -> None:
         self._blob(full_key).upload_from_string(data, retry=None, timeout=self.timeout_s)
 
+    def _get_versioned(self, full_key: str) -> tuple[bytes, str] | None:
+        from google.api_core.exceptions import NotFound, PreconditionFailed
+
+        bucket = self.client.bucket(self.bucket)
+        while True:
+            blob = bucket.get_blob(full_key, retry=None, timeout=self.timeout_s)
+            if blob is None:
+                return None
+            if blob.generation is None:
+                raise StorageError(f"gs://{self.bucket}/{full_key}: the server reports no object generation, so a "
+                                   "conditional write cannot be made (an emulator without generations?)",
+                                   f"gs://{self.bucket}/{full_key}")
+            try:  # the bytes of exactly the generation stat'ed, so the token matches the content
+                data = blob.download_as_bytes(if_generation_match=blob.generation, retry=None, timeout=self.timeout_s)
+            except (PreconditionFailed, NotFound):
+                continue  # replaced or deleted between the two requests: read again
+            return data, str(blob.generation)
+
+    def _put_if(self, full_key: str, data: bytes, token: str | None) -> bool:
+        # generation preconditions: 0 means "only if no live object"
+        from google.api_core.exceptions import PreconditionFailed
+
+        try:
+            self._blob(full_key).upload_from_string(
+                data, if_generation_match=int(token) if token else 0, retry=None, timeout=self.timeout_s
+            )
+        except PreconditionFailed:
+            return False
+        return True
+
     def _put_multipart(self, local: Path, full_key: str, key: str, size: int) -> None:
         chunk = max(_CHUNK, self.part_size // _CHUNK * _CHUNK)
 

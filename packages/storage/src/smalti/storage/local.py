@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
@@ -72,6 +76,28 @@ class LocalStore(BaseStore):
     def _put_multipart(self, local: Path, full_key: str, key: str, size: int) -> None:
         self._call("upload", key, lambda: atomic_copy(local, self.root / full_key))
 
+    def _get_versioned(self, full_key: str) -> tuple[bytes, str] | None:
+        try:
+            data = (self.root / full_key).read_bytes()
+        except FileNotFoundError:
+            return None
+        return data, _content_token(data)
+
+    def _put_if(self, full_key: str, data: bytes, token: str | None) -> bool:
+        # the token is the content's digest, compared under an exclusive lock on the folder, which every
+        # conditional writer on this file system takes (flock: processes of one host, and NFS clients)
+        path = self.root / full_key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _folder_lock(path.parent):
+            try:
+                current: str | None = _content_token(path.read_bytes())
+            except FileNotFoundError:
+                current = None
+            if current != token:
+                return False
+            atomic_write_bytes(path, data)
+            return True
+
     def _list(self, full_prefix: str) -> list[ObjectInfo]:
         # walk only the folder the prefix names (or the one holding its last, partial segment)
         folder = self.root / full_prefix if full_prefix.endswith("/") or not full_prefix else (self.root / full_prefix).parent
@@ -99,3 +125,18 @@ class LocalStore(BaseStore):
             except OSError:
                 break
             parent = parent.parent
+
+
+def _content_token(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: Path) -> Iterator[None]:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)

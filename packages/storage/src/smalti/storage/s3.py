@@ -197,6 +197,31 @@ class S3Store(BaseStore):
         body = self.client.get_object(Bucket=self.bucket, Key=full_key)["Body"]
         shutil.copyfileobj(body, f, length=1 << 20)
 
+    def _get_versioned(self, full_key: str) -> tuple[bytes, str] | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            obj = self.client.get_object(Bucket=self.bucket, Key=full_key)
+        except ClientError as exc:
+            if str(exc.response.get("Error", {}).get("Code", "")) in ("NoSuchKey", "404", "NotFound"):
+                return None
+            raise
+        return obj["Body"].read(), str(obj["ETag"])
+
+    def _put_if(self, full_key: str, data: bytes, token: str | None) -> bool:
+        # S3 conditional writes (2024; botocore >= 1.35.69): If-Match on the ETag read, If-None-Match: * to create
+        from botocore.exceptions import ClientError
+
+        condition = {"IfMatch": token} if token else {"IfNoneMatch": "*"}
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=full_key, Body=data, **condition)
+        except ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            if code in ("PreconditionFailed", "ConditionalRequestConflict", "412", "409"):
+                return False
+            raise
+        return True
+
     def _put_bytes(self, full_key: str, data: bytes) -> None:
         self.client.put_object(Bucket=self.bucket, Key=full_key, Body=data)
 
