@@ -61,7 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     plugins.add_argument("--run", nargs=argparse.REMAINDER, metavar="OVERRIDES",
                          help="list instead the algorithms, callbacks, loggers and checkpointer a run with these "
                               "smalti-train overrides will have")
+    sub.add_parser("plan", help="per-GPU memory, step time and MFU of a run: smalti plan <overrides> plan.gpu=h100 "
+                   "plan.gpus=8").add_argument("overrides", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        from smalti.core.plan.report import main as plan_main
+
+        return plan_main(args.overrides)
     if args.command == "plugins":
         return list_run_plugins(args.run) if args.run is not None else list_plugins()
     return 2
