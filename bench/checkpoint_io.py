@@ -1,27 +1,30 @@
 """Checkpoint I/O against the raw disk, measured in the same run.
 
-Prints, for a training state of ``--size-gib`` (default 1 GiB: fp32 parameters plus AdamW's two moments,
-after one real optimizer step) on the disk that holds ``--dir`` (its file system type is printed):
+Prints, for a training state of ``--size`` (default 1 GiB: fp32 parameters plus AdamW's two moments, after
+one real optimizer step) on the disk that holds ``--dir`` (its file system type is printed):
 
 * raw write bandwidth: one file written in 16 MiB chunks then fsynced, three ways (buffered; buffered with
   the kernel's writeback started behind each chunk; ``O_DIRECT``); the fastest counts;
-* smalti-checkpoint's synchronous save throughput (DCP write + sha256 of every file + manifest, every
-  file fsynced), as a ratio of the raw write;
-* raw read bandwidth (64 MiB reads, buffered and ``O_DIRECT``; the faster counts) and load throughput
-  (sha256 of every data file + DCP read into the model and optimizer, in a fresh ``Trainer``), both after
-  dropping the page cache where allowed (root), as a ratio of the raw read; and the same load without
-  the sha256 check (``verify=none``);
-* with ``async_save``, the time the training loop is blocked as a fraction of a synchronous save, for a
-  run's first save (which allocates the host staging buffers) and for a later one (the steady state); and
-  the worst case, a next step with no forward/backward time behind which the background copy of the
-  parameters and optimizer state could hide (its optimizer step waits for the whole copy).
+* smalti-checkpoint's synchronous save (DCP write + a digest of every file + manifest, every file fsynced),
+  as a ratio of the raw write (``save ratio``);
+* raw read bandwidth (64 MiB reads, buffered and ``O_DIRECT``; the faster counts) and the verified load
+  (``verify=manifest``: every data file's digest checked while DCP loads it into the model and optimizer of a
+  fresh ``Trainer``; the checkpointer's own ``checkpoint/load_s``), as a ratio of the raw read (``load
+  ratio``); beside it the same load with ``verify=none``, and the whole ``Trainer`` construction around it;
+* the load of files that another rank reads ahead and checks (a DDP replica's): read straight into the
+  tensors, against DCP's own reader of the same files;
+* with ``async_save``, the time the training loop is blocked, as a fraction of a synchronous save (``async
+  blocked ratio``: a run's later saves; its first one also allocates the host staging buffers), and the
+  worst case, a next step with no forward/backward to hide the background copy of the weights behind.
 
-Which side (raw or ours) runs first alternates from one repetition to the next; medians are printed, and
-for the ratios also the best time of each side (a shared virtual disk varies by 2x from one second to the
-next: the best times say what each side can do, the medians what it usually did).
-Goals (issue 5): save >= 0.8 x raw write, load >= 0.8 x raw read, blocked <= 0.1 x sync save.
+Before every read the page cache is emptied: ``/proc/sys/vm/drop_caches`` as root, else
+``posix_fadvise(DONTNEED)`` on every file read (which the output says). Which side (raw or ours) runs first
+alternates from one repetition to the next; medians are printed, and for the ratios also the best time of
+each side (a shared virtual disk varies by 2x from one second to the next).
+Goals (issue 16): save >= 0.90 x raw write, verified load >= 0.90 x raw read, blocked <= 0.05 x sync save.
 
-    python bench/checkpoint_io.py --size-gib 1 --dir /tmp/bench
+    python bench/checkpoint_io.py --size 1G --repeats 5
+    python bench/checkpoint_io.py --size 128M --repeats 3      # a quick run
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ import argparse
 import collections
 import fcntl
 import functools
-import hashlib
 import mmap
 import os
 import shutil
@@ -41,6 +43,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from smalti.core import LoggerDestination
 
 RAW_WRITE_WAYS = ("plain", "writeback", "direct")
 RAW_READ_WAYS = ("buffered", "direct")
@@ -61,14 +65,34 @@ class Blob(nn.Module):
         return outputs
 
 
-def drop_caches() -> bool:
+def drop_caches(root: Path) -> str:
+    """Empty the page cache of what the next read will read: all of it as root, else every file under ``root``
+    (``posix_fadvise(DONTNEED)``, after an ``fsync`` so no page is dirty); how it was done."""
+    os.sync()
     try:
-        os.sync()
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("3\n")
-        return True
+        return "drop_caches"
     except OSError:
-        return False
+        pass
+    for path in root.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return "posix_fadvise(DONTNEED) per file (not root)"
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``1G``, ``256M``, ``1.5GiB`` or a plain number of GiB."""
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(float(text) * (1 << 30))
 
 
 def filesystem_type(path: Path) -> str:
@@ -125,11 +149,15 @@ def raw_write(path: Path, data: memoryview, how: str) -> float:
     return time.perf_counter() - start
 
 
-def sha256_rate(data: memoryview) -> float:
-    """GB/s of one thread's sha256 over (up to 256 MiB of) ``data``."""
+def hash_rate(algorithm: str, data: memoryview) -> float:
+    """GB/s of one thread's ``algorithm`` over (up to 256 MiB of) ``data``."""
+    from smalti.checkpoint.hashes import new_hasher
+
     part = data[: 256 << 20]
+    digest = new_hasher(algorithm)
     start = time.perf_counter()
-    hashlib.sha256(part).digest()
+    digest.update(part)
+    digest.hexdigest()
     return len(part) / (time.perf_counter() - start) / 1e9
 
 
@@ -153,44 +181,84 @@ def raw_read(path: Path, how: str) -> float:
     return time.perf_counter() - start
 
 
+class Recorder(LoggerDestination):
+    """A logger keeping the checkpointer's metrics (``checkpoint/load_s``, ``checkpoint/blocked_s``, ...)."""
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, list[float]] = collections.defaultdict(list)
+
+    def log_metrics(self, metrics, step=None):
+        for key, value in metrics.items():
+            self.metrics[key].append(value)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size-gib", type=float, default=1.0)
+    parser.add_argument("--size", default="1G", help="state size: 1G, 256M, ... (default 1 GiB)")
     parser.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="DCP writer threads")
-    parser.add_argument("--buffered", action="store_true", help="save with direct_io=false (page cache + writeback)")
+    parser.add_argument("--direct-io", default="read", choices=["read", "true", "false"],
+                        help="checkpoint.direct_io (read: O_DIRECT load reads, page-cache saves)")
+    parser.add_argument("--hash", default="xxh3_128", help="checkpoint.hash: xxh3_128, blake3 or sha256")
     args = parser.parse_args()
 
+    from torch.distributed.checkpoint.planner import LoadPlan
+
+    import smalti.checkpoint.state_io as state_io
     from smalti.checkpoint import Checkpointer
+    from smalti.checkpoint.read_ahead import ReadAheadFileSystemReader
+    from smalti.checkpoint.safe_load import SafeFileSystemReader
     from smalti.core import Trainer
 
+    direct_io = {"read": "read", "true": True, "false": False}[args.direct_io]
     root = Path(args.dir or tempfile.mkdtemp(prefix="ckpt-bench-"))
     root.mkdir(parents=True, exist_ok=True)
-    size = int(args.size_gib * (1 << 30))
+    size = parse_size(args.size)
     torch.manual_seed(0)
     model = Blob(size // 3)  # weights + exp_avg + exp_avg_sq = size
     nbytes = 3 * sum(p.numel() * p.element_size() for p in model.parameters())
     raw_data = memoryview(torch.randn(nbytes // 4).numpy().view("uint8"))
     optimizer = functools.partial(torch.optim.AdamW, lr=1e-3)
     batches = [(torch.ones(1), torch.ones(1))] * 2
+    options = {"save_interval": None, "save_on_fit_end": False, "thread_count": args.threads,
+               "direct_io": direct_io, "hash": args.hash}
 
     def trained(checkpointer, duration="1ba"):
         trainer = Trainer(model, batches, duration, optimizers=optimizer, callbacks={"checkpoint": checkpointer}, loggers=[])
         trainer.fit()  # one real step: the optimizer state exists, as in training
         return trainer
 
-    class Log:
-        def log_metrics(self, metrics, step=None):
-            pass
+    class NoReadAhead(Checkpointer):
+        """A rank whose data files another rank reads ahead and checks: it only loads (verify=none here)."""
+
+        def _start_read_ahead(self, found):
+            self._read_ahead = None
+
+    class DcpReader(ReadAheadFileSystemReader):
+        """What such a rank did before: DCP's own reader (torch.load of every item, then a copy)."""
+
+        def _read_directly(self, items, planner):
+            return SafeFileSystemReader.read_data(self, LoadPlan(items), planner)
 
     results: dict[str, list[float]] = collections.defaultdict(list)
-    cold = drop_caches()
+    cache_note = ""
     saved_bytes = 0
+
+    def load(key: str, folder: Path, verify: str, kind=Checkpointer) -> None:
+        nonlocal cache_note
+        cache_note = drop_caches(root)
+        recorder = Recorder()
+        loader = kind(load_path=str(folder), verify=verify, **options)
+        start = time.perf_counter()
+        trainer = Trainer(model, batches, "1ba", optimizers=optimizer, callbacks={"checkpoint": loader},
+                          loggers={"rec": recorder})
+        results[f"{key}_trainer"].append(time.perf_counter() - start)
+        results[key].append(recorder.metrics["checkpoint/load_s"][-1])
+        trainer.close()
 
     def raw_side(rep: int) -> None:
         raw_file = root / f"raw-{rep}.bin"
-        # the disk's raw write is the fastest of three ways of writing (which one wins depends on the disk)
         times = []
         for how in RAW_WRITE_WAYS:
             if raw_file.exists():
@@ -201,7 +269,7 @@ def main() -> None:
         results["raw_write"].append(min(times))
         times = []
         for how in RAW_READ_WAYS:
-            drop_caches()
+            drop_caches(root)
             times.append(raw_read(raw_file, how))
             results[f"raw_read_{how}"].append(times[-1])
         results["raw_read"].append(min(times))
@@ -210,43 +278,42 @@ def main() -> None:
     def our_side(rep: int) -> None:
         nonlocal saved_bytes
         folder = root / f"sync-{rep}"
-        ck = Checkpointer(str(folder), save_interval=None, save_on_fit_end=False, thread_count=args.threads,
-                          direct_io=not args.buffered)
+        ck = Checkpointer(str(folder), **options)
         trainer = trained(ck)
+        os.sync()
         start = time.perf_counter()
-        ck.save(trainer.state, Log())
+        ck.save(trainer.state, Recorder())
         results["save"].append(time.perf_counter() - start)
+        trainer.close()
         saved_bytes = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-
-        # the load as configured, and without the sha256 check (what verification costs on this machine); which
-        # of the two goes first alternates with the repetition
-        loads = (("load", "manifest"), ("load_unverified", "none"))
-        for key, verify in loads if rep % 2 == 0 else loads[::-1]:
-            drop_caches()
-            loader = Checkpointer(load_path=str(folder), save_interval=None, save_on_fit_end=False, verify=verify)
-            start = time.perf_counter()
-            trainer = Trainer(model, batches, "1ba", optimizers=optimizer, callbacks={"checkpoint": loader}, loggers=[])
-            results[key].append(time.perf_counter() - start)
-            trainer.close()
+        checkpoint = folder / ck.committed[-1]
+        loads = [("load", "manifest", Checkpointer), ("load_unverified", "none", Checkpointer),
+                 ("other_rank", "none", NoReadAhead), ("other_rank_dcp", "none", NoReadAhead)]
+        for key, verify, kind in loads if rep % 2 == 0 else loads[::-1]:
+            if key == "other_rank_dcp":
+                state_io.ReadAheadFileSystemReader = DcpReader
+            try:
+                load(key, checkpoint, verify, kind)
+            finally:
+                state_io.ReadAheadFileSystemReader = ReadAheadFileSystemReader
         shutil.rmtree(folder)
 
     for rep in range(args.repeats):
-        sides = (raw_side, our_side) if rep % 2 == 0 else (our_side, raw_side)
-        for side in sides:
+        for side in (raw_side, our_side) if rep % 2 == 0 else (our_side, raw_side):
             side(rep)
 
         folder = root / f"async-{rep}"
-        ck = Checkpointer(str(folder), save_interval=None, save_on_fit_end=False, async_save=True,
-                          thread_count=args.threads, direct_io=not args.buffered)
+        ck = Checkpointer(str(folder), async_save=True, **options)
         trainer = trained(ck)
         start = time.perf_counter()
-        ck.save(trainer.state, Log())  # the first async save also allocates the reused host staging buffers
+        ck.save(trainer.state, Recorder())  # the first async save also allocates the reused host staging buffers
         results["async_first_blocked"].append(time.perf_counter() - start)
         ck.wait()
         trainer.close()
         trainer = trained(ck, "2ba")  # the next save of the same run, at batch 2: the steady state
+        os.sync()
         start = time.perf_counter()
-        ck.save(trainer.state, Log())
+        ck.save(trainer.state, Recorder())
         results["async_blocked"].append(time.perf_counter() - start)
         # parameters and optimizer state are copied to host memory in the background until the next optimizer
         # step, which waits for that copy: a step with no forward/backward time to hide it behind waits it all
@@ -254,36 +321,44 @@ def main() -> None:
         results["async_blocked_no_compute"].append(time.perf_counter() - start)
         ck.wait()
         results["async_total"].append(time.perf_counter() - start)
+        trainer.close()
         shutil.rmtree(folder)
 
     med = {k: statistics.median(v) for k, v in results.items()}
     best = {k: min(v) for k, v in results.items()}
     gb = nbytes / 1e9
+    save_ratio = med["raw_write"] / med["save"]
+    load_ratio = med["raw_read"] / med["load"]
+    async_ratio = med["async_blocked"] / med["save"]
     print(f"state: {nbytes / (1 << 30):.3f} GiB (checkpoint {saved_bytes / (1 << 30):.3f} GiB on disk); dir {root}; "
-          f"file system: {filesystem_type(root)}")
-    print(f"page cache dropped before reads: {cold}; median of {args.repeats} (raw first in even repetitions, ours first in odd)")
-    print(f"sha256 on this CPU: {sha256_rate(raw_data):.2f} GB/s per thread (every byte saved or loaded is hashed; "
-          f"{args.threads} writer thread(s), one file each; {'buffered' if args.buffered else 'direct'} I/O)")
-    print(f"raw write (best of 3 ways, + fsync)         {gb / med['raw_write']:8.2f} GB/s  ({med['raw_write']:.3f} s)")
-    print("  each way: " + ", ".join(f"{how} {gb / med[f'raw_write_{how}']:.2f} GB/s" for how in RAW_WRITE_WAYS))
-    print(f"save (DCP + sha256 + manifest)               {gb / med['save']:8.2f} GB/s  ({med['save']:.3f} s)   "
-          f"ratio {med['raw_write'] / med['save']:.2f} (goal >= 0.8); best of each {best['raw_write'] / best['save']:.2f}")
-    print(f"raw read (best of 2 ways)                    {gb / med['raw_read']:8.2f} GB/s  ({med['raw_read']:.3f} s)")
-    print("  each way: " + ", ".join(f"{how} {gb / med[f'raw_read_{how}']:.2f} GB/s" for how in RAW_READ_WAYS))
-    print(f"load (verify sha256 + DCP)                   {gb / med['load']:8.2f} GB/s  ({med['load']:.3f} s)   "
-          f"ratio {med['raw_read'] / med['load']:.2f} (goal >= 0.8); best of each {best['raw_read'] / best['load']:.2f}")
-    print(f"  the same load with verify=none              {gb / med['load_unverified']:8.2f} GB/s  "
-          f"({med['load_unverified']:.3f} s)   ratio {med['raw_read'] / med['load_unverified']:.2f}; best of each "
-          f"{best['raw_read'] / best['load_unverified']:.2f}")
-    print(f"async save blocked: steady state {med['async_blocked']:.3f} s = {med['async_blocked'] / med['save']:.3f} of a sync save "
-          f"(goal <= 0.1); first save of a run {med['async_first_blocked']:.3f} s = "
-          f"{med['async_first_blocked'] / med['save']:.3f} (allocates the staging buffers)")
-    print(f"  + background copy of parameters and optimizer state, waited for by the next optimizer step: a step with "
-          f"no compute to overlap it is blocked {med['async_blocked_no_compute']:.3f} s = "
-          f"{med['async_blocked_no_compute'] / med['save']:.3f} of a sync save; steady-state save to commit "
-          f"{med['async_total']:.3f} s")
+          f"file system: {filesystem_type(root)}; {os.cpu_count()} CPUs")
+    print(f"page cache emptied before every read by {cache_note}; median of {args.repeats} (raw first in even "
+          f"repetitions, ours first in odd)")
+    print(f"hash {args.hash}: {hash_rate(args.hash, raw_data):.2f} GB/s on one thread; direct_io={args.direct_io}; "
+          f"{args.threads} writer thread(s)")
+    print(f"raw write (best of 3 ways, + fsync)   {gb / med['raw_write']:6.2f} GB/s  ({med['raw_write']:.3f} s); each way: "
+          + ", ".join(f"{how} {gb / med[f'raw_write_{how}']:.2f}" for how in RAW_WRITE_WAYS))
+    print(f"save (DCP + {args.hash} + manifest)   {gb / med['save']:6.2f} GB/s  ({med['save']:.3f} s); "
+          f"best of each {best['raw_write'] / best['save']:.2f}")
+    print(f"save ratio {save_ratio:.2f}  (goal >= 0.90)")
+    print(f"raw read (best of 2 ways)             {gb / med['raw_read']:6.2f} GB/s  ({med['raw_read']:.3f} s); each way: "
+          + ", ".join(f"{how} {gb / med[f'raw_read_{how}']:.2f}" for how in RAW_READ_WAYS))
+    print(f"load, verify=manifest                 {gb / med['load']:6.2f} GB/s  ({med['load']:.3f} s); best of each "
+          f"{best['raw_read'] / best['load']:.2f}; whole Trainer construction {med['load_trainer']:.3f} s")
+    print(f"  the same load, verify=none          {gb / med['load_unverified']:6.2f} GB/s  ({med['load_unverified']:.3f} s)"
+          f"; ratio {med['raw_read'] / med['load_unverified']:.2f}")
+    print(f"  files another rank reads ahead: in place {med['other_rank']:.3f} s (ratio "
+          f"{med['raw_read'] / med['other_rank']:.2f}), DCP's reader {med['other_rank_dcp']:.3f} s (ratio "
+          f"{med['raw_read'] / med['other_rank_dcp']:.2f})")
+    print(f"load ratio {load_ratio:.2f}  (goal >= 0.90)")
+    print(f"async save blocked {med['async_blocked']:.3f} s (a run's first save {med['async_first_blocked']:.3f} s = "
+          f"{med['async_first_blocked'] / med['save']:.3f}, allocating the staging buffers); with no compute to hide "
+          f"the background copy behind, the next step waits until {med['async_blocked_no_compute']:.3f} s = "
+          f"{med['async_blocked_no_compute'] / med['save']:.3f}; save to commit {med['async_total']:.3f} s")
+    print(f"async blocked ratio {async_ratio:.2f}  (goal <= 0.05; {async_ratio:.3f})")
     if not args.dir:
         shutil.rmtree(root, ignore_errors=True)
+    print(f"checkpoint_io: save {save_ratio:.2f} load {load_ratio:.2f} async {async_ratio:.2f}")
 
 
 if __name__ == "__main__":

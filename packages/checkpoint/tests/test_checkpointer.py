@@ -12,6 +12,7 @@ import torch
 
 from smalti.checkpoint import CheckpointCorruptError, Checkpointer, CheckpointError
 from smalti.checkpoint.cli import main as cli_main
+from smalti.checkpoint.hashes import ALGORITHMS
 from smalti.core import Algorithm, Callback, LoggerDestination, Trainer
 from smalti.core.data import build_dataloader
 from smalti.core.examples import MLPRegressor, SyntheticRegression
@@ -90,23 +91,26 @@ def _flip(path, at=None):
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("damage", ["truncated_shard", "flipped_byte", "flipped_header_byte", "missing_manifest",
                                     "missing_rank_file"])
-def test_autoresume_reports_a_bad_newest_checkpoint_and_uses_the_previous(tmp_path, caplog, damage):
-    make_trainer("4ba", Checkpointer(str(tmp_path), save_interval="2ba")).fit()
+def test_autoresume_reports_a_bad_newest_checkpoint_and_uses_the_previous(tmp_path, caplog, damage, algorithm):
+    make_trainer("4ba", Checkpointer(str(tmp_path), save_interval="2ba", hash=algorithm)).fit()
     at_batch_2 = make_trainer("2ba")
     at_batch_2.fit()
     newest = tmp_path / "ep0-ba4"
     data = newest / "__0_0.distcp"
     bad = {"missing_manifest": newest / "manifest.json", "missing_rank_file": newest / "extra" / "rank0.pt"}.get(damage, data)
-    {"truncated_shard": _truncate, "flipped_byte": _flip,  # a tensor's bytes: loads, then fails its sha256
-     "flipped_header_byte": lambda p: _flip(p, at=10),  # a zip header: torch.load fails before the sha256 ends
+    {"truncated_shard": _truncate, "flipped_byte": _flip,  # a tensor's bytes: loads, then fails its digest
+     "flipped_header_byte": lambda p: _flip(p, at=10),  # a zip header: torch.load fails before the digest ends
      }.get(damage, os.remove)(bad)
     with caplog.at_level(logging.ERROR, logger="smalti.checkpoint"):
         resumed = make_trainer("6ba", Checkpointer(str(tmp_path), save_interval="2ba", autoresume=True))
     assert resumed.state.timestamp.batch == 2, caplog.text
     assert_same_training_state(at_batch_2, resumed)  # nothing of the damaged checkpoint is left in the state
     assert str(newest if damage == "missing_manifest" else bad) in caplog.text
+    if damage == "flipped_byte":
+        assert f"has {algorithm} " in caplog.text  # the message names the algorithm that caught it
     resumed.fit()
     assert (tmp_path / "ep0-ba4" / "manifest.json").is_file()  # re-saved and committed
 
@@ -311,30 +315,30 @@ def test_a_load_path_naming_a_damaged_checkpoint_fails_and_one_naming_its_folder
     make_trainer("4ba", Checkpointer(str(tmp_path / "run"), save_interval="2ba")).fit()
     bad = tmp_path / "run" / "ep0-ba4" / "__0_0.distcp"
     _flip(bad)
-    with pytest.raises(CheckpointCorruptError, match="sha256") as err:
+    with pytest.raises(CheckpointCorruptError, match="xxh3_128") as err:
         make_trainer("6ba", Checkpointer(load_path=str(tmp_path / "run" / "ep0-ba4")))
     assert err.value.path == str(bad)
     with make_trainer("6ba", Checkpointer(load_path=str(tmp_path / "run"))) as resumed:
         assert resumed.state.timestamp.batch == 2
 
 
-@pytest.mark.parametrize("direct_io", [True, False])
+@pytest.mark.parametrize("direct_io", [True, False, "read"])
 def test_direct_io_setting_reaches_every_file_and_either_way_resumes_exactly(tmp_path, monkeypatch, direct_io):
     import smalti.checkpoint.writer as writer
 
     opened = []
+    real_open_file = writer.open_hashing_file
 
-    class Spy(writer.HashingFile):
-        def __init__(self, path, direct=True):
-            super().__init__(path, direct=direct)
-            opened.append((os.path.basename(path), direct))
+    def spy(path, direct=False, algorithm="xxh3_128"):
+        opened.append((os.path.basename(path), direct))
+        return real_open_file(path, direct, algorithm)
 
-    monkeypatch.setattr(writer, "HashingFile", Spy)
+    monkeypatch.setattr(writer, "open_hashing_file", spy)
     reference = make_trainer("6ba")
     reference.fit()
     make_trainer("3ba", Checkpointer(str(tmp_path), save_interval="3ba", direct_io=direct_io)).fit()
     assert any(name.endswith(".distcp") for name, _ in opened)
-    assert {direct for _, direct in opened} == {direct_io}
+    assert {direct for _, direct in opened} == {direct_io is True}  # saves write O_DIRECT only when true
     import smalti.checkpoint.read_ahead as read_ahead
 
     reads = []
@@ -342,7 +346,7 @@ def test_direct_io_setting_reaches_every_file_and_either_way_resumes_exactly(tmp
     monkeypatch.setattr(read_ahead, "open_maybe_direct",
                         lambda path, flags, direct: reads.append(direct) or real_open(path, flags, direct))
     resumed = make_trainer("6ba", Checkpointer(str(tmp_path), save_interval="3ba", autoresume=True, direct_io=direct_io))
-    assert reads and set(reads) == {direct_io}  # the load's read-ahead follows the setting too
+    assert reads and set(reads) == {direct_io in (True, "read")}  # the load's read-ahead: true and read
     assert resumed.state.timestamp.batch == 3
     resumed.fit()
     assert_same_training_state(reference, resumed)

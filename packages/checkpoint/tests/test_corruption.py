@@ -1,6 +1,7 @@
 """One flipped byte in any kind of checkpoint file (DCP's ``.metadata``, a rank's ``extra`` file, a ``*.distcp``
-data file, the manifest itself) is caught: ``load_path`` naming that checkpoint fails naming the file, and
-autoresume reports it and resumes from the previous committed checkpoint, as if the damaged one were absent."""
+data file, the manifest itself) is caught, whichever hash the manifest records (``checkpoint.hash``):
+``load_path`` naming that checkpoint fails naming the file, and autoresume reports it and resumes from the
+previous committed checkpoint, as if the damaged one were absent."""
 
 import functools
 import json
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from smalti.checkpoint import CheckpointCorruptError, Checkpointer
+from smalti.checkpoint.hashes import ALGORITHMS
 from smalti.core import Trainer
 from smalti.core.data import build_dataloader
 from smalti.core.examples import MLPRegressor, SyntheticRegression
@@ -39,7 +41,7 @@ def flip_in_manifest(path):
 
 
 def flip_in_metadata(path):
-    """A character of the save id: the pickle still reads, so only the manifest's sha256 can tell."""
+    """A character of the save id: the pickle still reads, so only the manifest's digest can tell."""
     from smalti.checkpoint.safe_load import read_dcp_metadata
 
     save_id = read_dcp_metadata(path).storage_meta.save_id
@@ -55,10 +57,13 @@ FILES = {  # kind: (file in the checkpoint, how its byte is flipped)
 }
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+@pytest.fixture(scope="module", params=ALGORITHMS)
+def saved(tmp_path_factory, request):
+    """A run saved at batches 2 and 4 with each hash algorithm in turn, and the weights at batch 2."""
     folder = tmp_path_factory.mktemp("saved") / "run"
-    make_trainer("4ba", Checkpointer(str(folder), save_interval="2ba")).fit()
+    make_trainer("4ba", Checkpointer(str(folder), save_interval="2ba", hash=request.param)).fit()
+    manifest = json.loads((folder / "ep0-ba4" / "manifest.json").read_text())
+    assert {entry["hash"].partition(":")[0] for entry in manifest["files"].values()} == {request.param}
     at_batch_2 = make_trainer("2ba")
     at_batch_2.fit()
     return folder, {k: v.clone() for k, v in at_batch_2.state.model.state_dict().items()}

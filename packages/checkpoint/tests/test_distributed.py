@@ -231,7 +231,7 @@ def test_ranks_split_the_data_hash_check_and_a_bad_file_in_either_share_falls_ba
     real = loading.ReadAhead
 
     def spy(where, files, *args):
-        checked.append((where.name, sorted(f.relpath for f in files if f.sha256)))
+        checked.append((where.name, sorted(f.relpath for f in files if f.hash)))
         return real(where, files, *args)
 
     monkeypatch.setattr(loading, "ReadAhead", spy)

@@ -1,21 +1,23 @@
 """ReadAhead: the background reader a load takes its bytes from, hashing each file once on the way in."""
 
-import hashlib
 import os
 import time
 
 import pytest
 
 from smalti.checkpoint import CheckpointCorruptError
+from smalti.checkpoint.hashes import ALGORITHMS, new_hasher
 from smalti.checkpoint.read_ahead import AheadFile, ReadAhead
 
 CHUNK = 8192
 
 
-def write(folder, name, size, seed=0):
+def write(folder, name, size, seed=0, algorithm="xxh3_128"):
     data = os.urandom(size) if seed is None else bytes((i * 131 + seed) % 251 for i in range(size))
     (folder / name).write_bytes(data)
-    return data, AheadFile(name, size, hashlib.sha256(data).hexdigest())
+    digest = new_hasher(algorithm)
+    digest.update(data)
+    return data, AheadFile(name, size, f"{algorithm}:{digest.hexdigest()}")
 
 
 @pytest.mark.parametrize("direct", [True, False])
@@ -45,15 +47,16 @@ def test_the_reader_stays_within_its_window_until_the_loader_takes_bytes(tmp_pat
     assert ahead.bytes_read("big.distcp") == 40 * CHUNK
 
 
-def test_a_flipped_byte_is_reported_with_its_file_even_when_the_loader_needed_none_of_it(tmp_path):
-    _, good = write(tmp_path, "__0_0.distcp", 30_000, seed=3)
-    data, bad = write(tmp_path, "__1_0.distcp", 30_000, seed=4)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_flipped_byte_is_reported_with_its_file_even_when_the_loader_needed_none_of_it(tmp_path, algorithm):
+    _, good = write(tmp_path, "__0_0.distcp", 30_000, seed=3, algorithm=algorithm)
+    data, bad = write(tmp_path, "__1_0.distcp", 30_000, seed=4, algorithm=algorithm)
     flipped = bytearray(data)
     flipped[12_345] ^= 1
     (tmp_path / "__1_0.distcp").write_bytes(bytes(flipped))
     ahead = ReadAhead(tmp_path, [good, bad], chunk_bytes=CHUNK)
     ahead.done_with("__1_0.distcp")
-    with pytest.raises(CheckpointCorruptError, match="sha256") as caught:
+    with pytest.raises(CheckpointCorruptError, match=f"has {algorithm} .* but the manifest says") as caught:
         ahead.finish(timeout=30)
     assert caught.value.path == str(tmp_path / "__1_0.distcp")
 
@@ -85,7 +88,10 @@ def test_a_missing_file_is_an_error_naming_it(tmp_path):
         ahead.finish(timeout=30)
 
 
-def test_dcp_loads_through_the_read_ahead_copying_contiguous_tensors_in_place_and_others_as_dcp_does(tmp_path, monkeypatch):
+@pytest.mark.parametrize("read_ahead", [True, False], ids=["read-ahead", "files-another-rank-reads-ahead"])
+def test_dcp_loads_copying_contiguous_tensors_in_place_and_others_as_dcp_does(tmp_path, monkeypatch, read_ahead):
+    """Through the read-ahead's buffers, and (for files another rank reads ahead and checks, e.g. a DDP
+    replica's) straight from the file: either way no ``torch.load`` of a tensor whose layout allows a copy."""
     import warnings
 
     import torch
@@ -117,12 +123,16 @@ def test_dcp_loads_through_the_read_ahead_copying_contiguous_tensors_in_place_an
     real = ReadAheadFileSystemReader._copy_in_place
     monkeypatch.setattr(ReadAheadFileSystemReader, "_copy_in_place",
                         staticmethod(lambda item, span, planner: in_place.append((item.dest_index.fqn, real(item, span, planner))) or in_place[-1][1]))
+    loads = []
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(1) or real_load(*a, **k))
     files = [AheadFile(p.name, p.stat().st_size) for p in sorted(tmp_path.glob("*.distcp"))]
-    ahead = ReadAhead(tmp_path, files, chunk_bytes=1 << 20)
+    ahead = ReadAhead(tmp_path, files, chunk_bytes=1 << 20) if read_ahead else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(targets, storage_reader=ReadAheadFileSystemReader(tmp_path, ahead), no_dist=True)
-    ahead.finish(timeout=30)
+    if ahead is not None:
+        ahead.finish(timeout=30)
     for key, value in saved.items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(targets[key], value), key
@@ -132,3 +142,4 @@ def test_dcp_loads_through_the_read_ahead_copying_contiguous_tensors_in_place_an
     # the transposed tensor and the strided target fall back to torch.load; DCP reads nothing for the empty one
     assert dict(in_place) == {"big": True, "view_of_part": True, "transposed": False, "half": True, "scalar": True,
                               "into_a_view": False}
+    assert len(loads) == 3  # the two tensors not copied in place, and the blob (a pickle)

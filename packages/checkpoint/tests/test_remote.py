@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from smalti.checkpoint import Checkpointer, CheckpointError, CheckpointUploadError
+from smalti.checkpoint.hashes import ALGORITHMS
 from smalti.core import Trainer
 from smalti.core.data import build_dataloader
 from smalti.core.examples import MLPRegressor, SyntheticRegression
@@ -134,10 +135,10 @@ def test_transport_failure_fails_autoresume_instead_of_falling_back(faulty_s3, s
         assert resumed.state.timestamp.batch == 4  # the checkpoint was fine all along
 
 
-@pytest.mark.parametrize("damage", ["flipped", "deleted"])
-def test_corrupt_remote_object_is_skipped_on_autoresume(remote, tmp_path, caplog, damage):
+def _corrupt_remote_object_is_skipped_on_autoresume(remote, tmp_path, caplog, damage, algorithm="xxh3_128"):
     url = remote.folder("run")
-    make_trainer("4ba", Checkpointer(url, save_interval="2ba", local_cache_dir=str(tmp_path / "c"))).fit()
+    make_trainer("4ba", Checkpointer(url, save_interval="2ba", local_cache_dir=str(tmp_path / "c"),
+                                     hash=algorithm)).fit()
     shard = "run/ep0-ba4/__0_0.distcp"
     if damage == "deleted":
         remote.raw.delete(shard)
@@ -150,9 +151,23 @@ def test_corrupt_remote_object_is_skipped_on_autoresume(remote, tmp_path, caplog
     remote.raw.put_bytes(shard, bytes(body))
     manifest = json.loads(remote.raw.get_bytes("run/ep0-ba4/manifest.json"))
     assert manifest["files"]["__0_0.distcp"]["size"] == len(body)
+    assert manifest["files"]["__0_0.distcp"]["hash"].startswith(f"{algorithm}:")
     with make_trainer("6ba", Checkpointer(url, autoresume=True, local_cache_dir=str(tmp_path / "d"))) as resumed:
         assert resumed.state.timestamp.batch == 2
-    assert "ep0-ba4/__0_0.distcp" in caplog.text and "sha256" in caplog.text
+    assert f"ep0-ba4/__0_0.distcp has {algorithm} " in caplog.text
+
+
+@pytest.mark.parametrize("remote", ["s3"], indirect=True)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("damage", ["flipped", "deleted"])
+def test_corrupt_s3_object_is_skipped_on_autoresume_with_every_hash(remote, tmp_path, caplog, damage, algorithm):
+    _corrupt_remote_object_is_skipped_on_autoresume(remote, tmp_path, caplog, damage, algorithm)
+
+
+@pytest.mark.parametrize("remote", ["gs", "az"], indirect=True)
+@pytest.mark.parametrize("damage", ["flipped", "deleted"])
+def test_corrupt_remote_object_is_skipped_on_autoresume(remote, tmp_path, caplog, damage):
+    _corrupt_remote_object_is_skipped_on_autoresume(remote, tmp_path, caplog, damage)
 
 
 @pytest.mark.parametrize("remote", ["gs", "az", "oci"], indirect=True)

@@ -179,7 +179,10 @@ def test_the_rank_file_holds_no_pickled_classes_and_resumes_exactly(saved, tmp_p
     assert state["rng"]["numpy"][1].dtype.name == "uint32" and len(state["rng"]["numpy"][1]) == 624
 
 
-def test_state_that_only_full_unpickling_could_read_back_fails_the_save_naming_its_class(tmp_path):
+@pytest.mark.parametrize("async_save", [False, True])
+def test_state_that_only_full_unpickling_could_read_back_fails_the_save_naming_its_class(tmp_path, async_save):
+    """An async save checks the captured bytes in the background: that save fails (when the run next waits for
+    it, at the latest at fit end) and is never committed."""
     from fractions import Fraction
 
     from smalti.checkpoint import CheckpointError
@@ -191,7 +194,7 @@ def test_state_that_only_full_unpickling_could_read_back_fails_the_save_naming_i
 
     trainer = Trainer(MLPRegressor(), build_dataloader(SyntheticRegression(96), 16, seed=5), "2ba",
                       optimizers=functools.partial(torch.optim.AdamW, lr=1e-2),
-                      callbacks={"checkpoint": Checkpointer(str(tmp_path), save_interval="2ba"),
+                      callbacks={"checkpoint": Checkpointer(str(tmp_path), save_interval="2ba", async_save=async_save),
                                  "opaque": KeepsAnObject()})
     with pytest.raises(CheckpointError, match=r"fractions\.Fraction.*plugin_state_dict"):
         trainer.fit()

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from smalti.checkpoint.errors import CheckpointError
+from smalti.checkpoint.hashes import entry_digest
 
 
 def _resolve(args: argparse.Namespace):
@@ -38,13 +39,18 @@ def _inspect(args: argparse.Namespace) -> int:
         return 1
     m = found.manifest
     ts = m.get("timestamp", {})
+    digests = {rel: entry_digest(entry) or ("?", "") for rel, entry in m["files"].items()}
+    algorithms = ", ".join(sorted({algorithm for algorithm, _ in digests.values()})) or "no files"
     print(f"checkpoint {found.source}")
-    print(f"  verified ({args.verify}): ok")
+    if args.verify == "none":
+        print(f"  verified (none): manifest only, file digests ({algorithms}) not checked")
+    else:
+        print(f"  verified ({args.verify}): ok, sizes and {algorithms} digests of every file match the manifest")
     print(f"  time: epoch {ts.get('epoch')}, batch {ts.get('batch')}, sample {ts.get('sample')}, token {ts.get('token')}")
     print(f"  saved by {m['world_size']} ranks, mesh {m.get('mesh_shape')} {m.get('mesh_dim_names')}, writers {m.get('writer_ranks')}")
     print(f"  files ({len(m['files'])}, {sum(f['size'] for f in m['files'].values()) / 1e6:.2f} MB):")
     for rel, entry in m["files"].items():
-        print(f"    {rel:<32} {entry['size']:>14,d} B  sha256 {entry['sha256'][:16]}")
+        print(f"    {rel:<32} {entry['size']:>14,d} B  {digests[rel][0]} {digests[rel][1][:16]}")
     if not args.all:
         rows = [r for r in rows if r[0].startswith("model.")]
     print(f"  entries ({len(rows)}{'' if args.all else ', model only; --all for every entry'}):")

@@ -103,10 +103,12 @@ class CommitProtocol:
             mine = self._my_files(staging)
             written = dict(info["records"])
             extra_rel, extra_record = info["extra"]
+            if info.get("extra_data") is not None:
+                state_io.write_rank_local_file(staging, extra_rel, info["extra_data"], check=True)
             written[extra_rel] = extra_record
             unhashed = [rel for rel in mine if rel not in written]
             if unhashed:  # not seen by the hashing writer (should not happen): read them back
-                written.update(hash_files(staging, unhashed))
+                written.update(hash_files(staging, unhashed, self.hash))
             records = {rel: written[rel] for rel in mine}
             for rel in mine:
                 self.store.publish(staging, name, rel)

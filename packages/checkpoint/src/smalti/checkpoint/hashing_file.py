@@ -1,11 +1,17 @@
-"""A write-only file that hashes and writes in a pipeline: the caller only copies bytes into aligned buffers.
+"""Write-only files that hash what they write, for DCP's writer: the manifest needs no second pass over the data.
 
-Each full buffer goes to two helper threads at once: one feeds it to sha256, the other writes it to disk,
-with ``O_DIRECT`` where the file system allows it (no page-cache copy and no kernel writeback work for
-the CPU, which on small machines is what a checkpoint save is short of). Elsewhere the writes are
-buffered and ``sync_file_range`` starts the kernel's writeback behind each buffer, so the disk works
-while the next bytes are produced. ``close`` waits for both threads and ``fsync``\\ s: when it returns the
-file is durable and :attr:`HashingFile.sha256` covers every byte, in order.
+Two ways to write, picked by :func:`open_hashing_file`:
+
+* :class:`BufferedHashingFile` (``direct=False``, and wherever ``O_DIRECT`` is refused): large writes go to the
+  kernel straight from the caller's memory (a tensor's storage: no copy of ours), with ``sync_file_range``
+  starting the kernel's writeback behind each 16 MiB, so the disk works while the next bytes come; the
+  digest of each large write runs on a helper thread alongside its write. Small writes (zip headers, pickles)
+  are gathered into one buffer first.
+* :class:`DirectHashingFile` (``direct=True`` where the file system allows it): ``O_DIRECT`` needs aligned
+  memory, so the caller copies into page-aligned 16 MiB buffers (hashing the bytes on the way) and a helper
+  thread writes each full buffer while the next one fills.
+
+``close`` calls ``fsync``: when it returns the file is durable and :attr:`digest` covers every byte, in order.
 """
 
 from __future__ import annotations
@@ -15,7 +21,6 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
-import hashlib
 import mmap
 import os
 import sys
@@ -23,6 +28,8 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
+
+from smalti.checkpoint.hashes import DEFAULT_ALGORITHM, new_hasher, tagged
 
 CHUNK_BYTES = 16 << 20
 _BUFFERS = 3
@@ -73,45 +80,25 @@ def leave_direct_io(fd: int) -> None:
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
 
 
-class HashingFile:
-    """A new file at ``path``, written front to back, with the sha256 and size of what was written.
+#: writes smaller than this are gathered into one buffer (zip headers and pickles between the tensors' bytes)
+_SMALL_BYTES = 256 << 10
 
-    ``direct=False`` never tries ``O_DIRECT``. Not seekable: a seek would make the running digest wrong.
+
+class _HashingFileBase:
+    """The file interface torch.save and DCP use, over a new file written front to back.
+
+    Not seekable: a seek would make the running digest wrong. :attr:`size` and :attr:`digest`
+    (``"<algorithm>:<hex>"``) are final once :meth:`close` returns.
     """
 
-    def __init__(self, path: str | os.PathLike[str], direct: bool = True) -> None:
-        self.path = os.fspath(path)
-        self._fd, self._direct = open_maybe_direct(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, direct)
-        self._digest = hashlib.sha256()
-        self._hasher = ThreadPoolExecutor(1, "smalti-ckpt-hash")
-        self._io = ThreadPoolExecutor(1, "smalti-ckpt-write")
-        self._buffers = [mmap.mmap(-1, CHUNK_BYTES) for _ in range(_BUFFERS)]
-        self._free = deque(range(_BUFFERS))
-        self._in_flight: deque[tuple[int, Future[Any], Future[Any]]] = deque()
-        self._current = self._free.popleft()
-        self._filled = 0
-        self._submitted = 0  # file offset of the current buffer's first byte
+    def __init__(self, path: str, fd: int, algorithm: str) -> None:
+        self.path = path
+        self._fd = fd
+        self.algorithm = algorithm
+        self._hash = new_hasher(algorithm)
         self._closed = False
         self.size = 0
-        self.sha256 = ""
-
-    # -- the file interface torch.save and DCP use --------------------------------------------------------
-    def write(self, data: Any) -> int:
-        """Copy ``data`` into the buffers (handing each full one to the hash and write threads)."""
-        if self._closed:
-            raise ValueError(f"write to closed file {self.path}")
-        view = memoryview(data).cast("B")
-        total = len(view)
-        while view:
-            room = CHUNK_BYTES - self._filled
-            n = min(room, len(view))
-            self._buffers[self._current][self._filled : self._filled + n] = view[:n]
-            self._filled += n
-            view = view[n:]
-            if self._filled == CHUNK_BYTES:
-                self._hand_over()
-        self.size += total
-        return total
+        self.digest = ""
 
     def tell(self) -> int:
         return self.size
@@ -126,42 +113,145 @@ class HashingFile:
         return False
 
     def flush(self) -> None:
-        """Nothing to do: bytes reach the disk in whole buffers and at :meth:`close`, which makes them durable."""
+        """Nothing to do: :meth:`close` writes what is left and makes the file durable."""
 
     @property
     def closed(self) -> bool:
         return self._closed
 
+    def __enter__(self) -> _HashingFileBase:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        with contextlib.suppress(Exception):  # the error already raised (disk full, ...) is the one to report
+            self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"write to closed file {self.path}")
+
+    def close(self) -> None:  # pragma: no cover - each subclass closes its own way
+        raise NotImplementedError
+
+
+class BufferedHashingFile(_HashingFileBase):
+    """Page-cache writes straight from the caller's memory, writeback started behind each 16 MiB."""
+
+    def __init__(self, path: str, fd: int, algorithm: str = DEFAULT_ALGORITHM) -> None:
+        super().__init__(path, fd, algorithm)
+        self._small = bytearray()
+        self._written = 0  # bytes handed to the kernel
+        self._synced_to = 0  # writeback started up to here
+        self._hasher: ThreadPoolExecutor | None = None
+
+    def write(self, data: Any) -> int:
+        """Hash ``data`` and write it (large writes from the caller's memory, small ones gathered)."""
+        self._check_open()
+        view = memoryview(data).cast("B")
+        n = len(view)
+        if n < _SMALL_BYTES:
+            self._hash.update(view)
+            self._small += view
+            if len(self._small) >= _SMALL_BYTES:
+                self._flush_small()
+        else:
+            self._flush_small()
+            if self._hasher is None:
+                self._hasher = ThreadPoolExecutor(1, "smalti-ckpt-hash")
+            hashed = self._hasher.submit(self._hash.update, view)  # runs beside the writes (both drop the GIL)
+            try:
+                self._write_all(view)
+            finally:
+                hashed.result()  # the caller may reuse its memory once write returns
+        self.size += n
+        return n
+
     def close(self) -> None:
-        """Write what is left, wait for the hash and the writes, ``fsync`` and close; idempotent."""
+        """Write what is gathered, ``fsync`` and close; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._flush_small()
+            os.fsync(self._fd)
+            self.digest = tagged(self.algorithm, self._hash.hexdigest())
+        finally:
+            if self._hasher is not None:
+                self._hasher.shutdown(wait=True)
+            os.close(self._fd)
+
+    def _flush_small(self) -> None:
+        if self._small:
+            small, self._small = self._small, bytearray()
+            self._write_all(memoryview(small))
+
+    def _write_all(self, view: memoryview) -> None:
+        while view:
+            piece = view[: CHUNK_BYTES - (self._written - self._synced_to)]
+            n = os.write(self._fd, piece)
+            view = view[n:]
+            self._written += n
+            if self._written - self._synced_to >= CHUNK_BYTES:
+                self._start_writeback()
+
+    def _start_writeback(self) -> None:
+        if sync_file_range is not None:
+            with contextlib.suppress(OSError):  # if refused, writeback starts at fsync, as without this hint
+                sync_file_range(self._fd, self._synced_to, self._written - self._synced_to, SYNC_FILE_RANGE_WRITE)
+        self._synced_to = self._written
+
+
+class DirectHashingFile(_HashingFileBase):
+    """``O_DIRECT`` writes: the caller hashes and copies into aligned buffers, a helper thread writes them."""
+
+    def __init__(self, path: str, fd: int, algorithm: str = DEFAULT_ALGORITHM) -> None:
+        super().__init__(path, fd, algorithm)
+        self._direct = True
+        self._io = ThreadPoolExecutor(1, "smalti-ckpt-write")
+        self._buffers = [mmap.mmap(-1, CHUNK_BYTES) for _ in range(_BUFFERS)]
+        self._free = deque(range(_BUFFERS))
+        self._in_flight: deque[tuple[int, Future[Any]]] = deque()
+        self._current = self._free.popleft()
+        self._filled = 0
+        self._submitted = 0  # file offset of the current buffer's first byte
+
+    def write(self, data: Any) -> int:
+        """Hash ``data`` and copy it into the buffers (each full one goes to the write thread)."""
+        self._check_open()
+        view = memoryview(data).cast("B")
+        total = len(view)
+        self._hash.update(view)
+        while view:
+            n = min(CHUNK_BYTES - self._filled, len(view))
+            self._buffers[self._current][self._filled : self._filled + n] = view[:n]
+            self._filled += n
+            view = view[n:]
+            if self._filled == CHUNK_BYTES:
+                self._hand_over()
+        self.size += total
+        return total
+
+    def close(self) -> None:
+        """Write what is left, wait for the writes, ``fsync`` and close; idempotent."""
         if self._closed:
             return
         self._closed = True
         try:
             tail = memoryview(self._buffers[self._current])[: self._filled]
-            hashed = self._hasher.submit(self._digest.update, tail)
-            written = self._io.submit(self._write_tail, tail, self._submitted)
-            self._in_flight.append((self._current, hashed, written))
+            self._in_flight.append((self._current, self._io.submit(self._write_tail, tail, self._submitted)))
             while self._in_flight:
                 self._retire_oldest()
-            self.sha256 = self._digest.hexdigest()
+            self.digest = tagged(self.algorithm, self._hash.hexdigest())
         finally:
-            self._hasher.shutdown(wait=True)
             self._io.shutdown(wait=True)
             os.close(self._fd)
 
-    def __enter__(self) -> HashingFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # -- the pipeline ---------------------------------------------------------------------------------------
     def _hand_over(self) -> None:
         chunk = memoryview(self._buffers[self._current])
-        hashed = self._hasher.submit(self._digest.update, chunk)
-        written = self._io.submit(self._write_at, chunk, self._submitted)
-        self._in_flight.append((self._current, hashed, written))
+        self._in_flight.append((self._current, self._io.submit(self._write_at, chunk, self._submitted)))
         self._submitted += CHUNK_BYTES
         if not self._free:
             self._retire_oldest()
@@ -169,13 +259,11 @@ class HashingFile:
         self._filled = 0
 
     def _retire_oldest(self) -> None:
-        index, hashed, written = self._in_flight.popleft()
-        hashed.result()
+        index, written = self._in_flight.popleft()
         written.result()  # a write error (disk full, I/O error) surfaces here, in the caller's thread
         self._free.append(index)
 
     def _write_at(self, data: memoryview, offset: int) -> None:
-        start = offset
         while data:
             try:
                 n = os.pwrite(self._fd, data, offset)
@@ -185,9 +273,6 @@ class HashingFile:
                 self._leave_direct_io()  # opened with O_DIRECT but the file system refuses such writes
                 continue
             data, offset = data[n:], offset + n
-        if not self._direct and sync_file_range is not None:
-            with contextlib.suppress(OSError):  # if refused, writeback starts at fsync, as without this hint
-                sync_file_range(self._fd, start, offset - start, SYNC_FILE_RANGE_WRITE)
 
     def _write_tail(self, data: memoryview, offset: int) -> None:
         aligned = len(data) // ALIGN_BYTES * ALIGN_BYTES
@@ -202,3 +287,21 @@ class HashingFile:
         if self._direct:
             leave_direct_io(self._fd)
             self._direct = False
+
+
+HashingFile = BufferedHashingFile | DirectHashingFile
+
+
+def open_hashing_file(
+    path: str | os.PathLike[str], direct: bool = False, algorithm: str = DEFAULT_ALGORITHM
+) -> BufferedHashingFile | DirectHashingFile:
+    """A new file at ``path`` (truncated if it exists) that hashes with ``algorithm`` what is written to it:
+    :class:`DirectHashingFile` when ``direct`` and the file system allows ``O_DIRECT``, else
+    :class:`BufferedHashingFile`."""
+    path = os.fspath(path)
+    fd, is_direct = open_maybe_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, direct)
+    try:
+        return DirectHashingFile(path, fd, algorithm) if is_direct else BufferedHashingFile(path, fd, algorithm)
+    except BaseException:
+        os.close(fd)
+        raise

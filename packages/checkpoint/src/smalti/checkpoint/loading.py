@@ -10,6 +10,7 @@ from typing import Any
 
 from smalti.checkpoint import state_io
 from smalti.checkpoint.errors import CheckpointCorruptError, CheckpointError, UnsafeCheckpointError
+from smalti.checkpoint.hashes import entry_digest, tagged
 from smalti.checkpoint.manifest import data_files, split_by_size, writer_rank
 from smalti.checkpoint.naming import MANIFEST_NAME, sort_key
 from smalti.checkpoint.read_ahead import AheadFile, ReadAhead
@@ -28,7 +29,7 @@ class LoadAndResume:
     def on_before_load(self, state: Any, logger: Any) -> None:
         self._setup_groups(state)
         start = time.perf_counter()
-        damaged: dict[str, str] = {}  # checkpoints whose data files failed their sha256 while they loaded
+        damaged: dict[str, str] = {}  # checkpoints whose data files failed their digest while they loaded
         while True:
             found, autoresumed = self._choose_checkpoint(damaged)
             if found is None:
@@ -47,7 +48,7 @@ class LoadAndResume:
                     ignore_keys=self.load_ignore_keys, strict=self.load_strict, read_ahead=self._read_ahead,
                     trust_pickles=self.trust_pickles,
                 )
-            except Exception as exc:  # a damaged data file may fail to parse: the sha256 verdict decides
+            except Exception as exc:  # a damaged data file may fail to parse: the digest verdict decides
                 load_error = exc
             problem = self._data_verdict(found, load_error)
             if isinstance(problem, UnsafeCheckpointError):
@@ -95,12 +96,13 @@ class LoadAndResume:
             preferred = {rel: peers.index(writer) for rel in relpaths if (writer := writer_rank(rel)) in peers}
         share = split_by_size(relpaths, found.manifest, len(peers), preferred)[peers.index(self._rank)]
         entries, unchecked = found.manifest["files"], set(found.unchecked)
-        files = [AheadFile(rel, entries[rel]["size"], entries[rel]["sha256"] if rel in unchecked else None) for rel in share]
+        files = [AheadFile(rel, entries[rel]["size"], tagged(*entry_digest(entries[rel])) if rel in unchecked else None)
+                 for rel in share]
         if files:
-            self._read_ahead = ReadAhead(found.folder, files, self.read_ahead_mb << 20, self.direct_io)
+            self._read_ahead = ReadAhead(found.folder, files, self.read_ahead_mb << 20, self.direct_reads)
 
     def _data_verdict(self, found: Found, load_error: Exception | None = None) -> CheckpointError | None:
-        """Each rank waits for the reading and sha256 of its share of the data files (checked while they
+        """Each rank waits for the reading and digest of its share of the data files (checked while they
         loaded); every rank gets the verdict (``None``: good; an :class:`UnsafeCheckpointError` when the load
         refused a file on any rank; else the lowest rank's finding)."""
         finding: tuple[Any, ...] | None = None
@@ -174,7 +176,7 @@ class LoadAndResume:
         )
 
     def _choose_checkpoint(self, damaged: dict[str, str]) -> tuple[Found | None, bool]:
-        """Rank 0 finds and verifies what to load (the data files' sha256 goes on while they load: see
+        """Rank 0 finds and verifies what to load (the data files' digest goes on while they load: see
         :meth:`_data_verdict`); every rank gets its answer (or its error)."""
         choice: Any = None
         if self._rank == 0:

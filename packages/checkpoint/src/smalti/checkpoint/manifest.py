@@ -1,8 +1,11 @@
-"""The manifest: written last, it lists every file of a checkpoint with its size and sha256.
+"""The manifest: written last, it lists every file of a checkpoint with its size and digest.
 
 A folder without a valid manifest is not a checkpoint. ``verify_folder`` checks a local copy against it.
-The manifest carries the sha256 of its own canonical JSON (``manifest_sha256``), so a changed byte in it is
-caught as surely as one in the files it lists, and every file name it lists must stay inside the folder.
+Each file's entry is ``{"size": n, "hash": "<algorithm>:<hex>"}`` (see :mod:`smalti.checkpoint.hashes`;
+manifests before ``smalti-checkpoint/3`` have ``{"size": n, "sha256": "<hex>"}``, still read and checked).
+The manifest carries the sha256 of its own canonical JSON (``manifest_sha256``: a few kB, so the choice of
+hash does not matter there), so a changed byte in it is caught as surely as one in the files it lists, and
+every file name it lists must stay inside the folder.
 """
 
 from __future__ import annotations
@@ -18,41 +21,44 @@ from pathlib import Path
 from typing import Any
 
 from smalti.checkpoint.errors import CheckpointCorruptError, UncommittedCheckpointError, UnsafeCheckpointError
+from smalti.checkpoint.hashes import DEFAULT_ALGORITHM, entry_digest, new_hasher, tagged
 from smalti.checkpoint.naming import MANIFEST_NAME
 from smalti.checkpoint.safe_load import check_inside
 from smalti.storage import atomic_write_text
 
-FORMAT = "smalti-checkpoint/2"
-#: manifests written before the self-checksum (read as before: no ``manifest_sha256`` required)
-FORMATS = ("smalti-checkpoint/1", FORMAT)
+FORMAT = "smalti-checkpoint/3"
+#: every format read: /1 had no self-checksum (no ``manifest_sha256`` required), /1 and /2 record ``sha256``
+#: per file, /3 ``hash`` (``"<algorithm>:<hex>"``)
+FORMATS = ("smalti-checkpoint/1", "smalti-checkpoint/2", FORMAT)
 SELF_HASH = "manifest_sha256"
 VERIFY_LEVELS = ("none", "manifest", "full")
 _CHUNK = 8 << 20
 
 
-def hash_file(path: str | os.PathLike[str]) -> tuple[int, str]:
-    """``(size, sha256 hex)`` of a file, read in 8 MiB chunks.
-
-    A helper thread reads the next chunk while this one hashes the last (both release the GIL), so a cold
-    file costs max(read, hash) rather than their sum.
-    """
-    digest = hashlib.sha256()
+def hash_file(path: str | os.PathLike[str], algorithm: str = "sha256") -> tuple[int, str]:
+    """``(size, hex digest)`` of a file with ``algorithm`` (sha256 unless told: what manifests before
+    ``smalti-checkpoint/3`` record), read front to back in 8 MiB chunks."""
+    digest = new_hasher(algorithm)
     size = 0
-    with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1, "smalti-ckpt-read") as reader:
-        pending = reader.submit(f.read, _CHUNK)
-        while chunk := pending.result():
-            pending = reader.submit(f.read, _CHUNK)
-            digest.update(chunk)
-            size += len(chunk)
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            digest.update(view[:n])
+            size += n
     return size, digest.hexdigest()
 
 
-def hash_files(folder: Path, relpaths: Iterable[str], threads: int = 4) -> dict[str, dict[str, Any]]:
-    """``{relpath: {"size", "sha256"}}`` for files under ``folder``, hashed in parallel threads."""
+def hash_files(
+    folder: Path, relpaths: Iterable[str], algorithm: str | dict[str, str] = DEFAULT_ALGORITHM, threads: int = 4
+) -> dict[str, dict[str, Any]]:
+    """``{relpath: {"size", "hash"}}`` for files under ``folder``, several files at once; ``algorithm`` for
+    every file, or per file (``{relpath: algorithm}``)."""
     relpaths = list(relpaths)
+    algorithms = algorithm if isinstance(algorithm, dict) else dict.fromkeys(relpaths, algorithm)
     with ThreadPoolExecutor(max_workers=max(1, min(threads, len(relpaths) or 1))) as pool:
-        results = list(pool.map(lambda rel: hash_file(folder / rel), relpaths))
-    return {rel: {"size": size, "sha256": sha} for rel, (size, sha) in zip(relpaths, results)}
+        results = list(pool.map(lambda rel: hash_file(folder / rel, algorithms[rel]), relpaths))
+    return {rel: {"size": size, "hash": tagged(algorithms[rel], hexdigest)} for rel, (size, hexdigest) in zip(relpaths, results)}
 
 
 def build_manifest(
@@ -118,8 +124,11 @@ def parse_manifest(raw: bytes | str, where: str) -> dict[str, Any]:
     for rel, entry in manifest["files"].items():
         check_inside(rel, f"manifest {where}")
         if not (isinstance(entry, dict) and isinstance(entry.get("size"), int) and entry["size"] >= 0
-                and isinstance(entry.get("sha256"), str) and re.fullmatch(r"[0-9a-f]{64}", entry["sha256"])):
-            raise CheckpointCorruptError(f"manifest {where} has no valid size and sha256 for {rel!r}", where)
+                and entry_digest(entry) is not None):
+            raise CheckpointCorruptError(
+                f"manifest {where} has no valid size and hash for {rel!r} (want {{\"size\": <bytes>, \"hash\": "
+                f"\"<xxh3_128|blake3|sha256>:<hex>\"}}, got {entry!r:.200})", where
+            )
     return manifest
 
 
@@ -141,10 +150,10 @@ def verify_folder(
     """Check a local checkpoint folder against its manifest and return the manifest.
 
     ``none``: the manifest exists and parses. ``manifest``: also every listed file exists with its recorded
-    size and sha256. ``full``: also DCP's ``.metadata`` refers only to listed files and to byte ranges inside
+    size and digest. ``full``: also DCP's ``.metadata`` refers only to listed files and to byte ranges inside
     them, and every rank's ``extra/`` file reads with torch's weights-only loader (read without running code from it unless ``trust_pickles``: see :mod:`smalti.checkpoint.safe_load`).
     Raises :class:`CheckpointCorruptError` naming the first file at fault. With ``defer_data``, the
-    sha256 of the tensor data files (``*.distcp``) is left to the load (:mod:`smalti.checkpoint.read_ahead`), so it can run
+    digest of the tensor data files (``*.distcp``) is left to the load (:mod:`smalti.checkpoint.read_ahead`), so it can run
     while they load; every other file (pickles among them) is still checked here, before anything reads it.
     """
     if level not in VERIFY_LEVELS:
@@ -202,15 +211,32 @@ def writer_rank(relpath: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def algorithm_of(entry: dict[str, Any]) -> str:
+    """The hash algorithm a (parsed) manifest entry was recorded with."""
+    found = entry_digest(entry)
+    assert found is not None, "entries are checked by parse_manifest"
+    return found[0]
+
+
+def mismatch(path: Path, entry: dict[str, Any], hexdigest: str) -> CheckpointCorruptError | None:
+    """The error for a file whose ``hexdigest`` (of the entry's algorithm) is not the recorded one, or None."""
+    found = entry_digest(entry)
+    assert found is not None, "entries are checked by parse_manifest"
+    algorithm, expected = found
+    if hexdigest == expected:
+        return None
+    return CheckpointCorruptError(
+        f"checkpoint file {path} has {algorithm} {hexdigest[:16]}… but the manifest says {expected[:16]}… (corrupted)",
+        str(path),
+    )
+
+
 def _check_hashes(folder: Path, files: dict[str, dict[str, Any]]) -> None:
-    hashed = hash_files(folder, files)
+    hashed = hash_files(folder, files, {rel: algorithm_of(entry) for rel, entry in files.items()})
     for rel, entry in files.items():
-        if hashed[rel]["sha256"] != entry["sha256"]:
-            raise CheckpointCorruptError(
-                f"checkpoint file {folder / rel} has sha256 {hashed[rel]['sha256'][:16]}… but the manifest says "
-                f"{entry['sha256'][:16]}… (corrupted)",
-                str(folder / rel),
-            )
+        problem = mismatch(folder / rel, entry, hashed[rel]["hash"].partition(":")[2])
+        if problem is not None:
+            raise problem
 
 
 def _verify_dcp_metadata(folder: Path, files: dict[str, dict[str, Any]], trust_pickles: bool = False) -> None:

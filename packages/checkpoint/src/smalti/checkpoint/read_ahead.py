@@ -2,12 +2,17 @@
 
 A load has work to do before DCP asks for any tensor bytes (reading ``.metadata``, building the state dict,
 creating the optimizer's state), and DCP's own reader then reads item by item through the page cache, with
-the sha256 check of the same files as a second pass. :class:`ReadAhead` starts reading this rank's files
+the digest check of the same files as a second pass. :class:`ReadAhead` starts reading this rank's files
 as soon as the checkpoint is chosen, in a background thread, with ``O_DIRECT`` where the file system
-allows it (no page-cache copy for the CPU to make), and feeds every chunk to sha256 on a hash thread of
-its file (one per file, up to :data:`HASH_THREADS`). What it read waits in memory (up to ``window_bytes`` ahead of the loader) until
-:class:`ReadAheadFileSystemReader` hands it to DCP: the disk works while the trainer builds its state,
-and each byte is read from the disk once, for both the load and the check.
+allows it (no page-cache copy for the CPU to make), and feeds every chunk to the file's hash (the algorithm
+its manifest entry names) on one hash thread, so the next read is under way while a chunk is hashed. What it
+read waits in memory (up to ``window_bytes`` ahead of the loader) until :class:`ReadAheadFileSystemReader`
+hands it to DCP: the disk works while the trainer builds its state, and each byte is read from the disk
+once, for both the load and the check. Tensors are copied from those buffers straight into their targets.
+
+Files this rank loads but another rank reads ahead (and checks) are read by :class:`ReadAheadFileSystemReader`
+the same way, item by item: each tensor's bytes go from the file straight into its target, without
+``torch.load``'s allocation and copies.
 """
 
 from __future__ import annotations
@@ -15,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import errno
-import hashlib
 import io
 import mmap
 import os
@@ -31,22 +35,23 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 
 from smalti.checkpoint.errors import CheckpointCorruptError, CheckpointError
+from smalti.checkpoint.hashes import check_algorithm, new_hasher
 from smalti.checkpoint.hashing_file import ALIGN_BYTES, CHUNK_BYTES, leave_direct_io, open_maybe_direct
 from smalti.checkpoint.safe_load import SafeFileSystemReader
 
 #: how far ahead of the loader the reader may get, per rank, unless told otherwise
 DEFAULT_WINDOW_BYTES = 1 << 30
-HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 @dataclasses.dataclass
 class AheadFile:
     """One file to read ahead: its path relative to the checkpoint folder, its size from the manifest, and the
-    sha256 to check it against (``None``: read it, do not hash it)."""
+    digest to check it against as the manifest spells it, ``"<algorithm>:<hex>"`` (``None``: read it, do not
+    hash it)."""
 
     relpath: str
     size: int
-    sha256: str | None = None
+    hash: str | None = None
 
 
 class _Chunk:
@@ -77,7 +82,7 @@ class _Held:
 
 
 class ReadAhead:
-    """Reads ``files`` of ``folder`` in order, in a background thread, checking each one's sha256 (where given).
+    """Reads ``files`` of ``folder`` in order, in a background thread, checking each one's digest (where given).
 
     The loader takes byte ranges with :meth:`span` (waiting for the reader where it must) and gives files up
     with :meth:`done_with`; :meth:`finish` stops keeping anything and waits for the last hash.
@@ -104,9 +109,10 @@ class ReadAhead:
         self._bytes_held = 0
         self._demand: tuple[str, int] | None = None  # (file, offset) the loader is waiting for
         self._free: list[mmap.mmap] = []
-        # one hashing thread per file (up to HASH_THREADS): sha256 is sequential within a file, and on a fast
-        # disk one thread's sha256 is slower than the reads
-        self._hashers = [ThreadPoolExecutor(1, "smalti-ckpt-read-hash") for _ in range(min(len(files), HASH_THREADS) or 1)]
+        for f in files:  # an algorithm missing here fails now, in the caller's thread, naming the fix
+            if f.hash is not None:
+                check_algorithm(f.hash.partition(":")[0], f"the manifest entry of {folder / f.relpath}")
+        self._hasher = ThreadPoolExecutor(1, "smalti-ckpt-read-hash")
         self._problems: dict[str, Exception] = {}
         self.done: Future[None] = Future()
         self._thread = threading.Thread(target=self._run, name="smalti-ckpt-read-ahead", daemon=True)
@@ -184,14 +190,12 @@ class ReadAhead:
 
     def _run(self) -> None:
         try:
-            for index, relpath in enumerate(self.order):
-                self._read_file(relpath, self._hashers[index % len(self._hashers)])
-            for hasher in self._hashers:
-                hasher.shutdown(wait=True)
+            for relpath in self.order:
+                self._read_file(relpath, self._hasher)
+            self._hasher.shutdown(wait=True)
             self.done.set_result(None)
         except BaseException as exc:  # noqa: BLE001 - a bug here must reach the loader, not die with the thread
-            for hasher in self._hashers:
-                hasher.shutdown(wait=True)
+            self._hasher.shutdown(wait=True)
             with self._cond:
                 for held in self._held.values():
                     held.finished = True
@@ -213,7 +217,7 @@ class ReadAhead:
     def _read_file(self, relpath: str, hasher: ThreadPoolExecutor) -> None:
         held, expected = self._held[relpath], self.files[relpath]
         path = self.folder / relpath
-        digest = hashlib.sha256() if expected.sha256 is not None else None
+        digest = new_hasher(expected.hash.partition(":")[0]) if expected.hash is not None else None
         try:
             fd, direct = open_maybe_direct(path, os.O_RDONLY, self.direct)
         except OSError as exc:
@@ -259,11 +263,13 @@ class ReadAhead:
             self._problems[relpath] = CheckpointCorruptError(
                 f"checkpoint file {path} has {size} bytes but the manifest says {expected.size}", str(path)
             )
-        elif digest is not None and digest.hexdigest() != expected.sha256:
-            self._problems[relpath] = CheckpointCorruptError(
-                f"checkpoint file {path} has sha256 {digest.hexdigest()[:16]}… but the manifest says "
-                f"{expected.sha256[:16]}… (corrupted)", str(path)
-            )
+        elif digest is not None and expected.hash is not None:
+            algorithm, _, hexdigest = expected.hash.partition(":")
+            if digest.hexdigest() != hexdigest:
+                self._problems[relpath] = CheckpointCorruptError(
+                    f"checkpoint file {path} has {algorithm} {digest.hexdigest()[:16]}… but the manifest says "
+                    f"{hexdigest[:16]}… (corrupted)", str(path)
+                )
 
     def _give_back(self, buffer: mmap.mmap) -> None:
         with self._cond:
@@ -370,10 +376,65 @@ class _Span(io.RawIOBase):
         return done
 
 
+class _FileSpan(io.RawIOBase):
+    """A seekable read-only file over bytes ``[start, end)`` of an open file, read with ``pread`` (for the files
+    this rank loads but does not read ahead); :meth:`copy_to` reads a tensor's bytes straight into it."""
+
+    def __init__(self, fd: int, start: int, end: int, path: Path) -> None:
+        super().__init__()
+        self._fd = fd
+        self._start = start
+        self._end = end
+        self._pos = start
+        self._path = path
+
+    def copy_to(self, target: torch.Tensor, offset: int) -> None:
+        """Read ``target.numel()`` bytes from ``offset`` (within the span) into the uint8 tensor ``target``."""
+        begin = self._start + offset
+        if begin + target.numel() > self._end:
+            raise CheckpointError(f"bytes {offset}..{offset + target.numel()} lie outside a span of {self._end - self._start}")
+        host = target if target.device.type == "cpu" else torch.empty(target.shape, dtype=torch.uint8)
+        view = memoryview(host.numpy()).cast("B")
+        done = 0
+        while done < len(view):
+            n = os.preadv(self._fd, [view[done:]], begin + done)
+            if n == 0:
+                raise CheckpointCorruptError(
+                    f"checkpoint file {self._path} ends at byte {begin + done}, before the item at "
+                    f"{self._start}..{self._end} DCP's metadata points to (truncated)", str(self._path)
+                )
+            done += n
+        if host is not target:
+            target.copy_(host)
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos - self._start
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: self._start, os.SEEK_CUR: self._pos, os.SEEK_END: self._end}[whence]
+        self._pos = min(max(base + offset, self._start), self._end)
+        return self.tell()
+
+    def readinto(self, target: Any) -> int:
+        out = memoryview(target).cast("B")[: self._end - self._pos]
+        if not len(out):
+            return 0
+        n = os.preadv(self._fd, [out], self._pos)
+        self._pos += n
+        return n
+
+
 class ReadAheadFileSystemReader(SafeFileSystemReader):
     """DCP's file reader taking the bytes of the files a :class:`ReadAhead` holds from it (in its file order,
-    items by offset); other files are read as DCP reads them. ``.metadata`` is read without running code from
-    it (see :mod:`smalti.checkpoint.safe_load`; ``trust_pickles`` lifts that)."""
+    items by offset); other files are read item by item with ``pread``, tensors straight into their targets.
+    ``.metadata`` is read without running code from it (see :mod:`smalti.checkpoint.safe_load`;
+    ``trust_pickles`` lifts that)."""
 
     def __init__(self, path: str | os.PathLike[str], read_ahead: ReadAhead | None, trust_pickles: bool = False) -> None:
         super().__init__(path, trust_pickles)
@@ -394,7 +455,7 @@ class ReadAheadFileSystemReader(SafeFileSystemReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
         ahead = self.read_ahead
         if ahead is None:
-            return super().read_data(plan, planner)
+            return self._read_directly(plan.items, planner)
         per_file: dict[str, list[Any]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
@@ -413,9 +474,26 @@ class ReadAheadFileSystemReader(SafeFileSystemReader):
             for relpath in ahead.order:
                 ahead.done_with(relpath)
         rest = [item for item in plan.items if not ahead.holds(self.storage_data[item.storage_index].relative_path)]
-        return super().read_data(dataclasses.replace(plan, items=rest), planner)
+        return self._read_directly(rest, planner)
 
-    def _load_item(self, item: Any, info: Any, span: _Span, planner: LoadPlanner) -> None:
+    def _read_directly(self, items: list[Any], planner: LoadPlanner) -> torch.futures.Future[None]:
+        """Load ``items`` from files no read-ahead holds (another rank reads them ahead and checks them): each
+        file opened once, its items in offset order, tensors read straight into their targets where the
+        layouts allow (as from the read-ahead's buffers), else as DCP's reader would."""
+        per_file: dict[str, list[Any]] = {}
+        for item in items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for relpath, file_items in per_file.items():
+            path = Path(self.path) / relpath
+            with open(path, "rb", buffering=0) as f:
+                for item in sorted(file_items, key=lambda i: self.storage_data[i.storage_index].offset):
+                    info = self.storage_data[item.storage_index]
+                    self._load_item(item, info, _FileSpan(f.fileno(), info.offset, info.offset + info.length, path), planner)
+        done: torch.futures.Future[None] = torch.futures.Future()
+        done.set_result(None)
+        return done
+
+    def _load_item(self, item: Any, info: Any, span: _Span | _FileSpan, planner: LoadPlanner) -> None:
         """What DCP's reader does with one item's bytes: hand them over, or load the tensor into its target."""
         stream = self.transforms.transform_load_stream(item, info.transform_descriptors or (), span)
         if item.type == LoadItemType.BYTE_IO:
@@ -436,7 +514,7 @@ class ReadAheadFileSystemReader(SafeFileSystemReader):
         planner.commit_tensor(item, target)
 
     @staticmethod
-    def _copy_in_place(item: Any, span: _Span, planner: LoadPlanner) -> bool:
+    def _copy_in_place(item: Any, span: _Span | _FileSpan, planner: LoadPlanner) -> bool:
         """Copy the item's tensor bytes from the read-ahead buffers straight into its target; False (nothing
         done) where the layouts do not allow it, and ``torch.load`` takes over.
 

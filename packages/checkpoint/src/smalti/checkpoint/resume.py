@@ -29,7 +29,7 @@ class Found:
     skipped: list[str]
     #: names of the newer checkpoints passed over (partial, or failing verification)
     skipped_names: list[str] = field(default_factory=list)
-    #: with ``defer_data``: the tensor data files whose sha256 is still to be checked (by the loading ranks,
+    #: with ``defer_data``: the tensor data files whose digest is still to be checked (by the loading ranks,
     #: while the files load: see :class:`~smalti.checkpoint.read_ahead.ReadAhead`)
     unchecked: list[str] = field(default_factory=list)
 
@@ -47,7 +47,7 @@ def fetch(
     """A verified local copy of checkpoint ``name``, its manifest, and the data files left unchecked; raises
     :class:`CheckpointCorruptError` naming the bad file.
 
-    With ``defer_data`` the data files' sha256 is left to the caller (the list returned; else it is empty).
+    With ``defer_data`` the data files' digest is left to the caller (the list returned; else it is empty).
     ``trust_pickles``: ``verify="full"`` reads DCP's metadata with full unpickling where the restricted reader
     refuses it (see :mod:`smalti.checkpoint.safe_load`).
     Object-store failures that persist after the retries raise :class:`CheckpointUploadError` instead: they say
@@ -73,7 +73,7 @@ def newest_good(
     """The newest checkpoint under ``store`` that has a valid manifest and verifies; report every one skipped.
 
     Only verification failures (no manifest, an invalid manifest, a file missing, truncated or with another
-    sha256) pass over a checkpoint. A transport failure that outlasts the retries (:class:`CheckpointUploadError`)
+    digest) pass over a checkpoint. A transport failure that outlasts the retries (:class:`CheckpointUploadError`)
     propagates, so a flaky object store fails the run (a launcher can retry it) instead of resuming from an
     older checkpoint or from scratch. When committed checkpoints exist but none verifies, this raises
     :class:`CheckpointCorruptError` rather than returning ``None`` (which would start the run afresh).

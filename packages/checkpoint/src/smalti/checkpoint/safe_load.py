@@ -264,12 +264,21 @@ def from_safe_tree(obj: Any) -> Any:
     return obj
 
 
-def dump_safe(obj: Any, where: str) -> bytes:
-    """``torch.save`` bytes of ``to_safe_tree(obj)``, checked to load with ``weights_only=True``: what cannot be
-    read back without unpickling code is refused here, at save time, naming the class."""
+def dump_safe(obj: Any, where: str, check: bool = True) -> bytes:
+    """``torch.save`` bytes of ``to_safe_tree(obj)``, checked (unless ``check`` is false: then call
+    :func:`check_safe` later) to load with ``weights_only=True``: what cannot be read back without unpickling
+    code is refused at save time, naming the class."""
     buffer = io.BytesIO()
     torch.save(to_safe_tree(obj), buffer)
     data = buffer.getvalue()
+    if check:
+        check_safe(data, where)
+    return data
+
+
+def check_safe(data: bytes, where: str) -> None:
+    """Raise :class:`CheckpointError` naming the classes when ``torch.save`` bytes ``data`` do not load with
+    ``weights_only=True``."""
     try:
         torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
@@ -279,4 +288,3 @@ def dump_safe(obj: Any, where: str) -> bytes:
             "back; the state a plugin (plugin_state_dict), scheduler or data loader returns must be tensors, "
             "numbers, strings, NumPy arrays and lists, tuples and dicts of them"
         ) from None
-    return data

@@ -36,8 +36,16 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from smalti.checkpoint.errors import CheckpointError, ReshardError
+from smalti.checkpoint.hashes import DEFAULT_ALGORITHM, new_hasher, tagged
 from smalti.checkpoint.read_ahead import ReadAhead, ReadAheadFileSystemReader
-from smalti.checkpoint.safe_load import SafeLoadPlanner, dump_safe, from_safe_tree, load_torch, unwrap_unsafe
+from smalti.checkpoint.safe_load import (
+    SafeLoadPlanner,
+    check_safe,
+    dump_safe,
+    from_safe_tree,
+    load_torch,
+    unwrap_unsafe,
+)
 from smalti.checkpoint.writer import HashingFileSystemWriter, ReusedHostStager
 from smalti.core.rng import load_rng_state_dict, rng_state_dict
 from smalti.core.state import State
@@ -81,28 +89,46 @@ def rank_local_state(state: State) -> dict[str, Any]:
     }
 
 
-def write_rank_local_state(folder: Path, state: State) -> tuple[str, dict[str, Any]]:
-    """Write this rank's non-DCP state through a temp name; return its path relative to ``folder`` and its
-    ``{"size", "sha256"}`` record. The file holds tensors and plain values only (NumPy arrays as tensors), so
-    it loads with ``torch.load(weights_only=True)``: state that would need full unpickling fails here."""
-    import hashlib
-
+def dump_rank_local_state(
+    folder: Path, state: State, algorithm: str = DEFAULT_ALGORITHM, check: bool = True
+) -> tuple[str, bytes, dict[str, Any]]:
+    """This rank's non-DCP state as the bytes of its file: its path relative to ``folder``, the bytes, and
+    their ``{"size", "hash"}`` record. The file holds tensors and plain values only (NumPy arrays as tensors),
+    so it loads with ``torch.load(weights_only=True)``: state that would need full unpickling fails here
+    (or, with ``check=False``, in :func:`write_rank_local_file`)."""
     rel = extra_relpath(state.rank)
+    data = dump_safe(rank_local_state(state), f"the rank-local state {folder / rel}", check)
+    digest = new_hasher(algorithm)
+    digest.update(data)
+    return rel, data, {"size": len(data), "hash": tagged(algorithm, digest.hexdigest())}
+
+
+def write_rank_local_file(folder: Path, rel: str, data: bytes, check: bool = False) -> None:
+    """Write the bytes :func:`dump_rank_local_state` made to ``folder / rel`` (temp name, fsync, rename); with
+    ``check``, first check that they load with ``weights_only=True`` (see :func:`dump_rank_local_state`)."""
     path = folder / rel
+    if check:
+        check_safe(data, f"the rank-local state {path}")
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = dump_safe(rank_local_state(state), f"the rank-local state {path}")
     atomic_write_bytes(path, data)
-    return rel, {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def write_rank_local_state(folder: Path, state: State, algorithm: str = DEFAULT_ALGORITHM) -> tuple[str, dict[str, Any]]:
+    """Write this rank's non-DCP state (see :func:`dump_rank_local_state`); its relative path and record."""
+    rel, data, record = dump_rank_local_state(folder, state, algorithm)
+    write_rank_local_file(folder, rel, data)
+    return rel, record
 
 
 def save_dcp(
-    state_dict: dict[str, Any], folder: Path, group: Any, thread_count: int = 1, direct_io: bool = True
+    state_dict: dict[str, Any], folder: Path, group: Any, thread_count: int = 1, direct_io: bool = False,
+    algorithm: str = DEFAULT_ALGORITHM,
 ) -> dict[str, dict[str, Any]]:
     """Synchronous DCP save of ``state_dict`` by the ranks of ``group`` (``None``: a single process).
 
-    Returns ``{file name: {"size", "sha256"}}`` of the files this rank wrote, hashed as they were written.
+    Returns ``{file name: {"size", "hash"}}`` of the files this rank wrote, hashed as they were written.
     """
-    writer = HashingFileSystemWriter(folder, thread_count, direct_io)
+    writer = HashingFileSystemWriter(folder, thread_count, direct_io, algorithm)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
         dcp.save(state_dict, storage_writer=writer, process_group=group, no_dist=group is None)
@@ -115,13 +141,14 @@ def async_save_dcp(
     group: Any,
     stager: ReusedHostStager,
     thread_count: int = 1,
-    direct_io: bool = True,
+    direct_io: bool = False,
+    algorithm: str = DEFAULT_ALGORITHM,
 ) -> tuple[Any, dict[str, dict[str, Any]]]:
     """Stage ``state_dict`` into ``stager``'s host buffers (blocking), then write it in a background thread.
 
-    Returns the write's future and the dict that receives ``{file name: {"size", "sha256"}}`` as files finish.
+    Returns the write's future and the dict that receives ``{file name: {"size", "hash"}}`` as files finish.
     """
-    writer = HashingFileSystemWriter(folder, thread_count, direct_io)
+    writer = HashingFileSystemWriter(folder, thread_count, direct_io, algorithm)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
         response = dcp.async_save(

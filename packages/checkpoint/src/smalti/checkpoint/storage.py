@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from smalti.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointUploadError
-from smalti.checkpoint.manifest import hash_file, parse_manifest, write_json_atomic
+from smalti.checkpoint.manifest import algorithm_of, hash_file, mismatch, parse_manifest, write_json_atomic
 from smalti.checkpoint.naming import LATEST_NAME, MANIFEST_NAME, checkpoint_names
 from smalti.checkpoint.safe_load import check_inside
 from smalti.storage import ObjectNotFoundError, RetryPolicy, StorageError, split_url
@@ -189,7 +189,8 @@ class CheckpointStore:
         """Fetch every file the manifest lists (and the manifest, last) into local folder ``dest``."""
         for rel, entry in manifest["files"].items():
             local = dest / check_inside(rel, f"manifest {self._where(f'{name}/{MANIFEST_NAME}')}")
-            if local.is_file() and local.stat().st_size == entry["size"] and hash_file(local)[1] == entry["sha256"]:
+            if (local.is_file() and local.stat().st_size == entry["size"]
+                    and mismatch(local, entry, hash_file(local, algorithm_of(entry))[1]) is None):
                 continue  # already here from an earlier download
             self.download(f"{name}/{rel}", local)
         write_json_atomic(dest / MANIFEST_NAME, manifest)

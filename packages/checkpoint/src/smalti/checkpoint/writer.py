@@ -1,9 +1,10 @@
-"""DCP's file writer with sha256 computed while the bytes go out, and a reusable host-memory stager for async saves.
+"""DCP's file writer with each file's digest computed while the bytes go out, and a reusable host-memory stager
+for async saves.
 
-Every file DCP writes goes through a :class:`~smalti.checkpoint.hashing_file.HashingFile`: hashed on the way
-out (the manifest needs no second pass over the data) and written with direct I/O where possible. The
-digests are exact because DCP writes each file front to back through one stream (offsets come from
-``tell()``, never a seek).
+Every file DCP writes goes through a hashing file (:func:`~smalti.checkpoint.hashing_file.open_hashing_file`):
+hashed on the way out (the manifest needs no second pass over the data), written from the tensors' own memory
+through the page cache, or with direct I/O when asked. The digests are exact because DCP writes each file
+front to back through one stream (offsets come from ``tell()``, never a seek).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from smalti.checkpoint.hashing_file import HashingFile
+from smalti.checkpoint.hashes import DEFAULT_ALGORITHM
+from smalti.checkpoint.hashing_file import open_hashing_file
 
 
 @contextmanager
@@ -30,7 +32,7 @@ def _without_zip_crc32() -> Iterator[None]:
     """In this thread, turn off the CRC-32 that ``torch.save`` computes over every tensor's bytes.
 
     That checksum is a second pass over the data at about 1.6 GB/s, slower than the disk write itself, and
-    the manifest's sha256 of every file covers the same bytes; ``torch.load`` reads such files as usual.
+    the manifest's digest of every file covers the same bytes; ``torch.load`` reads such files as usual.
     torch keeps this setting per thread, so other threads' ``torch.save`` calls are unaffected.
     """
     from torch.utils.serialization import config
@@ -44,29 +46,30 @@ def _without_zip_crc32() -> Iterator[None]:
 
 
 class HashingFileSystem(FileSystem):
-    """DCP's local file system that records ``{file name: {"size", "sha256"}}`` of every file it writes.
+    """DCP's local file system that records ``{file name: {"size", "hash"}}`` of every file it writes.
 
     Renames (DCP writes ``.metadata`` through a temp name) carry the record to the new name.
     """
 
-    def __init__(self, direct_io: bool = True) -> None:
+    def __init__(self, direct_io: bool = False, algorithm: str = DEFAULT_ALGORITHM) -> None:
         super().__init__()
         self.direct_io = direct_io
+        self.algorithm = algorithm
         self.records: dict[str, dict[str, Any]] = {}
         self._lock = threading.Lock()
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
-        """Open ``path``; in a write mode, a :class:`HashingFile` (durable when closed, no zip CRC: see
-        :func:`_without_zip_crc32`) whose size and sha256 are recorded when the stream ends."""
+        """Open ``path``; in a write mode, a hashing file (durable when closed, no zip CRC: see
+        :func:`_without_zip_crc32`) whose size and digest are recorded when the stream ends."""
         if "w" not in mode:
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        with _without_zip_crc32(), HashingFile(path, direct=self.direct_io) as stream:
+        with _without_zip_crc32(), open_hashing_file(path, self.direct_io, self.algorithm) as stream:
             yield stream
         with self._lock:
-            self.records[Path(path).name] = {"size": stream.size, "sha256": stream.sha256}
+            self.records[Path(path).name] = {"size": stream.size, "hash": stream.digest}
 
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         """Rename a file and move its record along."""
@@ -80,13 +83,15 @@ class HashingFileSystem(FileSystem):
 class HashingFileSystemWriter(FileSystemWriter):
     """DCP's file writer with one file per rank (per thread), hashing as it writes (see ``fs.records``).
 
-    Every file is fsynced by its :class:`HashingFile` when closed, so DCP's own ``sync_files`` (an fsync
-    before the last buffered bytes are written) is off.
+    Every file is fsynced by its hashing file when closed, so DCP's own ``sync_files`` (an fsync before the
+    last buffered bytes are written) is off.
     """
 
-    def __init__(self, folder: Path, thread_count: int = 1, direct_io: bool = True) -> None:
+    def __init__(
+        self, folder: Path, thread_count: int = 1, direct_io: bool = False, algorithm: str = DEFAULT_ALGORITHM
+    ) -> None:
         super().__init__(str(folder), single_file_per_rank=True, sync_files=False, thread_count=thread_count)
-        self.fs = HashingFileSystem(direct_io)
+        self.fs = HashingFileSystem(direct_io, algorithm)
 
 
 def _layout(state_dict: Any) -> Any:
