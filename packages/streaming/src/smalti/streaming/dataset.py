@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
 import re
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from torch.utils.data import IterableDataset, get_worker_info
+import torch
+from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from smalti.storage import is_temp_name
 from smalti.streaming.cache import ShardCache
@@ -121,6 +123,11 @@ class Stream:
     @property
     def name(self) -> str:
         return str(self.remote or self.local)
+
+
+@functools.lru_cache(maxsize=64)
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
 
 
 def _world() -> tuple[int, int, int, int]:
@@ -381,6 +388,70 @@ class StreamingDataset(IterableDataset):
         shards, offsets = self._locate(np.array([index]))
         return self.cache.reader(int(shards[0]))[int(offsets[0])]
 
+    def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
+        """Samples ``indices`` in that order, equal to ``[ds[i] for i in indices]``, fetched shard by shard.
+
+        Torch's map-style fetchers (a ``Subset`` of this dataset, for one) call it with a whole batch.
+        """
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        bad = idx[(idx < 0) | (idx >= self.num_samples)]
+        if len(bad):
+            raise IndexError(f"sample {int(bad[0])} is out of range for {self.num_samples} samples")
+        return self._gather(idx)
+
+    def _groups(self, ids: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
+        """``(shard, positions in ids, offsets in the shard)`` for each shard ``ids`` touch, in first-use order."""
+        shards, offsets = self._locate(ids)
+        listed = shards.tolist()
+        if listed and listed[0] == listed[-1] and listed.count(listed[0]) == len(listed):
+            return [(listed[0], np.arange(len(listed)), offsets)]
+        where: dict[int, list[int]] = {}
+        for i, shard in enumerate(listed):
+            where.setdefault(shard, []).append(i)
+        return [(shard, np.array(pos), offsets[pos]) for shard, pos in where.items()]
+
+    def _gather(self, ids: np.ndarray, plan: _FetchPlan | None = None) -> list[dict[str, Any]]:
+        """The samples of global ids ``ids``, in order (one reader call per shard)."""
+        out: list[Any] = [None] * len(ids)
+        for shard, pos, offs in self._groups(ids):
+            reader = self.cache.reader(shard, plan.defer(shard) if plan is not None else False)
+            for p, sample in zip(pos.tolist(), reader.gather(offs)):
+                out[p] = sample
+        return out
+
+    def _collate_columns(self, ids: np.ndarray, plan: _FetchPlan | None) -> dict[str, Any] | None:
+        """The batch ``default_collate`` would make of samples ``ids``, built column by column; ``None`` when a
+        shard is not columnar (see ``ShardReader.column_views``) or the shards' columns differ.
+
+        Each column is gathered straight into one tensor (in shared memory inside a DataLoader worker, as
+        ``default_collate`` does, so handing it to the main process copies nothing more).
+        """
+        groups = self._groups(ids)
+        views, layout = [], None
+        for shard, _, _ in groups:
+            reader = self.cache.reader(shard, plan.defer(shard) if plan is not None else False)
+            v = reader.column_views()
+            if v is None or (layout is not None and reader.column_layout != layout):
+                return None
+            layout = reader.column_layout
+            views.append(v)
+        if any(dtype == np.uint64 and not shape for _, dtype, shape in layout):
+            return None  # default_collate refuses uint64 scalars: let it say so
+        shared = get_worker_info() is not None
+        batch = {}
+        for name, dtype, shape in layout:
+            out = torch.empty((len(ids), *shape), dtype=_torch_dtype(dtype))
+            if shared:
+                out.share_memory_()
+            dst = out.numpy()
+            if len(groups) == 1:
+                np.take(views[0][name], groups[0][2], axis=0, out=dst)
+            else:
+                for (_, pos, offs), v in zip(groups, views):
+                    dst[pos] = v[name][offs]
+            batch[name] = out
+        return batch
+
     # ------------------------------------------------------------------ epochs
 
     def set_epoch(self, epoch: int) -> None:
@@ -507,35 +578,58 @@ class StreamingDataset(IterableDataset):
         """Samples this rank yields per epoch (including the padding of the last global batch)."""
         return len(self.epoch_order(self.epoch)) // self.dp_world
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def _steps(self) -> Iterator[tuple[_FetchPlan, np.ndarray]]:
+        """This process's share of the epoch: ``(plan, global ids of this rank's batch)`` per global batch step.
+
+        A DataLoader worker takes the rank's batches of steps ``worker_id``, ``worker_id + num_workers``, ...
+        """
         worker = get_worker_info()
         worker_id, num_workers = (worker.id, worker.num_workers) if worker else (0, 1)
         epoch = self.epoch
         grid = self._remaining_grid(epoch)
         b = self.batch_size
-        # This worker yields the rank's batches worker_id, worker_id + num_workers, ... (global batch steps).
         steps = np.arange(worker_id, len(grid), num_workers)
         mine = grid[steps, self.dp_rank * b : (self.dp_rank + 1) * b]
-        step_of = np.repeat(steps, b)
-        flat = mine.reshape(-1)
-        keep = flat >= 0
-        flat, step_of = flat[keep], step_of[keep]
-        shard_of, offset_of = self._locate(flat)
         plan = _FetchPlan(self, grid, worker_id, num_workers)
         if worker is None:
             self._consumed = 0
         try:
-            for shard, offset, step in zip(shard_of.tolist(), offset_of.tolist(), step_of.tolist()):
-                plan.progress = step
-                item = self.cache.reader(shard, plan.defer(shard))[offset]
-                if not self._counted_by_loader:
-                    self._consumed += 1
-                yield item
+            for step, row in zip(steps.tolist(), mine):
+                ids = row if row[-1] >= 0 else row[row >= 0]  # -1 pads only the epoch's last global batch
+                if len(ids):
+                    plan.progress = step
+                    yield plan, ids
             plan.finish()
         finally:
             plan.stop()
         if worker is None and self.epoch == epoch:
             self._end_epoch(epoch)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for plan, ids in self._steps():
+            for item in self._gather(ids, plan):
+                if not self._counted_by_loader:
+                    self._consumed += 1
+                yield item
+
+    def iter_batches(self, collate_fn: Callable[[list[Any]], Any] | None = None,
+                     drop_last: bool = False) -> Iterator[Any]:
+        """This process's batches, each ``collate_fn`` (default: torch's ``default_collate``) of ``batch_size``
+        samples: exactly what ``DataLoader(ds, batch_size=ds.batch_size, collate_fn=..., drop_last=...)`` yields.
+
+        With the default collation and columnar shards (fixed-size numbers and arrays), each column is
+        gathered into its tensor in one copy, with no per-sample objects. :class:`StreamingDataLoader` uses
+        this when its ``batch_size`` is the dataset's; it also counts what it yields for :meth:`state_dict`.
+        """
+        for plan, ids in self._steps():
+            if drop_last and len(ids) < self.batch_size:
+                continue
+            batch = self._collate_columns(ids, plan) if collate_fn is None else None
+            if batch is None:
+                batch = (collate_fn or default_collate)(self._gather(ids, plan))
+            if not self._counted_by_loader:
+                self._consumed += len(ids)
+            yield batch
 
     def _end_epoch(self, epoch: int) -> None:
         self.epoch = epoch + 1

@@ -55,6 +55,22 @@ def fixed_size(encoding: str) -> int | None:
     return None
 
 
+def column_spec(encoding: str) -> tuple[np.dtype, tuple[int, ...]] | None:
+    """``(dtype, shape)`` of one value when ``encoding`` stores a fixed-size number or array, else ``None``.
+
+    Such a column can be read for many samples at once as a strided array (see ``ShardReader.column_views``).
+    """
+    if encoding in FIXED:
+        return np.dtype(FIXED[encoding]), ()
+    if encoding == "int":
+        return np.dtype(np.int64), ()
+    if encoding.startswith("ndarray"):
+        dtype, shape = _ndarray_spec(encoding)
+        if dtype is not None and shape is not None:
+            return np.dtype(dtype), shape
+    return None
+
+
 def check(encoding: str, allow_unsafe_types: bool = False, column: str = "?") -> None:
     """Raise naming the column when ``encoding`` is unknown or unsafe (``pkl``) and not allowed."""
     if not is_known(encoding):

@@ -8,11 +8,12 @@ the dataset to the next epoch when one is finished.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+import inspect
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from smalti.streaming.dataset import StreamingDataset
 from smalti.streaming.errors import StreamingError
@@ -32,8 +33,45 @@ def batch_len(batch: Any) -> int:
     return 1
 
 
+class _Batches(IterableDataset):
+    """A :class:`StreamingDataset` seen as a stream of whole batches (see :meth:`StreamingDataset.iter_batches`).
+
+    Attributes it does not have itself (``state_dict``, ``set_epoch``, ``epoch``, ...) are the dataset's.
+    """
+
+    def __init__(self, dataset: StreamingDataset, collate_fn: Callable[[list[Any]], Any] | None,
+                 drop_last: bool) -> None:
+        self.dataset, self.collate_fn, self.drop_last = dataset, collate_fn, drop_last
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.dataset.iter_batches(self.collate_fn, self.drop_last)
+
+    def __len__(self) -> int:
+        n, b = len(self.dataset), self.dataset.batch_size
+        return n // b if self.drop_last else -(-n // b)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("dataset", "collate_fn", "drop_last"):
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+def _as_is(batch: Any) -> Any:
+    return batch
+
+
+_LOADER_PARAMS = inspect.signature(DataLoader.__init__)
+
+
 class StreamingDataLoader(DataLoader):
-    """A :class:`~torch.utils.data.DataLoader` over a :class:`StreamingDataset` with ``state_dict`` support."""
+    """A :class:`~torch.utils.data.DataLoader` over a :class:`StreamingDataset` with ``state_dict`` support.
+
+    When ``batch_size`` is the dataset's own (the usual case) and no sampler is given, each batch is made
+    whole where the samples are read (in the worker): one read per shard and, with the default collation and
+    fixed-size columns, one copy per column straight into the batch's tensors. The batches are exactly those
+    of a plain ``DataLoader(dataset, batch_size=dataset.batch_size, ...)``. ``loader.streaming_dataset`` is
+    the dataset (``loader.dataset`` is then a batching view of it that forwards its attributes).
+    """
 
     def __init__(self, dataset: StreamingDataset, *args: Any, **kwargs: Any) -> None:
         if not isinstance(dataset, StreamingDataset):
@@ -41,10 +79,24 @@ class StreamingDataLoader(DataLoader):
         if kwargs.get("persistent_workers"):
             raise StreamingError("persistent_workers=True would keep each worker's copy of the dataset at its old "
                                  "epoch and position; leave it False")
-        super().__init__(dataset, *args, **kwargs)
+        self.streaming_dataset = dataset
+        bound = _LOADER_PARAMS.bind(None, dataset, *args, **kwargs)
+        given = dict(bound.arguments)
+        extra = given.pop("kwargs", {})
+        given.pop("self")
+        given.pop("dataset")
+        batched = (given.get("batch_size", 1) == dataset.batch_size and given.get("sampler") is None
+                   and given.get("batch_sampler") is None and not given.get("shuffle"))
+        if batched:
+            view = _Batches(dataset, given.pop("collate_fn", None), bool(given.pop("drop_last", False)))
+            given.update(batch_size=None, collate_fn=_as_is)
+            super().__init__(view, **given, **extra)
+        else:
+            super().__init__(dataset, *args, **kwargs)
+        self.batched = batched
 
     def __iter__(self) -> Iterator[Any]:
-        ds: StreamingDataset = self.dataset  # type: ignore[assignment]
+        ds = self.streaming_dataset
         epoch = ds.epoch
         ds._consumed = 0
         ds._counted_by_loader = True
@@ -59,8 +111,8 @@ class StreamingDataLoader(DataLoader):
 
     def state_dict(self) -> dict[str, Any]:
         """The dataset's position after the batches this loader has handed out."""
-        return self.dataset.state_dict()  # type: ignore[attr-defined]
+        return self.streaming_dataset.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume the dataset at ``state`` (from :meth:`state_dict`)."""
-        self.dataset.load_state_dict(state)  # type: ignore[attr-defined]
+        self.streaming_dataset.load_state_dict(state)

@@ -236,6 +236,8 @@ class ShardReader:
         self.variable = [i for i, s in enumerate(self.sizes) if s is None]
         self._decoders = [encodings.decoder(enc) for enc in self.encodings]
         self._view = memoryview(self.data)
+        self._columns: dict[str, np.ndarray] | None | bool = False  # False: not worked out yet
+        self.column_layout: tuple[tuple[str, np.dtype, tuple[int, ...]], ...] | None = None  # names, dtypes, shapes
 
     def __len__(self) -> int:
         return self.entry["samples"]
@@ -269,6 +271,53 @@ class ShardReader:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return (self[i] for i in range(len(self)))
+
+    def column_views(self) -> dict[str, np.ndarray] | None:
+        """Zero-copy, read-only views ``(samples, *shape)`` of every column, or ``None`` when not columnar.
+
+        A shard is columnar when every column is a fixed-size number or array (``ndarray:<dtype>:<shape>``,
+        the numeric encodings, ``int``) and its samples lie at a constant stride, which the offsets table is
+        checked against once. Batched reads gather rows from these views with one copy per column.
+        """
+        if self._columns is False:
+            self._columns = self._make_column_views()
+            self.column_layout = None if self._columns is None else tuple(
+                (name, view.dtype, view.shape[1:]) for name, view in self._columns.items())
+        return self._columns
+
+    def _make_column_views(self) -> dict[str, np.ndarray] | None:
+        n = len(self)
+        specs = [encodings.column_spec(enc) for enc in self.encodings]
+        if not n or self.variable or any(spec is None for spec in specs):
+            return None
+        stride = sum(self.sizes)
+        first = int(self.offsets[0])
+        expected = first + stride * np.arange(n + 1, dtype=np.int64)
+        if first <= 0 or not np.array_equal(self.offsets.astype(np.int64), expected) or \
+                int(expected[-1]) > len(self.data):
+            return None  # not laid out at a constant stride: the per-sample path checks each sample
+        views, pos = {}, first
+        for name, (dtype, shape), size in zip(self.names, specs, self.sizes):
+            inner = tuple(int(np.prod(shape[i + 1 :], dtype=np.int64)) * dtype.itemsize for i in range(len(shape)))
+            views[name] = np.ndarray((n, *shape), dtype=dtype, buffer=self.data, offset=pos,
+                                     strides=(stride, *inner))
+            pos += size
+        return views
+
+    def gather(self, rows: np.ndarray | list[int]) -> list[dict[str, Any]]:
+        """Samples ``rows`` (in that order), equal to ``[self[i] for i in rows]``, fetched in one pass."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if len(rows) and not (rows.min() >= 0 and rows.max() < len(self)):
+            bad = int(rows[(rows < 0) | (rows >= len(self))][0])
+            raise IndexError(f"sample {bad} is out of range for shard {self.path} ({len(self)} samples)")
+        views = self.column_views()
+        if views is None:
+            return [self[int(i)] for i in rows]
+        blocks = []
+        for name, enc in zip(self.names, self.encodings):
+            block = views[name][rows]  # one copy: the samples own their memory, never the mapped file's
+            blocks.append((name, block.tolist() if enc == "int" else block))
+        return [{name: block[j] for name, block in blocks} for j in range(len(rows))]
 
 
 def verify_file(path: Path, info: dict[str, Any], stream: str = "", shown_as: Path | None = None) -> None:

@@ -1,0 +1,180 @@
+"""Batched reads: ``__getitems__``, columnar shards and ``StreamingDataLoader``'s whole-batch path give exactly
+what the per-sample path gives, in the same order, with the same resume state."""
+
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, Subset
+
+from smalti.streaming import (
+    MDSWriter,
+    ShardCorruptError,
+    StreamingDataLoader,
+    StreamingDataset,
+    read_shard_samples,
+)
+
+FIXTURES = Path(__file__).parent / "fixtures"
+COLUMNS = {"id": "int", "f16": "float16", "u8": "uint8", "i64": "int64", "x": "ndarray:float32:2,3",
+           "t": "ndarray:uint16:5"}
+
+
+def write_columnar(path, n=300, size_limit=3000, compression="zstd"):
+    rng = np.random.default_rng(1)
+    with MDSWriter(path, COLUMNS, compression=compression, size_limit=size_limit) as writer:
+        for i in range(n):
+            writer.write({"id": i, "f16": np.float16(i / 7), "u8": np.uint8(i % 256), "i64": np.int64(-i),
+                          "x": rng.standard_normal((2, 3)).astype(np.float32),
+                          "t": rng.integers(0, 65535, 5, dtype=np.uint16)})
+    return path
+
+
+def write_mixed(path, n=120):
+    """A dataset with a variable-size column: not columnar, read sample by sample."""
+    with MDSWriter(path, {"id": "int", "text": "str", "x": "ndarray:int32:3"}, compression="zstd",
+                   size_limit=1500) as writer:
+        for i in range(n):
+            writer.write({"id": i, "text": "w" * (i % 13), "x": np.arange(3, dtype=np.int32) + i})
+    return path
+
+
+def same_sample(a, b):
+    assert list(a) == list(b)
+    for key in a:
+        assert type(a[key]) is type(b[key]), key
+        if isinstance(a[key], np.ndarray):
+            assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape
+            assert np.array_equal(a[key], b[key]) and a[key].flags.writeable
+        else:
+            assert a[key] == b[key]
+
+
+def same_batch(a, b):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    elif isinstance(a, np.ndarray):  # a custom collate's arrays stay arrays (no conversion to tensors)
+        assert type(b) is np.ndarray and a.dtype == b.dtype and np.array_equal(a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for key in a:
+            same_batch(a[key], b[key])
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("writer", [write_columnar, write_mixed])
+def test_getitems_returns_the_samples_of_getitem_in_the_same_order(tmp_path, writer):
+    ds = StreamingDataset(local=str(writer(tmp_path / "d")), batch_size=8)
+    assert len(ds.cache.shards) > 3
+    idx = [5, 299 % ds.num_samples, 0, 5, 77, 31, 118, 2, 64, 64]  # across shards, unsorted, repeated
+    got = ds.__getitems__(idx)
+    for i, sample in zip(idx, got, strict=True):
+        same_sample(sample, ds[i])
+    got[0][next(k for k in got[0] if isinstance(got[0][k], np.ndarray))][...] = 0  # samples own their memory
+    same_sample(ds.__getitems__([5])[0], ds[5])
+    with pytest.raises(IndexError, match=f"sample {ds.num_samples} is out of range"):
+        ds.__getitems__([1, ds.num_samples])
+    # Torch's map-style fetcher calls __getitems__ with a whole batch (a Subset forwards it).
+    loader = DataLoader(Subset(ds, idx), batch_size=4)
+    assert [int(i) for b in loader for i in b["id"]] == idx
+
+
+@pytest.mark.parametrize("name", ["plain", "zstd7_sha1_xxh3", "tokens_zstd"])
+def test_getitems_decodes_golden_fixtures_exactly(tmp_path, name):
+    shutil.copytree(FIXTURES / name, tmp_path / name)
+    expected = list(read_shard_samples(tmp_path / name))
+    ds = StreamingDataset(local=str(tmp_path / name), batch_size=4)
+    order = list(range(len(expected)))[::-1]
+    for i, sample in zip(order, ds.__getitems__(order), strict=True):
+        same_sample(sample, expected[i])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_streaming_dataloader_batches_equal_a_plain_dataloaders(tmp_path, workers, drop_last):
+    data = write_columnar(tmp_path / "d")
+
+    def make(rank=0):
+        return StreamingDataset(local=str(data), batch_size=8, shuffle=True, num_canonical_nodes=2,
+                                rank=rank, world_size=2)
+
+    for rank in (0, 1):
+        plain = list(DataLoader(make(rank), batch_size=8, num_workers=workers, drop_last=drop_last))
+        fast = StreamingDataLoader(make(rank), batch_size=8, num_workers=workers, drop_last=drop_last)
+        assert fast.batched
+        got = list(fast)
+        assert len(got) == len(plain) == len(fast) and len(plain) > 5
+        for a, b in zip(got, plain):
+            same_batch(a, b)
+    # the last, padded global batch: with a resume point not on a batch boundary rank 1's share is partial
+    state = {"epoch": 0, "sample_in_epoch": 21, "num_canonical_nodes": 2, "shuffle_seed": 9176}
+    ds_plain, ds_fast = make(1), make(1)
+    ds_plain.load_state_dict(state)
+    ds_fast.load_state_dict(state)
+    plain = list(DataLoader(ds_plain, batch_size=8, num_workers=workers, drop_last=drop_last))
+    got = list(StreamingDataLoader(ds_fast, batch_size=8, num_workers=workers, drop_last=drop_last))
+    assert [len(b["id"]) for b in got] == [len(b["id"]) for b in plain]
+    for a, b in zip(got, plain, strict=True):
+        same_batch(a, b)
+
+
+def test_streaming_dataloader_keeps_custom_collate_and_variable_columns(tmp_path):
+    ds = StreamingDataset(local=str(write_mixed(tmp_path / "d")), batch_size=8, shuffle=True)
+
+    def collate(samples):
+        return {"ids": np.array([s["id"] for s in samples]), "text": "|".join(s["text"] for s in samples)}
+
+    for collate_fn in (None, collate):
+        plain = list(DataLoader(ds, batch_size=8, collate_fn=collate_fn, num_workers=1))
+        got = list(StreamingDataLoader(ds, batch_size=8, collate_fn=collate_fn, num_workers=1))
+        assert len(got) == len(plain) == 15
+        for a, b in zip(got, plain):
+            same_batch(a, b)
+
+
+def test_batched_loader_resume_state_equals_the_per_sample_loaders(tmp_path):
+    data = write_columnar(tmp_path / "d")
+
+    def run(batch_size, stop, workers):
+        ds = StreamingDataset(local=str(data), batch_size=8, shuffle=True)
+        loader = StreamingDataLoader(ds, batch_size=batch_size, num_workers=workers)
+        seen = []
+        for step, batch in enumerate(loader):
+            seen += batch["id"].tolist()
+            if step == stop:
+                break
+        return loader, seen
+
+    fast, fast_seen = run(8, 4, 2)  # the whole-batch path
+    slow, slow_seen = run(4, 9, 0)  # another batch size: sample by sample
+    assert fast.batched and not slow.batched
+    assert fast_seen == slow_seen and len(fast_seen) == 40
+    assert fast.state_dict() == slow.state_dict() and fast.state_dict()["sample_in_epoch"] == 40
+    resumed = StreamingDataset(local=str(data), batch_size=8, shuffle=True)
+    loader = StreamingDataLoader(resumed, batch_size=8, num_workers=2)
+    loader.load_state_dict(fast.state_dict())
+    rest = [i for b in loader for i in b["id"].tolist()]
+    full = [i for b in DataLoader(StreamingDataset(local=str(data), batch_size=8, shuffle=True), batch_size=8)
+            for i in b["id"].tolist()]
+    assert fast_seen + rest == full
+    assert loader.state_dict()["epoch"] == 1 and loader.dataset.epoch == 1  # the view forwards attributes
+
+
+def test_a_shard_whose_offsets_break_the_stride_is_never_read_as_columns(tmp_path):
+    data = write_columnar(tmp_path / "d", n=40, size_limit=100_000, compression=None)
+    shard = data / "shard.00000.mds"
+    raw = bytearray(shard.read_bytes())
+    (n,) = struct.unpack_from("<I", raw, 0)
+    offsets = list(struct.unpack_from(f"<{n + 1}I", raw, 4))
+    struct.pack_into("<I", raw, 4 + 4 * 3, offsets[3] + 2)  # sample 2 ends, and sample 3 starts, 2 bytes late
+    shard.write_bytes(bytes(raw))
+    ds = StreamingDataset(local=str(data), batch_size=8, validate_hash=False)
+    assert ds.cache.reader(0).column_views() is None
+    with pytest.raises(ShardCorruptError, match="sample 2 holds"):
+        ds.__getitems__([0, 1, 2])
+    with pytest.raises(ShardCorruptError, match="sample 2 holds"):
+        list(StreamingDataLoader(ds, batch_size=8))
