@@ -10,10 +10,11 @@ from smalti.streaming.errors import (  # noqa: E402
     UploadError,
 )
 from smalti.streaming.mds import MDSWriter, ShardReader, load_index, merge_index, read_shard_samples  # noqa: E402
+from smalti.streaming.parallel import write_parallel  # noqa: E402
 
 __all__ = ["DownloadError", "MDSWriter", "ShardCorruptError", "ShardReader", "Stream", "StreamingDataLoader",
            "StreamingDataset", "StreamingError", "UnsafePathError", "UploadError", "load_index", "merge_index",
-           "read_shard_samples"]
+           "read_shard_samples", "write_parallel"]
 
 
 def __getattr__(name: str):
