@@ -1,16 +1,28 @@
-"""Epoch read throughput of smalti-streaming against mosaicml-streaming 0.13.0, same data, same run.
+"""Epoch read throughput of smalti-streaming against mosaicml-streaming 0.13.0 and LitData, same data, same run,
+and against the limit of the disk and the decompressor.
 
-Writes one tokenized MDS dataset (``--samples`` samples of 2048 uint16 tokens, zstd), then iterates one full
-shuffled epoch (py1e, batch 32, one rank, 2 DataLoader workers) with each library: from local disk, then
-from a loopback S3 endpoint (moto) with an empty cache. mosaicml-streaming runs in its own virtual
-environment, created by this script under ``.bench-venvs/`` (it pins numpy<2.2). Prints samples/s, MB/s,
-the ratio smalti / mosaic and the time to the first batch (counted from the dataset's construction,
-so index download and set-up are included for both libraries).
+Writes one tokenized dataset (``--samples`` samples of 2048 uint16 tokens, zstd) in MDS and, with
+``litdata.optimize``, in LitData's own format (zstd, the same 32 MB chunks), then iterates one full shuffled
+epoch (batch 32, one rank, 2 DataLoader workers: py1e for the MDS readers, LitData's own shuffle) with each
+library: from local disk, then from a loopback S3 endpoint (moto) with an empty cache. Each library uses its
+own loader (smalti's and LitData's ``StreamingDataLoader``; torch's ``DataLoader`` for mosaicml-streaming,
+whose loader adds only state). mosaicml-streaming and LitData run in virtual environments of their own,
+created by this script under ``.bench-venvs/`` (mosaicml-streaming pins numpy<2.2; both get the CPU build of
+torch 2.13.0 first, so nothing pulls CUDA; LitData without torchvision, which it uses only for images).
+Prints samples/s, MB/s, the ratios and the time to the first batch (counted from the dataset's
+construction, so index download and set-up are included for every library).
+
+The limit: the same MDS shards read and zstd-decompressed in one process with no dataset machinery (read the
+file, decompress, cut the samples into batches of 32): an upper bound for one core, in samples/s and MB/s.
+``of_limit`` is smalti's local epoch (2 workers) over that bound.
 
     python bench/streaming_read.py [--samples 200000] [--skip-s3] [--repeats 1]
     python bench/streaming_read.py --remote gs://bench/ds   # or az://bench/ds, s3://bench/ds
 
-The issue's figure is 200k samples (~800 MB); ``--samples 20000`` runs in about a minute on a small machine.
+The last line is ``streaming_read: vs_mosaic_local X.XX vs_mosaic_s3 X.XX vs_litdata_local X.XX
+vs_litdata_s3 X.XX of_limit X.XX`` (smalti's throughput over each).
+
+The issue's figure is 200k samples (~800 MB); ``--samples 20000`` runs in a few minutes on a small machine.
 
 ``--remote gs://...`` / ``az://...`` reads a cold epoch from the loopback GCS emulator / Azurite (started
 here, the dataset uploaded through smalti-storage) with smalti-streaming only (mosaicml-streaming cannot be
@@ -28,29 +40,71 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".bench-venvs" / "mosaicml-streaming"
+LITDATA_VENV = ROOT / ".bench-venvs" / "litdata"
+LITDATA = "litdata==0.2.76"
+# litdata's requirements but torchvision (image serializers only; it would pull a CUDA build of torch)
+LITDATA_DEPS = ["lightning-utilities", "filelock", "numpy", "boto3", "requests", "urllib3>=1.26", "tifffile",
+                "obstore", "zstd"]
 SEQ = 2048
+CHUNK = "32mb"
+
+
+def tokens(i: int) -> np.ndarray:
+    """Sample ``i``'s tokens: the same in every format (LITDATA_WRITER repeats this line)."""
+    return np.random.default_rng([0, i]).integers(0, 50000, SEQ, dtype=np.uint16)
+
+
+LITDATA_WRITER = r"""
+import sys
+import numpy as np
+from litdata import optimize
+
+def sample(i):
+    return {"tokens": np.random.default_rng([0, i]).integers(0, 50000, 2048, dtype=np.uint16)}
+
+if __name__ == "__main__":
+    optimize(fn=sample, inputs=list(range(int(sys.argv[2]))), output_dir=sys.argv[1], chunk_bytes="32MB",
+             compression="zstd", num_workers=2, mode="overwrite")
+"""
 
 READER = r"""
-import json, sys, time
+import json, os, sys, time
 from torch.utils.data import DataLoader
 kind, remote, local = sys.argv[1], sys.argv[2], sys.argv[3]
 remote = None if remote == "-" else remote
 if kind == "mosaic":
     from streaming import StreamingDataset
-else:
+elif kind == "litdata":
+    import litdata
+elif kind == "smalti_plain":  # torch's DataLoader: samples one by one, collated by the loader
     from smalti.streaming import StreamingDataset
+else:
+    from smalti.streaming import StreamingDataLoader as DataLoader, StreamingDataset
 start = time.perf_counter()  # the first batch's time includes building the dataset (index download, setup)
-ds = StreamingDataset(remote=remote, local=local, batch_size=32, shuffle=True, shuffle_algo="py1e",
-                      num_canonical_nodes=1, predownload=256)
+if kind == "litdata":
+    # local: the optimized folder itself (LitData reads local chunks in place); S3: a cold cache folder.
+    # LitData's S3 clients (boto3 for the index, obstore for chunks) take the endpoint from storage_options;
+    # obstore refuses plain http unless allowed, and LitData has no option for that, so it is set here.
+    opts = {"endpoint_url": os.environ["S3_ENDPOINT_URL"]} if remote else None
+    import litdata.streaming.downloader as ld_downloader
+    ld_downloader._OBSTORE_CLIENT_OPTIONS = {**ld_downloader._OBSTORE_CLIENT_OPTIONS, "allow_http": True}
+    ds = litdata.StreamingDataset(input_dir=remote or local, cache_dir=local if remote else None, shuffle=True,
+                                  storage_options=opts)
+    loader = litdata.StreamingDataLoader(ds, batch_size=32, num_workers=2)
+else:
+    ds = StreamingDataset(remote=remote, local=local, batch_size=32, shuffle=True, shuffle_algo="py1e",
+                          num_canonical_nodes=1, predownload=256)
+    loader = DataLoader(ds, batch_size=32, num_workers=2)
 first = None
 n = 0
-for batch in DataLoader(ds, batch_size=32, num_workers=2):
+for batch in loader:
     if first is None:
         first = time.perf_counter() - start
     n += len(batch["tokens"])
@@ -70,15 +124,59 @@ def ensure_mosaic_venv() -> Path:
     return python
 
 
+def ensure_litdata_venv() -> Path:
+    python = LITDATA_VENV / "bin" / "python"
+    if python.exists():
+        return python
+    subprocess.run([sys.executable, "-m", "venv", str(LITDATA_VENV)], check=True)
+    pip = [str(python), "-m", "pip", "install", "-q"]
+    subprocess.run(pip + ["torch==2.13.0"], check=True)
+    subprocess.run(pip + ["--no-deps", LITDATA], check=True)
+    subprocess.run(pip + LITDATA_DEPS, check=True)
+    return python
+
+
 def write_data(path: Path, samples: int) -> int:
     from smalti.streaming import MDSWriter
 
-    rng = np.random.default_rng(0)
     with MDSWriter(path, {"tokens": f"ndarray:uint16:{SEQ}"}, compression="zstd", hashes=["xxh64"],
-                   size_limit="32mb") as writer:
-        for _ in range(samples):
-            writer.write({"tokens": rng.integers(0, 50000, SEQ, dtype=np.uint16)})
+                   size_limit=CHUNK) as writer:
+        for i in range(samples):
+            writer.write({"tokens": tokens(i)})
     return sum(p.stat().st_size for p in path.iterdir())
+
+
+def write_litdata(python: str, path: Path, samples: int) -> int:
+    """The same samples through ``litdata.optimize`` (zstd, 32 MB chunks, 2 processes)."""
+    script = path.parent / "litdata_writer.py"
+    script.write_text(LITDATA_WRITER)
+    out = subprocess.run([python, str(script), str(path), str(samples)], capture_output=True, text=True,
+                         timeout=3600)
+    if out.returncode != 0:
+        raise RuntimeError(f"litdata.optimize failed:\n{out.stderr[-3000:]}")
+    return sum(p.stat().st_size for p in path.iterdir())
+
+
+def limit(data: Path, repeats: int) -> float:
+    """Samples/s of the bare work: read each zstd shard, decompress it, cut its samples into batches of 32."""
+    import zstandard
+
+    from smalti.streaming import load_index
+
+    entries = load_index(data / "index.json")
+    rates = []
+    for _ in range(max(repeats, 1)):
+        start, n = time.perf_counter(), 0
+        for entry in entries:
+            packed = (data / entry["zip_data"]["basename"]).read_bytes()
+            raw = zstandard.ZstdDecompressor().decompress(packed, max_output_size=entry["raw_data"]["bytes"])
+            count = entry["samples"]
+            offsets = np.frombuffer(raw, np.uint32, count + 1, 4)
+            rows = np.frombuffer(raw, np.uint16, count * SEQ, int(offsets[0])).reshape(count, SEQ)
+            for i in range(0, count, 32):
+                n += len(rows[i : i + 32].copy())
+        rates.append(n / (time.perf_counter() - start))
+    return float(np.median(rates))
 
 
 def run_once(python: str, kind: str, remote: str | None, local: Path, env: dict[str, str],
@@ -97,27 +195,43 @@ def run_once(python: str, kind: str, remote: str | None, local: Path, env: dict[
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def compare(mosaic: str, remote: str | None, work: Path, tag: str, env: dict[str, str], repeats: int,
-            source: Path | None = None) -> tuple[dict[str, float], dict[str, float]]:
-    """``repeats`` epochs per library, alternating (so load changes hit both alike); the medians of each."""
-    runs: dict[str, list[dict[str, float]]] = {"smalti": [], "mosaic": []}
+def compare(pythons: dict[str, str], remotes: dict[str, str | None], work: Path, tag: str, env: dict[str, str],
+            repeats: int, sources: dict[str, Path] | None = None) -> dict[str, dict[str, float]]:
+    """``repeats`` epochs per library, alternating (so load changes hit all alike); the medians of each.
+
+    ``pythons``, ``remotes`` and ``sources`` are per library: its interpreter, its remote URL (``None``:
+    local) and the folder each run starts from a fresh copy of (``None``: an empty cache).
+    """
+    runs: dict[str, list[dict[str, float]]] = {kind: [] for kind in pythons}
     for _ in range(repeats):
-        runs["smalti"].append(run_once(sys.executable, "smalti", remote, work / f"{tag}-smalti", env, source))
-        runs["mosaic"].append(run_once(mosaic, "mosaic", remote, work / f"{tag}-mosaic", env, source))
-    med = {kind: {key: float(np.median([r[key] for r in rs])) for key in ("samples", "seconds", "first_batch")}
-           for kind, rs in runs.items()}
+        for kind, python in pythons.items():
+            source = (sources or {}).get(kind)
+            runs[kind].append(run_once(python, kind, remotes[kind], work / f"{tag}-{kind}", env, source))
     for kind, rs in runs.items():
         print(f"  {kind} runs: " + ", ".join(f"{r['seconds']:.2f} s (first batch {r['first_batch']:.2f} s)"
                                              for r in rs))
-    return med["smalti"], med["mosaic"]
+    return {kind: {key: float(np.median([r[key] for r in rs])) for key in ("samples", "seconds", "first_batch")}
+            for kind, rs in runs.items()}
 
 
-def report(title: str, ours: dict[str, float], theirs: dict[str, float], mb_per_sample: float) -> None:
-    o, t = ours["samples"] / ours["seconds"], theirs["samples"] / theirs["seconds"]
+NAMES = {"smalti": "smalti-streaming", "mosaic": "mosaicml-streaming", "litdata": "LitData",
+         "smalti_plain": "smalti, per sample"}
+
+
+def report(title: str, med: dict[str, dict[str, float]], mb_per_sample: float) -> dict[str, float]:
+    """Print each library's figures and smalti's ratios; return ``{library: smalti / library throughput}``."""
+    rate = {kind: m["samples"] / m["seconds"] for kind, m in med.items()}
     print(f"\n{title}")
-    print(f"  smalti-streaming    {o:10.0f} samples/s  {o * mb_per_sample:8.1f} MB/s  first batch {ours['first_batch']:.2f} s")
-    print(f"  mosaicml-streaming  {t:10.0f} samples/s  {t * mb_per_sample:8.1f} MB/s  first batch {theirs['first_batch']:.2f} s")
-    print(f"  ratio smalti / mosaic = {o / t:.2f}   time to first batch ratio = {ours['first_batch'] / theirs['first_batch']:.2f}")
+    for kind, m in med.items():
+        print(f"  {NAMES[kind]:19s} {rate[kind]:10.0f} samples/s  {rate[kind] * mb_per_sample:8.1f} MB/s  "
+              f"first batch {m['first_batch']:.2f} s")
+    ratios = {}
+    for kind in med:
+        if kind != "smalti":
+            ratios[kind] = rate["smalti"] / rate[kind]
+            print(f"  ratio smalti / {kind} = {ratios[kind]:.2f}   time to first batch ratio = "
+                  f"{med['smalti']['first_batch'] / med[kind]['first_batch']:.2f}")
+    return ratios
 
 
 def start_remote(url: str, work: Path, data: Path) -> tuple[dict[str, str], object]:
@@ -202,35 +316,53 @@ def main() -> None:
         finally:
             shutil.rmtree(work, ignore_errors=True)
         return
-    mosaic = str(ensure_mosaic_venv())
+    pythons = {"smalti": sys.executable, "mosaic": str(ensure_mosaic_venv()), "litdata": str(ensure_litdata_venv())}
     work = Path(tempfile.mkdtemp(prefix="bench-streaming-"))
+    ratios: dict[str, float] = {}
     try:
-        data = work / "data"
+        data, ldata = work / "data", work / "litdata"
         size = write_data(data, args.samples)
+        lsize = write_litdata(pythons["litdata"], ldata, args.samples)
         mb_per_sample = SEQ * 2 / 1e6
-        print(f"dataset: {args.samples} samples x {SEQ} uint16 tokens, {size / 1e6:.0f} MB zstd, in {data}")
-        # Local: each run starts from a fresh copy of the zipped shards (both libraries decompress them
-        # beside the zips on first read).
-        ours, theirs = compare(mosaic, None, work, "local", {}, args.repeats, data)
-        report("local disk, full shuffled epoch (py1e, batch 32, 2 workers)", ours, theirs, mb_per_sample)
-        if args.skip_s3:
-            return
-        from smalti.testing.servers import start_s3_server
+        print(f"dataset: {args.samples} samples x {SEQ} uint16 tokens, {size / 1e6:.0f} MB zstd MDS, "
+              f"{lsize / 1e6:.0f} MB zstd LitData, in {work}")
+        bound = limit(data, args.repeats)
+        print(f"\nlimit: read + zstd-decompress + cut into batches, one process: {bound:10.0f} samples/s "
+              f"{bound * mb_per_sample:8.1f} MB/s")
+        # Local: each run starts from a fresh copy of the zipped shards (the MDS readers decompress them
+        # beside the zips on first read; LitData reads its chunks where they are).
+        # smalti_plain: the same dataset through torch's DataLoader (sample by sample, collated by the
+        # loader) instead of StreamingDataLoader's whole batches: what the batched path is worth.
+        local_pythons = {**pythons, "smalti_plain": sys.executable}
+        sources = {"smalti": data, "mosaic": data, "litdata": ldata, "smalti_plain": data}
+        med = compare(local_pythons, dict.fromkeys(local_pythons), work, "local", {}, args.repeats, sources)
+        local = report("local disk, full shuffled epoch (batch 32, 2 workers)", med, mb_per_sample)
+        ratios.update({f"{k}_local": v for k, v in local.items()})
+        of_limit = med["smalti"]["samples"] / med["smalti"]["seconds"] / bound
+        print(f"  smalti local / limit = {of_limit:.2f}")
+        if not args.skip_s3:
+            from smalti.testing.servers import start_s3_server
 
-        server = start_s3_server()
-        try:
-            client = server.client()
-            client.create_bucket(Bucket="bench")
-            for path in data.iterdir():
-                client.upload_file(str(path), "bench", f"ds/{path.name}")
-            env = {k: os.environ[k] for k in ("S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-                                              "AWS_DEFAULT_REGION")}
-            ours, theirs = compare(mosaic, "s3://bench/ds", work, "s3", env, args.repeats)
-            report("loopback S3 (moto), empty cache", ours, theirs, mb_per_sample)
-        finally:
-            server.stop()
+            server = start_s3_server()
+            try:
+                client = server.client()
+                client.create_bucket(Bucket="bench")
+                for folder, prefix in ((data, "ds"), (ldata, "ld")):
+                    for path in folder.iterdir():
+                        client.upload_file(str(path), "bench", f"{prefix}/{path.name}")
+                env = {k: os.environ[k] for k in ("S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                                  "AWS_DEFAULT_REGION")}
+                remotes = {"smalti": "s3://bench/ds", "mosaic": "s3://bench/ds", "litdata": "s3://bench/ld"}
+                med = compare(pythons, remotes, work, "s3", env, args.repeats)
+                s3 = report("loopback S3 (moto), empty cache", med, mb_per_sample)
+                ratios.update({f"{k}_s3": v for k, v in s3.items()})
+            finally:
+                server.stop()
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    fields = ["mosaic_local", "mosaic_s3", "litdata_local", "litdata_s3"]
+    print("streaming_read: " + " ".join(f"vs_{f} " + (f"{ratios[f]:.2f}" if f in ratios else "n/a") for f in fields)
+          + f" of_limit {of_limit:.2f}")
 
 
 if __name__ == "__main__":
