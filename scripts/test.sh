@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # Sets everything up and runs every package's tests, each package in a virtual environment that holds only
 # that package, its declared smalti dependencies and its test extra; then the cross-package tests in tests/.
+# One package (SMALTI_TEST_FROM_INSIDE, default health) runs from inside its own folder, as a user who checked
+# out only that package would run it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 bash scripts/setup.sh
 .venv/bin/ruff check .
 failed=()
+root=$PWD
+# One package's suite runs from inside its folder (cd packages/<pkg> && pytest), the others from the root.
+from_inside=${SMALTI_TEST_FROM_INSIDE:-health}
 for pkg in $(.venv/bin/python scripts/packages.py all); do
   [ -d "packages/$pkg/tests" ] || continue
   venv=".venvs/$pkg"
@@ -17,7 +22,14 @@ for pkg in $(.venv/bin/python scripts/packages.py all); do
   # shellcheck disable=SC2046
   "$venv/bin/python" -m pip install -q --no-build-isolation $(.venv/bin/python scripts/packages.py closure "$pkg")
   echo "=== packages/$pkg (alone: $($venv/bin/python -m pip list 2>/dev/null | grep -c '^smalti-') smalti distributions) ==="
-  "$venv/bin/python" -m pytest "packages/$pkg" -q -p no:randomly --durations=8 || failed+=("$pkg")
+  if [ "$pkg" = "$from_inside" ]; then
+    # As a user who checked out only this package runs its tests: from inside its folder (spawned children,
+    # relative paths and the rootdir must work from there too).
+    echo "    (run from inside packages/$pkg)"
+    (cd "packages/$pkg" && "$root/$venv/bin/python" -m pytest -q -p no:randomly --durations=8) || failed+=("$pkg")
+  else
+    "$venv/bin/python" -m pytest "packages/$pkg" -q -p no:randomly --durations=8 || failed+=("$pkg")
+  fi
 done
 if compgen -G "tests/test_*.py" > /dev/null; then
   echo "=== tests/ (all packages) ==="

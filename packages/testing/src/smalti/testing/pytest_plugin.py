@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -42,6 +43,13 @@ def _world_size(item: pytest.Item) -> int:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "world_size(n, timeout=240): run the test body in n torchrun ranks")
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped where none is present")
+    # --import-mode=importlib names a test module after its path from the rootdir
+    # (packages.health.tests.test_cordon). A multiprocessing "spawn" child unpickles functions of that module
+    # by this name, with the parent's sys.path: run from inside packages/health, the rootdir is not on it and
+    # the child fails with "No module named 'packages'". Appended, so it never shadows an installed module.
+    root = str(config.rootpath)
+    if root not in sys.path:
+        sys.path.append(root)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
