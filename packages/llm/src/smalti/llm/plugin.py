@@ -5,6 +5,8 @@ Import-light on purpose: every smalti process loads it, so it imports neither to
 
 from __future__ import annotations
 
+from typing import Any
+
 import pluggy
 
 hookimpl = pluggy.HookimplMarker("smalti")
@@ -14,3 +16,11 @@ hookimpl = pluggy.HookimplMarker("smalti")
 def smalti_config_searchpath() -> str:
     """Where smalti-llm's config groups live: model, data, callbacks and experiment options."""
     return "pkg://smalti.llm.conf"
+
+
+@hookimpl
+def smalti_plan_model(model: Any, setup: Any) -> Any:
+    """``smalti plan``: activation bytes and FLOPs of an :class:`smalti.llm.LLM` micro batch (:mod:`smalti.llm.plan`)."""
+    from smalti.llm.plan import plan_model
+
+    return plan_model(model, setup)

@@ -305,6 +305,8 @@ def make_plan(overrides: list[str], pm: Any = None) -> Plan:
             "collectives overlap compute",
             "FLOPs by LLM Foundry's formula: 3 x (2 x params x T + n_layers x 4 x d_model x T^2) per sequence",
         ]
+        if layout.sp > 1:
+            plan.assumptions.append("sequence parallelism's all-to-alls are not modelled (they add to the step)")
     return plan
 
 

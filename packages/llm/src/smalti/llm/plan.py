@@ -1,0 +1,242 @@
+"""What one micro batch of :class:`smalti.llm.LLM` costs a GPU: activation bytes and training FLOPs.
+
+smalti-llm's answer to core's ``smalti_plan_model`` hook (``smalti plan``, :mod:`smalti.core.plan`). The
+activation model follows what this package's code keeps for backward, tensor by tensor, per token:
+
+* a block without checkpointing keeps each norm's input (LayerNorm under autocast: an fp32 copy; RMSNorm:
+  the fp32 input and the normalised output), every linear layer's input in the compute dtype (autocast
+  casts it once per layer), the fused ``wqkv`` output (kept whole because ``v`` is a view of it), the
+  rotated ``q``/``k`` (RoPE), the attention output and its fp32 log-sum-exp (flash/efficient SDPA never
+  holds ``T x T`` scores), and the FFN's hidden tensors (MLP: two of width ``ffn_hidden_size``; GLU: four);
+* ``activation_checkpointing`` keeps only a checkpointed region's input (block: the block input; attention
+  or ffn: the norm output fed to it) and recomputes one region at a time in backward (counted once);
+* the head: with ``fused_loss`` the final hidden states, their gradient and the fp32 weight gradient, plus
+  one chunk of fp32 logits (:data:`smalti.llm.model.fused_loss.CHUNK_ELEMENTS`); without it the
+  ``[B, T, vocab]`` logits in the compute dtype, their fp32 log-softmax, and the two fp32 gradients of
+  backward (``(c + 12)`` bytes per logit);
+* attention masks (ALiBi biases, ``sequence_id``, sliding windows) as SDPA receives them.
+
+MoE FFNs are estimated as ``top_k`` dense FFNs per token plus the routing buffers (an approximation).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from smalti.llm.model.fused_loss import CHUNK_ELEMENTS
+
+#: LLM Foundry's published throughput (scripts/train/benchmarking/README.md, as recorded in the project's
+#: reference notes /work/shared/reference/llm-anchors.md section 7): model -> gpu -> (GPUs, MFU %, tokens/s/GPU),
+#: BF16, sequence length 2048.
+FOUNDRY_PUBLISHED: dict[str, dict[str, tuple[int, float, int]]] = {
+    "mpt_125m": {"a100": (8, 44.79, 142_830)},
+    "mpt_350m": {"a100": (8, 51.62, 58_782)},
+    "mpt_760m": {"a100": (8, 56.85, 32_434), "h100": (8, 34.90, 63_147)},
+    "mpt_1b": {"a100": (8, 59.86, 20_513), "h100": (8, 41.82, 45_455)},
+    "mpt_3b": {"a100": (8, 62.11, 10_811), "h100": (16, 43.73, 24_142)},
+    "mpt_7b": {"a100": (8, 64.23, 4_641), "h100": (8, 46.44, 10_643)},
+    "mpt_13b": {"a100": (8, 59.57, 2_262), "h100": (8, 39.79, 4_792)},
+    "mpt_30b": {"a100": (8, 55.30, 916), "h100": (8, 38.11, 2_002)},
+    "mpt_70b": {"a100": (64, 53.33, 410), "h100": (64, 42.57, 1_039)},
+}
+FOUNDRY_SOURCE = "LLM Foundry scripts/train/benchmarking/README.md (2024-04), via /work/shared/reference/llm-anchors.md §7"
+
+
+def _norm_bytes(norm_type: str, residual: int, autocast: int | None) -> tuple[float, float]:
+    """(bytes a norm keeps for backward, bytes of its output) per element of its input."""
+    if norm_type == "layernorm":
+        return (4.0, 4.0) if autocast else (float(residual), float(residual))
+    if norm_type == "low_precision_layernorm":
+        dt = autocast or residual
+        return float(dt), float(dt)
+    if norm_type == "rmsnorm":
+        return 4.0 + residual, float(residual)
+    dt = autocast or residual  # low_precision_rmsnorm: its input cast and x * rsqrt, both in dt
+    return 2.0 * dt, float(dt)
+
+
+def _ffn_per_token(cfg: dict[str, Any], compute: int, autocast: int | None) -> float:
+    d, f = cfg["d_model"], cfg["ffn_hidden_size"]
+    ffn_type = cfg["ffn_type"]
+    mlp_type = ffn_type
+    factor = 1.0
+    if ffn_type == "moe":
+        moe = cfg.get("moe") or {}
+        factor = float(moe.get("top_k", moe.get("moe_top_k", 1)))
+        mlp_type = moe.get("mlp_type", "glu" if cfg.get("activation") == "silu" else "mlp")
+    if mlp_type == "glu":
+        # gate and up each cast the input under autocast (two copies); gate out, act out, up out, product.
+        inputs = (2 if autocast else 1) * compute * d
+        per = inputs + 4 * compute * f
+    else:
+        per = compute * d + 2 * compute * f
+    if ffn_type == "moe":
+        # Routed copies of the input and output per chosen expert, plus the router's logits and scores.
+        per = factor * per + 2 * factor * compute * d + 8 * moe.get("num_experts", moe.get("moe_num_experts", 1))
+    return float(per)
+
+
+def block_bytes_per_token(cfg: dict[str, Any], compute: int, residual: int, autocast: int | None) -> dict[str, float]:
+    """Bytes per token one block keeps for backward, by part: ``norm_1``, ``attention``, ``norm_2``, ``ffn``,
+    and ``attn_in``/``ffn_in`` (the norm outputs that a checkpointed attention or FFN region keeps instead)."""
+    d, h, kv_heads = cfg["d_model"], cfg["n_heads"], cfg["n_kv_heads"]
+    hd = d // h
+    q, kv = h * hd, kv_heads * hd
+    norm_keep, norm_out = _norm_bytes(cfg["norm_type"], residual, autocast)
+    attn = compute * d + compute * (q + 2 * kv) + compute * q + 4 * h  # wqkv input, qkv, output, lse
+    if cfg["position"] == "rope":
+        attn += compute * (q + kv)  # rotated q and k are new tensors
+    if cfg.get("qk_norm"):
+        q_keep, q_out = _norm_bytes(cfg["norm_type"], compute, autocast)
+        attn += (q_keep + q_out) * (q + kv)
+    return {
+        "norm_1": norm_keep * d,
+        "attention": float(attn),
+        "norm_2": norm_keep * d,
+        "ffn": _ffn_per_token(cfg, compute, autocast),
+        "attn_in": norm_out * d,
+        "ffn_in": norm_out * d,
+    }
+
+
+def activation_bytes(
+    model: Any,
+    micro_batch_size: int,
+    seq_len: int,
+    compute_bytes: int,
+    residual_bytes: int,
+    autocast_bytes: int | None,
+    weight_bytes: int,
+    sp: int = 1,
+    sequence_id: bool = False,
+) -> dict[str, float]:
+    """Bytes of activation memory at the peak of one micro batch's forward and backward on one GPU.
+
+    Args:
+        model: an :class:`smalti.llm.LLM` (its ``config``, checkpointing choice and ``fused_loss`` are read).
+        micro_batch_size, seq_len: the micro batch; under sequence parallelism each GPU holds ``seq_len / sp``
+            positions (attention sees the whole sequence for ``n_heads / sp`` heads).
+        compute_bytes: the dtype of matrix products (2 under bf16/fp16 autocast or FSDP bf16 parameters).
+        residual_bytes: the dtype of the residual stream (that of the parameters the embedding is run with).
+        autocast_bytes: the autocast dtype's size, or ``None`` without autocast.
+        weight_bytes: the dtype of the output weight as forward sees it (its gradient has that dtype).
+        sequence_id: batches carry ``sequence_id`` (packed documents masked from each other).
+
+    Returns named parts in bytes that sum to the peak: ``blocks`` (what the blocks keep for backward),
+    ``masks``, ``head`` (final norm and hidden states, held into backward), ``loss or recompute`` (the larger
+    of the loss's transient logits and one checkpointed region rebuilt in backward) and ``inputs``.
+    """
+    cfg = model.config
+    n_layers, d, vocab = cfg["n_layers"], cfg["d_model"], cfg["vocab_size"]
+    tokens = micro_batch_size * seq_len / sp
+    parts = block_bytes_per_token(cfg, compute_bytes, residual_bytes, autocast_bytes)
+    full = parts["norm_1"] + parts["attention"] + parts["norm_2"] + parts["ffn"]
+    kept = {
+        None: full,
+        "block": residual_bytes * d,
+        "attention": parts["norm_1"] + parts["attn_in"] + parts["norm_2"] + parts["ffn"],
+        "ffn": parts["norm_1"] + parts["attention"] + parts["norm_2"] + parts["ffn_in"],
+    }
+    rebuilt = {None: 0.0, "block": full, "attention": parts["attention"], "ffn": parts["ffn"]}
+    chosen = {i: block.checkpointing for i, block in enumerate(model.blocks)}
+    blocks = sum(kept[chosen.get(i)] for i in range(n_layers)) * tokens
+    recompute = max((rebuilt[chosen.get(i)] for i in range(n_layers)), default=0.0) * tokens
+
+    masks = _mask_bytes(cfg, micro_batch_size, seq_len, compute_bytes, sequence_id, n_layers)
+    norm_keep, norm_out = _norm_bytes(cfg["norm_type"], residual_bytes, autocast_bytes)
+    rows = int(tokens)
+    if getattr(model, "fused_loss", True):
+        # Held into backward: the final norm's input, the hidden states, their gradient, and the weight
+        # gradient (fp32, then cast to the weight's dtype). Transient in forward: one chunk's fp32 logits (and
+        # under half precision their half copy, the half gradient, the weight and the hidden states cast once).
+        chunk = min(rows, max(1, CHUNK_ELEMENTS // vocab))
+        half = compute_bytes != 4
+        head = rows * d * (norm_keep + 2 * norm_out) + vocab * d * (4 + (weight_bytes if weight_bytes != 4 else 0))
+        loss_peak = chunk * vocab * (4 + (2 * compute_bytes if half else 0))
+        if half:
+            loss_peak += vocab * d * compute_bytes + rows * d * compute_bytes
+    else:
+        # Held: the final norm's input and the projection's input; at the start of backward the logits, their
+        # fp32 log-softmax and two fp32 gradients are alive at once.
+        head = rows * d * (norm_keep + compute_bytes)
+        loss_peak = rows * vocab * (compute_bytes + 12)
+    # The loss's transient (end of forward / start of backward) and a recomputed block (later in backward)
+    # are never alive together: the peak has the larger.
+    transient = max(float(loss_peak), recompute)
+    inputs = micro_batch_size * seq_len * 8 * (3 if sequence_id else 2)  # int64 ids, targets (and sequence ids)
+    return {"blocks": blocks, "masks": masks, "head": float(head), "loss or recompute": transient,
+            "inputs": float(inputs)}
+
+
+def _mask_bytes(cfg: dict[str, Any], batch: int, seq_len: int, compute: int, sequence_id: bool, n_layers: int) -> float:
+    window = cfg.get("sliding_window")
+    windowed = window is not None and window < seq_len
+    uses_ids = sequence_id and cfg.get("attn_uses_sequence_id", True)
+    alibi = cfg["position"] == "alibi"
+    if not (alibi or windowed or uses_ids):
+        return 0.0
+    rows = batch if uses_ids else 1
+    if not alibi:
+        return float(rows * seq_len * seq_len)  # one boolean mask, shared by every layer
+    bias = rows * cfg["n_heads"] * seq_len * seq_len
+    # The fp32 bias, and under a half-precision compute dtype a cast copy per layer that SDPA keeps.
+    return float(bias * 4 + (bias * compute * n_layers if compute != 4 else 0))
+
+
+def training_flops(model: Any, micro_batch_size: int, seq_len: int) -> float:
+    """Training FLOPs of one micro batch by LLM Foundry's formula, through the model's own
+    ``flops_per_batch`` (``3 * (2 * active params * T + n_layers * 4 * d_model * T^2) * B``)."""
+    ids = torch.empty(micro_batch_size, seq_len, dtype=torch.long, device="meta")
+    return float(model.flops_per_batch({"input_ids": ids}))
+
+
+def published(experiment: str | None, gpu: str, gpus: int) -> list[str]:
+    """LLM Foundry's published MFU and throughput for the experiment's model on ``gpu``, as lines to print."""
+    if not experiment or experiment not in FOUNDRY_PUBLISHED:
+        return []
+    row = FOUNDRY_PUBLISHED[experiment].get(gpu)
+    if row is None:
+        return []
+    n, mfu, tps = row
+    note = "" if n == gpus else f" (published on {n} GPUs; this plan is for {gpus})"
+    return [
+        f"LLM Foundry published, {experiment} on {n}x{gpu.upper()}-80GB BF16 seq 2048: MFU {mfu:.2f}%, "
+        f"{tps:,} tokens/s/GPU{note}",
+        f"  source: {FOUNDRY_SOURCE}",
+        "  Foundry's benchmark configs pick their own micro batch and activation checkpointing (its 7b row at seq "
+        "2048: FSDP FULL_SHARD, amp_bf16, none; /work/shared/reference/trainer-anchors.md (c)), so compare the "
+        "plan's HFU with the published MFU when this run checkpoints every block",
+    ]
+
+
+def _seq_len(cfg: Any, model: Any) -> int:
+    train = (cfg.get("data") or {}).get("train") or {}
+    value = train.get("max_seq_len") if hasattr(train, "get") else None
+    return int(value) if isinstance(value, int) else int(model.max_seq_len)
+
+
+def plan_model(model: Any, setup: Any) -> Any:
+    """``smalti_plan_model`` for :class:`smalti.llm.LLM`: activation bytes, FLOPs and notes (else ``None``)."""
+    from smalti.core.plan.types import ModelEstimate
+    from smalti.llm.model.transformer import LLM
+
+    if not isinstance(model, LLM):
+        return None
+    seq_len = _seq_len(setup.cfg, model)
+    m = setup.micro_batch_size
+    acts = activation_bytes(
+        model, m, seq_len, setup.compute_bytes, setup.residual_bytes, setup.autocast_bytes, setup.weight_bytes,
+        setup.sp, setup.sequence_id,
+    )
+    flops = training_flops(model, m, seq_len)
+    # Recomputation repeats (part of) the forward: 1/3 of the training FLOPs per recomputed block.
+    recomputed = sum(1 for block in model.blocks if block.checkpointing)
+    hardware = flops * (1 + recomputed / max(model.n_layers, 1) / 3)
+    notes = [f"sequence length {seq_len}; fused chunked loss {'on' if model.fused_loss else 'off'}; "
+             f"activation checkpointing on {recomputed} of {model.n_layers} blocks"]
+    if model.config["ffn_type"] == "moe":
+        notes.append("MoE FFN activations are approximated as top_k dense FFNs per token plus routing buffers")
+    notes.extend(published(setup.experiment, setup.gpu, setup.world_size))
+    return ModelEstimate(activations=acts, flops=flops, hardware_flops=hardware, tokens=m * seq_len, notes=notes)
