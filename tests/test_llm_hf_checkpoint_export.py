@@ -114,3 +114,42 @@ def _craft_metadata(folder: Path, marker: Path) -> None:
         manifest["files"][rel] = {"size": size, "sha256": sha}
     manifest.pop("manifest_sha256", None)
     (folder / "manifest.json").write_text(json.dumps(seal(manifest), indent=1, sort_keys=True))
+
+
+def test_an_mpt_recipe_checkpoint_exports_as_gpt2_that_transformers_loads(tmp_path, capsys):
+    """A model trained from scratch in the mpt_* recipes' shape (learned positions, LayerNorm, GELU MLP, no biases)
+    has no Hugging Face source: its checkpoint becomes transformers' own GPT-2, with the run's tokenizer."""
+    pytest.importorskip("smalti.checkpoint")
+    transformers = pytest.importorskip("transformers")
+    from smalti.llm.cli import main
+    from smalti.llm.export import build_with_weights
+    from smalti.llm.hf_export import checkpoint_tensors
+
+    run = tmp_path / "run"
+    env = {**os.environ, "SMALTI_RUN_NAME": "mpt-ckpt", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "smalti.core.cli.train", "experiment=gpt_tiny", "model.position=learned",
+           "model.norm_type=low_precision_layernorm", "+model.activation=gelu", "model.n_layers=2",
+           "callbacks=[]", "logger=[]", f"hydra.run.dir={run}", "trainer.max_duration=2ba",
+           "trainer.eval_interval=null", "data.global_train_batch_size=4", "checkpoint=dcp",
+           f"checkpoint.save_folder={run / 'checkpoints'}", "checkpoint.save_interval=null"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+
+    out = tmp_path / "hf"
+    assert main(["hf", "export", "--checkpoint", str(run / "checkpoints"), "--out", str(out)]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
+    assert type(hf).__name__ == "GPT2LMHeadModel"
+    tok = transformers.AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    ids = torch.tensor([tok("the checkpoint and the export agree")["input_ids"]])
+
+    (ckpt,) = [p for p in (run / "checkpoints").iterdir() if p.is_dir() and p.name.startswith("ep")]
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.to_container(OmegaConf.load(run / ".hydra" / "config.yaml").model)
+    kwargs = {k: v for k, v in node.items() if not k.startswith("_") and k != "init_device"}
+    from smalti.llm import LLM
+
+    names = [k for k in LLM(**kwargs, init_device="meta").state_dict() if not k.endswith("_extra_state")]
+    trained = build_with_weights(LLM(**kwargs, init_device="meta").config, dict(checkpoint_tensors(ckpt, names)[1]))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, trained({"input_ids": ids})["logits"], rtol=1e-5, atol=2e-5)

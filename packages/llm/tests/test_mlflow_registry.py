@@ -51,9 +51,7 @@ def test_trained_model_is_registered_and_reads_back(mlflow_server, tmp_path, sha
     with torch.no_grad():
         torch.testing.assert_close(back({"input_ids": ids})["logits"], model.eval()({"input_ids": ids})["logits"])
     files = {p.split("/")[-1] for p in (a.path for a in client.list_artifacts(logger.run_id, "model"))}
-    expected = {"config.json", "model.safetensors", "tokenizer.json"} if shape == "llama" else {
-        "smalti_llm.json", "model.safetensors", "tokenizer.json"}
-    assert expected <= files
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= files  # MPT-shaped: transformers' MPT
     # The downloaded folder evaluates standalone, whichever layout it has.
     from smalti.llm.cli import main
 
@@ -61,11 +59,12 @@ def test_trained_model_is_registered_and_reads_back(mlflow_server, tmp_path, sha
     assert main(["eval", "--model", folder, "--tasks", "default"]) == 0
     results = json.loads(capsys.readouterr().out)
     assert "icl/mc_phrases/0shot/accuracy" in results and 0 <= results["icl/mc_phrases/0shot/accuracy"] <= 1
-    if shape == "llama":  # the registered folder is a Hugging Face one
-        transformers = pytest.importorskip("transformers")
-        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
-        with torch.no_grad():
-            torch.testing.assert_close(hf(ids).logits, back({"input_ids": ids})["logits"], atol=1e-4, rtol=1e-4)
+    # the registered folder is a Hugging Face one (LlamaForCausalLM, or MptForCausalLM for ALiBi)
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
+    assert type(hf).__name__ == ("LlamaForCausalLM" if shape == "llama" else "MptForCausalLM")
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, back({"input_ids": ids})["logits"], atol=1e-4, rtol=1e-4)
 
 
 def test_without_the_mlflow_logger_nothing_is_registered():

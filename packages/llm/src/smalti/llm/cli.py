@@ -85,12 +85,17 @@ def _hf_export(args: argparse.Namespace) -> int:
         from smalti.llm.hf_export import export_checkpoint
 
         export_checkpoint(args.checkpoint, args.out, pretrained=args.pretrained, dtype=args.dtype,
-                          max_shard_size=args.max_shard_size)
+                          max_shard_size=args.max_shard_size, tokenizer=args.tokenizer)
     else:
         from smalti.llm.hf import export_hf
+        from smalti.llm.hf_mpt import export_mpt, is_mpt_like
 
-        export_hf(_load_model(args), args.out, dtype=args.dtype, tokenizer=args.tokenizer,
-                  max_shard_size=args.max_shard_size)
+        model = _load_model(args)
+        if is_mpt_like(model):  # the mpt_* recipes: transformers' GPT-2 (learned positions) or MPT (ALiBi)
+            export_mpt(model, args.out, dtype=args.dtype, tokenizer=args.tokenizer or "default")
+        else:
+            export_hf(model, args.out, dtype=args.dtype, tokenizer=args.tokenizer,
+                      max_shard_size=args.max_shard_size)
     print(f"wrote {args.out}")
     return 0
 
@@ -164,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=_eval)
 
     hf = sub.add_parser("hf", help="Hugging Face interop").add_subparsers(dest="action", required=True)
-    exp = hf.add_parser("export", help="write a Hugging Face folder (Llama, Mistral or Qwen2, as the source)")
+    exp = hf.add_parser("export", help="write a Hugging Face folder (Llama, Mistral or Qwen2 as the source; "
+                        "MPT-shaped models as GPT-2 or MPT)")
     source = exp.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="a committed smalti-checkpoint folder (or a save folder: its newest)")
     source.add_argument("--model", help="a model folder: Hugging Face or smalti's (smalti_llm.json)")

@@ -3,7 +3,9 @@ else smalti's own.
 
 * Llama/Mistral/Qwen2-shaped models (RoPE, RMSNorm, SwiGLU, no QK-norm) are written with
   :func:`smalti.llm.hf.export_hf`: ``transformers`` loads the folder offline.
-* Any other :class:`~smalti.llm.LLM` (MPT-style, ALiBi, MoE, ...) is written as ``smalti_llm.json`` (the
+* MPT-shaped models (the ``mpt_*`` recipes: LayerNorm, GELU MLP, learned or ALiBi positions) are written with
+  :func:`smalti.llm.hf_mpt.export_mpt` as ``transformers``' GPT-2 or MPT.
+* Any other :class:`~smalti.llm.LLM` (RoPE with LayerNorm, MoE, ...) is written as ``smalti_llm.json`` (the
   model's constructor arguments) plus ``model.safetensors`` under smalti's parameter names.
 
 Either way a ``tokenizer.json`` can sit beside the weights, and :func:`load_model_folder` reads both layouts.
@@ -80,6 +82,10 @@ def save_model_folder(model: LLM, folder: str | os.PathLike, tokenizer: Any = "d
 
     if is_llama(model):
         return export_hf(model, folder, dtype=dtype, tokenizer=tokenizer)
+    from smalti.llm.hf_mpt import export_mpt, is_mpt_like
+
+    if is_mpt_like(model):
+        return export_mpt(model, folder, dtype=dtype, tokenizer=tokenizer)
     from safetensors.torch import save_file
 
     from smalti.llm.hf import _DTYPES
@@ -107,8 +113,12 @@ def load_model_folder(folder: str | os.PathLike) -> LLM:
     folder = Path(folder)
     native = folder / NATIVE_CONFIG
     if not native.is_file():
-        from smalti.llm.hf import import_hf
+        from smalti.llm.hf import import_hf, read_config
 
+        if (folder / "config.json").is_file() and read_config(folder).get("model_type") in ("mpt", "gpt2"):
+            from smalti.llm.hf_mpt import import_mpt
+
+            return import_mpt(folder)
         return import_hf(folder)
     from safetensors.torch import load_file
 

@@ -247,10 +247,15 @@ def export_model(model: LLM, out: str | os.PathLike, dtype: str | None = None, m
 
 
 def export_checkpoint(checkpoint: str, out: str | os.PathLike, pretrained: str | os.PathLike | None = None,
-                      dtype: str | None = None, max_shard_size: int | str = "2GB", verify: str = "manifest") -> Path:
+                      dtype: str | None = None, max_shard_size: int | str = "2GB", verify: str = "manifest",
+                      tokenizer: str | None = None) -> Path:
     """Write the model of a committed smalti-checkpoint (``checkpoint``: its folder, or a save folder for the
     newest one) as a Hugging Face folder, with the architecture, family and tokenizer of ``pretrained`` (the
-    folder the run started from; default: ``model.pretrained`` of the run's ``.hydra/config.yaml``)."""
+    folder the run started from; default: ``model.pretrained`` of the run's ``.hydra/config.yaml``).
+
+    A run trained from scratch (no ``model.pretrained``) with an MPT-shaped model (the ``mpt_*`` recipes) is
+    written as ``transformers``' GPT-2 (learned positions) or MPT (ALiBi) by :mod:`smalti.llm.hf_mpt`, with
+    ``tokenizer`` (default: the run's ``data.train.tokenizer``)."""
     try:
         from smalti.checkpoint.resume import resolve_load_path
     except ImportError as exc:
@@ -260,6 +265,9 @@ def export_checkpoint(checkpoint: str, out: str | os.PathLike, pretrained: str |
     from smalti.llm.hf import llm_kwargs, read_config, resolve_folder
 
     found = resolve_load_path(checkpoint, None, verify)
+    run = _run_config(Path(checkpoint))
+    if pretrained is None and run is not None and _selected(run, "model.pretrained") is None:
+        return _export_trained_from_scratch(found.folder, run, out, dtype, tokenizer)
     source = resolve_folder(pretrained or _pretrained_of_run(Path(checkpoint)), key="--pretrained")
     source_config = read_config(source)
     model_config = LLM(**llm_kwargs(source_config, source / "config.json"), init_device="meta").config
@@ -269,6 +277,43 @@ def export_checkpoint(checkpoint: str, out: str | os.PathLike, pretrained: str |
     order = list(weight_parts(model_config))
     shapes, tensors = checkpoint_tensors(found.folder, order)
     return write_hf_folder(out, model_config, config, shapes, tensors, dtype, max_shard_size, source)
+
+
+def _run_config(checkpoint: Path) -> Any:
+    """The ``.hydra/config.yaml`` of the run a local checkpoint belongs to, or None."""
+    from omegaconf import OmegaConf
+
+    for folder in [checkpoint, *checkpoint.resolve().parents][:6]:
+        cfg = folder / ".hydra" / "config.yaml"
+        if cfg.is_file():
+            return OmegaConf.load(cfg)
+    return None
+
+
+def _selected(cfg: Any, key: str) -> Any:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(cfg, key, default=None)
+
+
+def _export_trained_from_scratch(folder: Path, run: Any, out: str | os.PathLike, dtype: str | None,
+                                 tokenizer: str | None) -> Path:
+    from omegaconf import OmegaConf
+
+    from smalti.llm.hf_mpt import export_mpt, mpt_family
+
+    node = OmegaConf.to_container(run.model, resolve=False)
+    if not isinstance(node, dict) or not str(node.get("_target_", "")).endswith("LLM"):
+        raise ConversionError(f"{folder}: the run's model ({node.get('_target_') if isinstance(node, dict) else node}) "
+                              "is not a smalti LLM; give --pretrained for a model imported from Hugging Face")
+    kwargs = {k: v for k, v in node.items() if not k.startswith("_") and k != "init_device"}
+    config = LLM(**kwargs, init_device="meta").config
+    mpt_family(config)  # names what does not fit before any weight is read
+    order = [k for k in LLM(**kwargs, init_device="meta").state_dict() if not k.endswith("_extra_state")]
+    _, tensors = checkpoint_tensors(folder, order)
+    state = {name: tensor.float() for name, tensor in tensors}
+    tok = tokenizer or _selected(run, "data.train.tokenizer") or "default"
+    return export_mpt(_ConfigOnly(config), out, dtype, tokenizer=tok, state=state)
 
 
 class _ConfigOnly:
