@@ -150,11 +150,11 @@ def activation_bytes(
     if getattr(model, "fused_loss", True):
         # Held into backward: the final norm's input, the hidden states, their gradient, and the weight
         # gradient (fp32, then cast to the weight's dtype). Transient in forward: one chunk's fp32 logits (and
-        # under half precision their half copy, the half gradient, the weight and the hidden states cast once).
+        # under half precision the half copy of their gradient, the weight and the hidden states cast once).
         chunk = min(rows, max(1, CHUNK_ELEMENTS // vocab))
         half = compute_bytes != 4
         head = rows * d * (norm_keep + 2 * norm_out) + vocab * d * (4 + (weight_bytes if weight_bytes != 4 else 0))
-        loss_peak = chunk * vocab * (4 + (2 * compute_bytes if half else 0))
+        loss_peak = chunk * vocab * (4 + (compute_bytes if half else 0))
         if half:
             loss_peak += vocab * d * compute_bytes + rows * d * compute_bytes
     else:
