@@ -125,6 +125,13 @@ class Stream:
         return str(self.remote or self.local)
 
 
+class RawBatch(dict):
+    """A collated batch of NumPy arrays on its way from a worker; :meth:`tensors` is what the loader hands out."""
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {name: torch.from_numpy(array) for name, array in self.items()}
+
+
 @functools.lru_cache(maxsize=64)
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:
     return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
@@ -419,12 +426,14 @@ class StreamingDataset(IterableDataset):
                 out[p] = sample
         return out
 
-    def _collate_columns(self, ids: np.ndarray, plan: _FetchPlan | None) -> dict[str, Any] | None:
+    def _collate_columns(self, ids: np.ndarray, plan: _FetchPlan | None, arrays: bool = False) -> dict[str, Any] | None:
         """The batch ``default_collate`` would make of samples ``ids``, built column by column; ``None`` when a
         shard is not columnar (see ``ShardReader.column_views``) or the shards' columns differ.
 
         Each column is gathered straight into one tensor (in shared memory inside a DataLoader worker, as
-        ``default_collate`` does, so handing it to the main process copies nothing more).
+        ``default_collate`` does). With ``arrays``, into NumPy arrays instead, as a :class:`RawBatch`: a
+        worker hands those to the main process through the pipe, which for batches of this size costs a
+        fraction of passing a shared-memory file per tensor; the loader turns them into tensors.
         """
         groups = self._groups(ids)
         views, layout = [], None
@@ -438,12 +447,15 @@ class StreamingDataset(IterableDataset):
         if any(dtype == np.uint64 and not shape for _, dtype, shape in layout):
             return None  # default_collate refuses uint64 scalars: let it say so
         shared = get_worker_info() is not None
-        batch = {}
+        batch = RawBatch() if arrays else {}
         for name, dtype, shape in layout:
-            out = torch.empty((len(ids), *shape), dtype=_torch_dtype(dtype))
-            if shared:
-                out.share_memory_()
-            dst = out.numpy()
+            if arrays:
+                out = dst = np.empty((len(ids), *shape), dtype=dtype)
+            else:
+                out = torch.empty((len(ids), *shape), dtype=_torch_dtype(dtype))
+                if shared:
+                    out.share_memory_()
+                dst = out.numpy()
             if len(groups) == 1:
                 np.take(views[0][name], groups[0][2], axis=0, out=dst)
             else:
@@ -613,18 +625,19 @@ class StreamingDataset(IterableDataset):
                 yield item
 
     def iter_batches(self, collate_fn: Callable[[list[Any]], Any] | None = None,
-                     drop_last: bool = False) -> Iterator[Any]:
+                     drop_last: bool = False, arrays: bool = False) -> Iterator[Any]:
         """This process's batches, each ``collate_fn`` (default: torch's ``default_collate``) of ``batch_size``
         samples: exactly what ``DataLoader(ds, batch_size=ds.batch_size, collate_fn=..., drop_last=...)`` yields.
 
         With the default collation and columnar shards (fixed-size numbers and arrays), each column is
         gathered into its tensor in one copy, with no per-sample objects. :class:`StreamingDataLoader` uses
         this when its ``batch_size`` is the dataset's; it also counts what it yields for :meth:`state_dict`.
+        With ``arrays``, such batches come as :class:`RawBatch` (NumPy arrays; ``.tensors()`` gives the batch).
         """
         for plan, ids in self._steps():
             if drop_last and len(ids) < self.batch_size:
                 continue
-            batch = self._collate_columns(ids, plan) if collate_fn is None else None
+            batch = self._collate_columns(ids, plan, arrays) if collate_fn is None else None
             if batch is None:
                 batch = (collate_fn or default_collate)(self._gather(ids, plan))
             if not self._counted_by_loader:

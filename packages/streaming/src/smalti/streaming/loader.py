@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from smalti.streaming.dataset import StreamingDataset
+from smalti.streaming.dataset import RawBatch, StreamingDataset
 from smalti.streaming.errors import StreamingError
 
 
@@ -40,18 +40,20 @@ class _Batches(IterableDataset):
     """
 
     def __init__(self, dataset: StreamingDataset, collate_fn: Callable[[list[Any]], Any] | None,
-                 drop_last: bool) -> None:
-        self.dataset, self.collate_fn, self.drop_last = dataset, collate_fn, drop_last
+                 drop_last: bool, arrays: bool) -> None:
+        self.dataset, self.collate_fn, self.drop_last, self.arrays = dataset, collate_fn, drop_last, arrays
 
     def __iter__(self) -> Iterator[Any]:
-        return self.dataset.iter_batches(self.collate_fn, self.drop_last)
+        # NumPy arrays cross from a worker through the pipe far cheaper than a shared-memory file per tensor
+        return self.dataset.iter_batches(self.collate_fn, self.drop_last,
+                                         self.arrays and get_worker_info() is not None)
 
     def __len__(self) -> int:
         n, b = len(self.dataset), self.dataset.batch_size
         return n // b if self.drop_last else -(-n // b)
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("dataset", "collate_fn", "drop_last"):
+        if name.startswith("__") or name in ("dataset", "collate_fn", "drop_last", "arrays"):
             raise AttributeError(name)
         return getattr(self.dataset, name)
 
@@ -88,7 +90,9 @@ class StreamingDataLoader(DataLoader):
         batched = (given.get("batch_size", 1) == dataset.batch_size and given.get("sampler") is None
                    and given.get("batch_sampler") is None and not given.get("shuffle"))
         if batched:
-            view = _Batches(dataset, given.pop("collate_fn", None), bool(given.pop("drop_last", False)))
+            # pinned batches need tensors from the worker (the pin thread runs before __iter__ sees them)
+            view = _Batches(dataset, given.pop("collate_fn", None), bool(given.pop("drop_last", False)),
+                            arrays=not given.get("pin_memory"))
             given.update(batch_size=None, collate_fn=_as_is)
             super().__init__(view, **given, **extra)
         else:
@@ -102,6 +106,8 @@ class StreamingDataLoader(DataLoader):
         ds._counted_by_loader = True
         try:
             for batch in super().__iter__():
+                if type(batch) is RawBatch:
+                    batch = batch.tensors()
                 ds._consumed += batch_len(batch)
                 yield batch
         finally:
