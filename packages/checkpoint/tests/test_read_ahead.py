@@ -88,10 +88,12 @@ def test_a_missing_file_is_an_error_naming_it(tmp_path):
         ahead.finish(timeout=30)
 
 
-@pytest.mark.parametrize("read_ahead", [True, False], ids=["read-ahead", "files-another-rank-reads-ahead"])
+@pytest.mark.parametrize("read_ahead", ["this-rank", "another-rank", None],
+                         ids=["read-ahead", "files-another-rank-reads-ahead", "no-read-ahead"])
 def test_dcp_loads_copying_contiguous_tensors_in_place_and_others_as_dcp_does(tmp_path, monkeypatch, read_ahead):
     """Through the read-ahead's buffers, and (for files another rank reads ahead and checks, e.g. a DDP
-    replica's) straight from the file: either way no ``torch.load`` of a tensor whose layout allows a copy."""
+    replica's, or with no read-ahead at all) straight from the file: either way no ``torch.load`` of a tensor
+    whose layout allows a copy."""
     import warnings
 
     import torch
@@ -127,7 +129,8 @@ def test_dcp_loads_copying_contiguous_tensors_in_place_and_others_as_dcp_does(tm
     real_load = torch.load
     monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(1) or real_load(*a, **k))
     files = [AheadFile(p.name, p.stat().st_size) for p in sorted(tmp_path.glob("*.distcp"))]
-    ahead = ReadAhead(tmp_path, files, chunk_bytes=1 << 20) if read_ahead else None
+    ahead = None if read_ahead is None else ReadAhead(tmp_path, files if read_ahead == "this-rank" else [],
+                                                        chunk_bytes=1 << 20)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(targets, storage_reader=ReadAheadFileSystemReader(tmp_path, ahead), no_dist=True)
