@@ -1,5 +1,10 @@
 """Causal self-attention through PyTorch SDPA: grouped-query heads, optional QK-norm, RoPE or ALiBi,
-sequence-id masking for packed documents, and Ulysses sequence parallelism."""
+sequence-id masking for packed documents, sliding windows, and Ulysses sequence parallelism.
+
+The model describes its mask with :class:`~smalti.llm.model.attention_mask.AttentionMask` and attention runs
+in tiles whose memory is linear in the sequence (:func:`~smalti.llm.model.attention_mask.attend`).
+:func:`build_attention_mask` materialises the same mask densely: it is the reference the tests compare with.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from smalti.llm.model.attention_mask import AttentionMask, attend
 from smalti.llm.model.norms import make_norm
 from smalti.llm.model.position import Rotary, alibi_bias, apply_rotary
 from smalti.llm.model.sequence_parallel import SequenceParallelGroup, heads_to_sequence, sequence_to_heads
@@ -21,7 +27,8 @@ def build_attention_mask(
     slopes: torch.Tensor | None = None,
     window: int | None = None,
 ) -> torch.Tensor | None:
-    """The SDPA mask for one forward pass, or ``None`` when plain causal attention suffices.
+    """The dense SDPA mask for one forward pass, or ``None`` when plain causal attention suffices (memory
+    quadratic in ``seq_len``: the reference for :class:`AttentionMask`, which the model uses).
 
     Boolean ``[B|1, 1, T, T]`` when only documents are masked (``sequence_id``) or a sliding ``window`` limits
     each query to itself and the ``window - 1`` positions before it (Mistral's rule: key ``j`` is seen by
@@ -77,13 +84,17 @@ class Attention(nn.Module):
         self.k_norm = make_norm(norm_type, self.head_dim, norm_eps, bias, device) if qk_norm else None
 
     def forward(
-        self, x: torch.Tensor, mask: torch.Tensor | None = None, sp: SequenceParallelGroup | None = None
+        self,
+        x: torch.Tensor,
+        mask: AttentionMask | torch.Tensor | None = None,
+        sp: SequenceParallelGroup | None = None,
     ) -> torch.Tensor:
         """Attend over ``x [B, T, d_model]``.
 
-        With ``sp``, ``x`` is this rank's chunk of ``T / sp.size`` positions; queries, keys and values are
-        exchanged so that each rank attends over the whole sequence with ``n_heads / sp.size`` heads, and
-        ``mask`` covers the whole sequence and (for ALiBi) only those heads.
+        ``mask``: an :class:`AttentionMask` (memory linear in ``T``), a dense SDPA mask (the reference), or
+        ``None`` for plain causal attention. With ``sp``, ``x`` is this rank's chunk of ``T / sp.size``
+        positions; queries, keys and values are exchanged so that each rank attends over the whole sequence
+        with ``n_heads / sp.size`` heads, and ``mask`` covers the whole sequence and (for ALiBi) only those heads.
         """
         b, t, _ = x.shape
         qkv = self.wqkv(x)
@@ -108,12 +119,14 @@ class Attention(nn.Module):
                 k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
             q, k, v = sequence_to_heads(q, sp), sequence_to_heads(k, sp), sequence_to_heads(v, sp)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if mask is not None and mask.dtype != torch.bool:
-            mask = mask.to(q.dtype)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.softmax_scale,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )
+        if isinstance(mask, torch.Tensor):
+            if mask.dtype != torch.bool:
+                mask = mask.to(q.dtype)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=self.softmax_scale, enable_gqa=q.shape[1] != k.shape[1]
+            )
+        else:
+            out = attend(q, k, v, mask, self.softmax_scale)
         out = out.transpose(1, 2)
         if sp is not None:
             out = heads_to_sequence(out, sp)

@@ -22,7 +22,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from smalti.llm.errors import ModelConfigError
-from smalti.llm.model.attention import Attention, build_attention_mask
+from smalti.llm.model.attention import Attention
+from smalti.llm.model.attention_mask import AttentionMask
 from smalti.llm.model.checkpointing import parse_activation_checkpointing
 from smalti.llm.model.ffn import make_ffn
 from smalti.llm.model.fused_loss import fused_linear_cross_entropy
@@ -299,13 +300,13 @@ class LLM(nn.Module):
 
     def _mask(
         self, batch: dict[str, torch.Tensor], seq_len: int, device: torch.device, sp: SequenceParallelGroup | None
-    ) -> torch.Tensor | None:
+    ) -> AttentionMask | None:
         sequence_id = batch.get("sequence_id") if self.attn_uses_sequence_id else None
         slopes = self._alibi_slopes
         if slopes is not None and sp is not None:
             start, stop = sp.heads(self.n_heads)
             slopes = slopes[start:stop]
-        return build_attention_mask(seq_len, device, sequence_id, slopes, self.sliding_window)
+        return AttentionMask.build(seq_len, sequence_id, slopes, self.sliding_window)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
         """Logits ``[B, T, vocab]`` under ``"logits"``, plus ``"aux_loss"`` (summed over layers) for MoE FFNs.
