@@ -2,5 +2,7 @@
 
 from smalti.core.algorithms.ema import EMA
 from smalti.core.algorithms.grad_clip import GradientClipping
+from smalti.core.algorithms.label_smoothing import LabelSmoothing
+from smalti.core.algorithms.layer_freezing import LayerFreezing
 
-__all__ = ["EMA", "GradientClipping"]
+__all__ = ["EMA", "GradientClipping", "LabelSmoothing", "LayerFreezing"]
