@@ -64,13 +64,13 @@ class LayerFreezing(Algorithm):
 
     def on_after_train_batch(self, state: Any, logger: Any) -> None:
         count = self.frozen_count(state, state.timestamp.batch + 1)
-        frozen = {id(p) for _, params in self._layers[:count] for p in params}
-        for p in state.model.parameters():
-            if id(p) in frozen:
-                p.grad = None
+        frozen = [p for _, params in self._layers[:count] for p in params]
+        for p in frozen:
+            p.grad = None
         if self.drop_optimizer_state and count:
+            frozen_ids = {id(p) for p in frozen}
             for opt in state.optimizers:
-                for p in [p for p in opt.state if id(p) in frozen]:
+                for p in [p for p in opt.state if id(p) in frozen_ids]:
                     del opt.state[p]
         if count != self._logged:
             self._logged = count

@@ -1,0 +1,110 @@
+"""What one callback or algorithm costs per step: the time spent inside its own hooks, over the step time.
+
+``bench/trainer_overhead.py --callbacks NAME`` compares whole steps against a bare loop; on a loaded machine its
+ratio moves by more than a light monitor costs. This bench times only the plugin's hook methods (each wrapped
+with ``perf_counter``) during a run of the same ~10 ms MLP step, and prints per plugin: the mean time in its
+hooks per step, the same on the steps where it does its work (its interval) and between them, and that over
+the median step time measured in the same run.
+
+    python bench/callback_cost.py [--steps 100] [--width 768] optimizer_monitor loss_spike ...
+
+Last line per plugin: ``callback_cost: NAME between_ratio X.XXXX all_ratio X.XXXX``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trainer_overhead import Net, extra_plugins, make_loader  # noqa: E402
+
+from smalti.core import Callback, Trainer  # noqa: E402
+
+
+class StepClock(Callback):
+    """Wall time of each step, batch end to batch end."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._t = None
+
+    def on_batch_end(self) -> None:
+        now = time.perf_counter()
+        if self._t is not None:
+            self.times.append(now - self._t)
+        self._t = now
+
+
+#: Hooks that fire after the timestamp counted the step: their time belongs to the step before.
+AFTER_STEP = ("on_batch_end", "on_batch_checkpoint", "on_eval", "should_", "on_epoch_end", "on_epoch_checkpoint",
+              "on_fit_end")
+
+
+def instrument(plugin: Any, per_step: dict[int, float], clock: Any) -> None:
+    """Wrap every hook method of ``plugin`` so that its time adds to ``per_step[i]``, ``i`` the 0-based step."""
+    for name in dir(type(plugin)):
+        if not (name.startswith(("on_", "should_")) and callable(getattr(plugin, name))):
+            continue
+        method = getattr(plugin, name)
+        after = name.startswith(AFTER_STEP)
+
+        @functools.wraps(method)  # pluggy reads the hook's arguments through __wrapped__
+        def timed(_self: Any, *args: Any, __m=method, __after=after, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return __m(*args, **kw)
+            finally:
+                step = clock() - (1 if __after else 0)
+                per_step[step] = per_step.get(step, 0.0) + time.perf_counter() - t0
+
+        setattr(plugin, name, types.MethodType(timed, plugin))
+
+
+def measure(name: str, args: argparse.Namespace) -> None:
+    plugins = extra_plugins([name])
+    ((plug_name, plugin),) = plugins.items()
+    per_step: dict[int, float] = {}
+    holder: dict[str, Any] = {}
+    instrument(plugin, per_step, lambda: holder["state"].timestamp.batch if "state" in holder else -1)
+    clock = StepClock()
+    torch.manual_seed(0)
+    loader = make_loader(args.steps, 32, args.width)
+    trainer = Trainer(Net(args.width), loader, f"{args.steps}ba",
+                      optimizers=lambda p: torch.optim.AdamW(p, lr=1e-4),
+                      callbacks={plug_name: plugin, "clock": clock}, eval_interval=None)
+    holder["state"] = trainer.state
+    trainer.fit()
+    step = statistics.median(clock.times)
+    spent = [per_step.get(i, 0.0) for i in range(args.steps)]
+    every = getattr(plugin, "_every", None)
+    between = [s for i, s in enumerate(spent) if not every or (i + 1) % every]
+    at = [s for i, s in enumerate(spent) if every and (i + 1) % every == 0]
+    mean_all = sum(spent) / len(spent)
+    mean_between = sum(between) / max(1, len(between))
+    print(f"{name}: median step {step * 1e3:.2f} ms; in its hooks per step {mean_all * 1e6:.1f} us "
+          f"(between intervals {mean_between * 1e6:.1f} us"
+          + (f", at its interval {sum(at) / len(at) * 1e6:.1f} us" if at else "") + ")")
+    print(f"callback_cost: {name} between_ratio {mean_between / step:.4f} all_ratio {mean_all / step:.4f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("names", nargs="+")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--width", type=int, default=768)
+    args = parser.parse_args()
+    for name in args.names:
+        measure(name, args)
+
+
+if __name__ == "__main__":
+    main()
