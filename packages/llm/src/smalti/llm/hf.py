@@ -442,7 +442,12 @@ def export_hf(model: LLM, folder: str | os.PathLike, dtype: str | None = None, t
         eos = tok.eos_id
         if isinstance(tok, BPETokenizer):
             extra["tokenizer.json"] = Path(tok.path)
-    return export_model(model, folder, dtype, max_shard_size, eos_token_id=eos, extra_files=extra)
+    out = export_model(model, folder, dtype, max_shard_size, eos_token_id=eos, extra_files=extra)
+    if extra:  # tokenizer_config.json and the special tokens too: AutoTokenizer and lm-eval need them
+        from smalti.llm.hf_mpt import write_tokenizer_files
+
+        write_tokenizer_files(tokenizer, Path(out))
+    return out
 
 
 def import_hf(folder: str | os.PathLike, **overrides: Any) -> LLM:
