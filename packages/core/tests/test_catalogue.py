@@ -15,6 +15,7 @@ CATALOGUE = [
     ("callbacks", "profiler", "smalti.core.callbacks.Profiler"),
     ("algorithms", "label_smoothing", "smalti.core.algorithms.LabelSmoothing"),
     ("algorithms", "layer_freezing", "smalti.core.algorithms.LayerFreezing"),
+    ("algorithms", "seq_length_warmup", "smalti.core.algorithms.SeqLengthWarmup"),
 ]
 
 

@@ -4,5 +4,6 @@ from smalti.core.algorithms.ema import EMA
 from smalti.core.algorithms.grad_clip import GradientClipping
 from smalti.core.algorithms.label_smoothing import LabelSmoothing
 from smalti.core.algorithms.layer_freezing import LayerFreezing
+from smalti.core.algorithms.seq_length_warmup import SeqLengthWarmup
 
-__all__ = ["EMA", "GradientClipping", "LabelSmoothing", "LayerFreezing"]
+__all__ = ["EMA", "GradientClipping", "LabelSmoothing", "LayerFreezing", "SeqLengthWarmup"]
