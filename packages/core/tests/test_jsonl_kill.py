@@ -23,7 +23,8 @@ class KillAt(Callback):
 
 Trainer(MLPRegressor(), build_dataloader(SyntheticRegression(4096), 16), "100000ba", eval_interval=None,
         callbacks={"speed": SpeedMonitor(window_size=5), "lr": LRMonitor(), "kill": KillAt()},
-        loggers={"jsonl": JSONLLogger(sys.argv[1])}, config={"optimizer": {"lr": 0.01}}).fit()
+        loggers={"jsonl": JSONLLogger(sys.argv[1])}, config={"optimizer": {"lr": 0.01}},
+        log_interval="1ba").fit()  # every step's loss handed to the logger at once (default: every 10 steps)
 """
 
 

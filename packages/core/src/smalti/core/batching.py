@@ -14,6 +14,9 @@ def batch_size_of(batch: Any) -> int:
     """Number of samples in ``batch``: the leading dimension of its first tensor."""
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0])
+    kind = type(batch)
+    if (kind is tuple or kind is list) and batch and isinstance(batch[0], torch.Tensor):
+        return int(batch[0].shape[0])  # the common case, without the slower abstract-class checks below
     if isinstance(batch, Mapping):
         for value in batch.values():
             try:
@@ -58,7 +61,7 @@ def _slice(batch: Any, start: int, end: int, n: int) -> Any:
 def move_to_device(batch: Any, device: torch.device) -> Any:
     """Move every tensor inside ``batch`` to ``device`` (non-blocking)."""
     if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
+        return batch if batch.device == device else batch.to(device, non_blocking=True)
     if isinstance(batch, Mapping):
         return type(batch)({k: move_to_device(v, device) for k, v in batch.items()})  # type: ignore[call-arg]
     if isinstance(batch, tuple):

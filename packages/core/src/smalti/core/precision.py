@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 
 import torch
 
@@ -19,15 +18,15 @@ def check_precision(precision: str) -> str:
     return precision
 
 
-@contextlib.contextmanager
-def autocast(precision: str, device: torch.device) -> Iterator[None]:
-    """The autocast region for the forward and loss at ``precision`` on ``device``."""
+_FP32 = contextlib.nullcontext()
+
+
+def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager[None]:
+    """The autocast region for the forward and loss at ``precision`` on ``device`` (nothing to enter for fp32)."""
     if precision == "fp32":
-        yield
-        return
+        return _FP32
     dtype = torch.bfloat16 if precision == "amp_bf16" else torch.float16
-    with torch.autocast(device_type=device.type, dtype=dtype):
-        yield
+    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def make_grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler | None:

@@ -71,6 +71,30 @@ class State:
     eval_interval: Time | None = None
     last_eval_batch: int = -1
 
+    _loss_read: tuple[torch.Tensor | None, float] = field(default=(None, 0.0), repr=False)
+
+    # ------------------------------------------------------------------ the loss on the host
+
+    def batch_loss_value(self) -> float | None:
+        """This step's ``batch_loss`` as a Python float (``None`` before the first step).
+
+        Reading a value on the host waits for the device (a pipeline stall on a GPU): the trainer reads the
+        losses once per log interval, and this returns that value without another read when the step is one
+        the trainer has just read. Otherwise it reads the loss itself, once per step however often it is asked.
+        """
+        loss = self.batch_loss
+        if loss is None:
+            return None
+        seen, value = self._loss_read
+        if seen is not loss:
+            value = float(loss)
+            self._loss_read = (loss, value)
+        return value
+
+    def remember_batch_loss_value(self, loss: torch.Tensor, value: float) -> None:
+        """Record that ``loss`` (a step's ``batch_loss``) was read on the host as ``value``."""
+        self._loss_read = (loss, value)
+
     # ------------------------------------------------------------------ time
 
     def to_batches(self, time: Time | str) -> int:

@@ -6,6 +6,7 @@ the hooks in :mod:`smalti.core.plugins.hookspecs`; the trainer calls them in the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -21,12 +22,13 @@ from smalti.core.data import seed_data_loading
 from smalti.core.errors import ConfigError, TrainingError
 from smalti.core.evaluator import Evaluator
 from smalti.core.events import Event
+from smalti.core.intervals import interval_fires
 from smalti.core.logger import Logger
 from smalti.core.optim import DecoupledAdamW, Schedule
 from smalti.core.parallelism import DDP, Parallelism, SingleDevice
 from smalti.core.plugins.manager import SmaltiPluginManager, new_plugin_manager
 from smalti.core.precision import autocast, check_precision, make_grad_scaler
-from smalti.core.seed import seed_all
+from smalti.core.seed import configure_determinism, seed_all
 from smalti.core.state import State
 from smalti.core.time import Time
 
@@ -85,6 +87,13 @@ class Trainer:
         compile: wrap the model's forward with ``torch.compile``.
         config: the run's resolved config, sent to ``log_hyperparameters`` and checked equal across ranks.
         load_state: a :meth:`State.state_dict` to resume from.
+        log_interval: how often the step losses are read from the device and logged (``"10ba"``, ...). Each
+            step's ``loss/train/total`` is logged with its own step number, in one transfer per interval, so
+            the steps in between never wait for the device. Default: the finest ``log_interval`` of the
+            loggers that print at one (the console logger's), else ``10ba``. The losses are also read before
+            a checkpoint, at the end of the run and when it fails.
+        deterministic: bit-reproducible runs (:func:`smalti.core.seed.configure_determinism`): deterministic
+            algorithms only, the cuBLAS workspace setting on GPU, a fixed number of CPU threads.
     """
 
     def __init__(
@@ -110,9 +119,13 @@ class Trainer:
         config: dict[str, Any] | None = None,
         plugin_manager: SmaltiPluginManager | None = None,
         load_state: dict[str, Any] | None = None,
+        log_interval: Time | str | int | None = None,
+        deterministic: bool = False,
     ) -> None:
         _check_model(model)
         check_precision(precision)
+        if deterministic:
+            configure_determinism()
         self.parallelism = parallelism or (DDP() if distributed.env_world_size() > 1 else SingleDevice())
         self.parallelism.init_distributed()
         if config is not None:
@@ -152,6 +165,13 @@ class Trainer:
         )
         self._closed = False
         self._replay = 0
+        self._callers: dict[Event, Any] = {}
+        # A parallelism that keeps the base class's no-op gradient_sync needs no context around each microbatch.
+        self._sync_context = type(self.parallelism).gradient_sync is not Parallelism.gradient_sync
+        self._log_intervals = self._loss_intervals(log_interval)
+        self._pending_losses: list[tuple[int, torch.Tensor]] = []
+        self._host_counts: tuple[Any, int, int] | None = None
+        self._microbatch_settled = False
         try:
             self._event(Event.INIT)
             model = self.state.raw_model
@@ -198,6 +218,12 @@ class Trainer:
         if size < 1:
             raise ConfigError(f"trainer.device_train_microbatch_size={value!r} must be at least 1")
         return size, False
+
+    def _loss_intervals(self, log_interval: Time | str | int | None) -> list[Time]:
+        if log_interval is not None:
+            return [Time.from_input(log_interval, "ba")]
+        found = [getattr(p, "log_interval", None) for p in self.pm.get_plugins()]
+        return [t for t in found if isinstance(t, Time)] or [Time.from_input("10ba")]
 
     @staticmethod
     def _evaluators(eval_dataloader: Any, subset: int) -> list[Evaluator]:
@@ -273,7 +299,15 @@ class Trainer:
     # ------------------------------------------------------------------ events
 
     def _event(self, event: Event) -> None:
-        getattr(self.hook, event.hook_name)(state=self.state, logger=self.logger)
+        caller = self._callers.get(event)
+        if caller is None:
+            caller = self._callers[event] = getattr(self.hook, event.hook_name)
+        if caller.get_hookimpls():  # most events have no implementation: skip pluggy's call machinery
+            caller(state=self.state, logger=self.logger)
+
+    def _decides(self, hook_name: str) -> bool:
+        """Whether any plugin implements the decision hook (asked every batch; most runs have none for some)."""
+        return bool(getattr(self.hook, hook_name).get_hookimpls())
 
     # ------------------------------------------------------------------ the loop
 
@@ -286,6 +320,7 @@ class Trainer:
                 self._run_epoch()
                 if state.stop_requested:
                     break
+            self._flush_losses()
             state.checkpoint_requested = bool(self.hook.should_checkpoint(state=state, event=Event.FIT_END))
             if self.hook.should_eval(state=state, event=Event.FIT_END):
                 self.eval()
@@ -319,7 +354,10 @@ class Trainer:
             except StopIteration:
                 break
             produced = True
+            # Counted on the host copy: counting tokens through an attention mask on the device would wait for it.
+            samples, tokens = batch_size_of(batch), num_tokens_of(state.raw_model, batch)
             state.batch = move_to_device(batch, state.device)
+            self._host_counts = (state.batch, samples, tokens)
             self._event(Event.AFTER_DATALOADER)
             self.train_step(state.batch)
             self._after_batch()
@@ -363,14 +401,30 @@ class Trainer:
 
     def _after_batch(self) -> None:
         state = self.state
-        self.logger.log_metrics({"loss/train/total": float(state.batch_loss)})
+        if state.batch_loss is not None:
+            self._pending_losses.append((state.timestamp.batch, state.batch_loss))
+            if any(interval_fires(i, state, "batch_end") for i in self._log_intervals):
+                self._flush_losses()
         self._event(Event.BATCH_END)
-        if self.hook.should_eval(state=state, event=Event.BATCH_END):
+        if self._decides("should_eval") and self.hook.should_eval(state=state, event=Event.BATCH_END):
             self.eval()
-        state.checkpoint_requested = bool(self.hook.should_checkpoint(state=state, event=Event.BATCH_END))
+        state.checkpoint_requested = self._decides("should_checkpoint") and bool(
+            self.hook.should_checkpoint(state=state, event=Event.BATCH_END))
+        if state.checkpoint_requested:
+            self._flush_losses()  # a resumed run restarts after the checkpoint: the steps before it are logged
         self._event(Event.BATCH_CHECKPOINT)
-        if self.hook.should_stop(state=state):
+        if self._decides("should_stop") and self.hook.should_stop(state=state):
             state.stop_requested = True
+
+    def _flush_losses(self) -> None:
+        """Read the losses of the steps since the last read in one transfer and log each at its own step."""
+        pending, self._pending_losses = self._pending_losses, []
+        if not pending:
+            return
+        values = torch.stack([loss.reshape(()).float() for _, loss in pending]).tolist()
+        self.state.remember_batch_loss_value(pending[-1][1], values[-1])
+        for (step, _), value in zip(pending, values):
+            self.logger.log_metrics({"loss/train/total": value}, step=step)
 
     def train_step(self, batch: Any) -> torch.Tensor:
         """One optimizer step on ``batch``: microbatches, backward, optimizer and scheduler step, time advance."""
@@ -379,8 +433,13 @@ class Trainer:
         self._event(Event.BATCH_START)
         # Ranks of one sequence- or tensor-parallel group read the same samples: count them once. A model
         # under sequence parallelism counts only its own chunk's tokens, so tokens sum over every rank.
-        state.batch_num_samples = batch_size_of(batch) * state.dp_world_size
-        state.batch_num_tokens = num_tokens_of(state.raw_model, batch) * state.world_size
+        counted, self._host_counts = self._host_counts, None
+        if counted is not None and counted[0] is batch:
+            samples, tokens = counted[1], counted[2]
+        else:  # called directly, or a plugin replaced the batch after the data loader
+            samples, tokens = batch_size_of(batch), num_tokens_of(state.raw_model, batch)
+        state.batch_num_samples = samples * state.dp_world_size
+        state.batch_num_tokens = tokens * state.world_size
         while True:
             for opt in state.optimizers:
                 opt.zero_grad(set_to_none=True)
@@ -392,11 +451,12 @@ class Trainer:
                 if not state.auto_microbatching:
                     raise
                 oom = True
-            if state.auto_microbatching and distributed.all_reduce_max(int(oom), state.device):
+            if state.auto_microbatching and self._some_rank_out_of_memory(oom):
                 self._shrink_microbatch(batch)
                 continue
             break
-        state.batch_loss = distributed.all_reduce_mean_(loss.detach().clone())
+        # Averaged in place over ranks: a copy, as ``loss`` may share memory with ``state.loss``.
+        state.batch_loss = distributed.all_reduce_mean_(loss.clone()) if state.world_size > 1 else loss
         if state.grad_scaler is not None:
             for opt in state.optimizers:
                 state.grad_scaler.unscale_(opt)
@@ -417,6 +477,28 @@ class Trainer:
         self._event(Event.AFTER_OPTIMIZER_STEP)
         state.timestamp.advance_batch(state.batch_num_samples, state.batch_num_tokens, time.perf_counter() - start)
         return state.batch_loss
+
+    def _some_rank_out_of_memory(self, oom: bool) -> bool:
+        """Whether any rank ran out of memory in this try of the batch.
+
+        The ranks agree (an all-reduce read on the host: a sync) only while the size is being searched: on the
+        first step and on the step after each change. Once a size has worked on every rank it stays; a later
+        out-of-memory error on one rank cannot be agreed on without a sync every step, so it is raised.
+        """
+        state = self.state
+        if distributed.get_world_size() == 1:
+            return oom
+        if self._microbatch_settled:
+            if oom:
+                raise TrainingError(
+                    f"out of memory at device_train_microbatch_size={state.device_train_microbatch_size} on rank "
+                    f"{state.rank} after that size had worked on every rank; resume with a smaller "
+                    "trainer.device_train_microbatch_size"
+                )
+            return False
+        agreed = bool(distributed.all_reduce_max(int(oom), state.device))
+        self._microbatch_settled = not agreed
+        return agreed
 
     def _microbatch_size(self, batch: Any) -> int:
         state = self.state
@@ -447,16 +529,17 @@ class Trainer:
         """Forward and backward over the microbatches of ``batch``; returns the batch's mean loss (detached)."""
         state = self.state
         micro_size = self._microbatch_size(batch)
-        microbatches = split_batch(batch, micro_size)
         total = batch_size_of(batch)
+        microbatches = [batch] if micro_size >= total else split_batch(batch, micro_size)
         state.num_microbatches = len(microbatches)
-        batch_loss = torch.zeros((), device=state.device)
+        sync_context = self._sync_context
+        batch_loss: torch.Tensor | None = None
         for idx, micro in enumerate(microbatches):
             state.microbatch_idx = idx
             state.microbatch = micro
             last = idx == len(microbatches) - 1
             self._event(Event.MICROBATCH_START)
-            with self.parallelism.gradient_sync(state.model, enabled=last):
+            with self.parallelism.gradient_sync(state.model, enabled=last) if sync_context else _NO_CONTEXT:
                 self._event(Event.BEFORE_FORWARD)
                 with autocast(state.precision, state.device):
                     state.outputs = state.model(state.microbatch)
@@ -464,17 +547,24 @@ class Trainer:
                     self._event(Event.BEFORE_LOSS)
                     state.loss = state.raw_model.loss(state.outputs, state.microbatch)
                 self._event(Event.AFTER_LOSS)
-                weight = batch_size_of(state.microbatch) / total
-                scaled = state.loss * weight
+                # One microbatch (the common case) needs no weighting: no extra op in the graph or after it.
+                weight = 1.0 if len(microbatches) == 1 else batch_size_of(state.microbatch) / total
+                scaled = state.loss if weight == 1.0 else state.loss * weight
                 if state.grad_scaler is not None:
                     scaled = state.grad_scaler.scale(scaled)
                 self._event(Event.BEFORE_BACKWARD)
                 scaled.backward()
                 self._event(Event.AFTER_BACKWARD)
-            batch_loss += state.loss.detach().float() * weight
+            part = state.loss.detach()
+            if part.dtype != torch.float32:
+                part = part.float()
+            if weight != 1.0:
+                part = part * weight
+            batch_loss = part if batch_loss is None else batch_loss + part
             self._event(Event.MICROBATCH_END)
         state.microbatch = None
         state.outputs = None
+        assert batch_loss is not None  # split_batch gives at least one microbatch
         return batch_loss
 
     # ------------------------------------------------------------------ evaluation
@@ -537,6 +627,10 @@ class Trainer:
 
     def _fail(self, exc: BaseException) -> None:
         try:
+            try:
+                self._flush_losses()  # the losses of the steps that did finish
+            except Exception:  # noqa: BLE001 - the original error is the one to report
+                log.debug("could not log the pending losses", exc_info=True)
             self.hook.on_exception(state=self.state, logger=self.logger, exc=exc)
         finally:
             self.close()
@@ -556,6 +650,9 @@ class Trainer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_NO_CONTEXT = contextlib.nullcontext()
 
 
 def _safe_len(loader: Any) -> int | None:

@@ -10,7 +10,7 @@ from torch import nn
 
 from smalti.moe import ops
 from smalti.moe.errors import MoEError
-from smalti.moe.losses import load_balancing_loss, router_z_loss
+from smalti.moe.losses import expert_counts, load_balancing_loss, router_z_loss
 from smalti.moe.reference import ACTIVATIONS
 from smalti.moe.router import Router, Routing
 
@@ -141,7 +141,7 @@ class MoE(nn.Module):
         weights = self._apply_capacity(routing)
         if self.training and self.load_balancing == "aux_free":
             with torch.no_grad():
-                self.tokens_per_expert += torch.bincount(routing.expert_ids.reshape(-1), minlength=self.num_experts)
+                self.tokens_per_expert += expert_counts(routing.expert_ids, self.num_experts)
         if self.expert_group is not None and _group_size(self.expert_group) > 1:
             from smalti.moe.expert_parallel import expert_parallel_forward
 
@@ -178,7 +178,7 @@ class MoE(nn.Module):
         capacity = int(self.capacity_factor * k * tokens / self.num_experts)
         flat = routing.expert_ids.reshape(-1)
         order = torch.sort(flat, stable=True).indices
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        counts = expert_counts(flat, self.num_experts)
         starts = torch.cumsum(counts, 0) - counts
         rank_sorted = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
         rank = torch.empty_like(rank_sorted)

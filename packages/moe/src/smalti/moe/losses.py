@@ -5,6 +5,16 @@ from __future__ import annotations
 import torch
 
 
+def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many (token, slot) entries chose each expert, ``[E]`` int64.
+
+    A scatter-add, not ``bincount``: bincount sizes its output by the largest id, which on a GPU waits for the
+    device.
+    """
+    flat = expert_ids.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
 def load_balancing_loss(probs: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, weight: float,
                         num_layers: int = 1) -> torch.Tensor:
     """Switch/MegaBlocks load-balancing loss of one layer, in fp32.
@@ -15,7 +25,7 @@ def load_balancing_loss(probs: torch.Tensor, expert_ids: torch.Tensor, num_exper
     ``batched_load_balancing_loss``. Equals ``weight / L`` when routing is perfectly balanced.
     """
     tokens, k = expert_ids.shape
-    counts = torch.bincount(expert_ids.reshape(-1), minlength=num_experts).float()
+    counts = expert_counts(expert_ids, num_experts).float()
     mean_probs = probs.float().mean(0)
     return weight * num_experts / (num_layers * tokens * k) * torch.dot(counts, mean_probs)
 

@@ -22,9 +22,11 @@ def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Te
     Returns ``perm [N]`` (int64), ``counts [E]`` (int64) and ``offsets [E]`` (the inclusive cumulative sum of
     ``counts``: where each expert's run of sorted rows ends).
     """
+    from smalti.moe.losses import expert_counts
+
     flat = expert_ids.reshape(-1)
     perm = torch.sort(flat, stable=True).indices
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = expert_counts(flat, num_experts)
     return perm, counts, torch.cumsum(counts, 0)
 
 
@@ -58,6 +60,17 @@ def _expert_slices(offsets: torch.Tensor) -> list[tuple[int, int, int]]:
     return [(e, s, t) for e, (s, t) in enumerate(zip(bounds, bounds[1:])) if t > s]
 
 
+def _fused_grouped(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor | None:
+    """``torch.nn.functional.grouped_mm`` where it takes the operands (fp32/bf16/fp16, 16-byte aligned strides):
+    one call with the offsets on the device, so no host sync. ``None`` where it does not (e.g. float64)."""
+    if a.dtype not in (torch.float32, torch.bfloat16, torch.float16) or a.dtype != b.dtype:
+        return None
+    try:
+        return F.grouped_mm(a, b, offs=offsets.to(torch.int32))
+    except (RuntimeError, TypeError, ValueError):
+        return None
+
+
 def _grouped_sorted(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``a[rows of e] @ b[e]`` for the first ``offsets[-1]`` (sorted) rows of ``a``."""
     rows = int(offsets[-1]) if offsets.numel() else 0
@@ -73,6 +86,9 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch
     ``b`` may be a strided view (e.g. ``w.transpose(1, 2)`` for the input gradient). Rows past
     ``offsets[-1]`` are left unwritten.
     """
+    fused = _fused_grouped(a, b, offsets)
+    if fused is not None:
+        return fused
     out = a.new_empty(a.shape[0], b.shape[-1])
     for e, s, t in _expert_slices(offsets):
         torch.mm(a[s:t], b[e], out=out[s:t])
@@ -90,6 +106,12 @@ def mm_scatter(h: torch.Tensor, w: torch.Tensor, perm: torch.Tensor, offsets: to
     Every entry row is written by exactly one sorted row, so no atomics are needed; rows of entries past
     ``offsets[-1]`` are zero.
     """
+    if h.shape[0] == perm.numel():  # every entry has a sorted row: sizes known without reading offsets
+        c = grouped_mm(h, w, offsets)
+        if offsets.numel():  # rows past offsets[-1] (dropped entries) are zero
+            kept = (torch.arange(c.shape[0], device=c.device) < offsets[-1]).unsqueeze(1)
+            c = torch.where(kept, c, c.new_zeros(()))
+        return c.index_select(0, inverse_permutation(perm))
     c = _grouped_sorted(h, w, offsets)
     if c.shape[0] == perm.numel():
         return c.index_select(0, inverse_permutation(perm))
@@ -107,6 +129,9 @@ def grouped_mm_wgrad(a: torch.Tensor, dc: torch.Tensor, offsets: torch.Tensor, a
         a = a.index_select(0, a_index)
     if dc_index is not None:
         dc = dc.index_select(0, dc_index)
+    fused = _fused_grouped(a.t(), dc, offsets) if offsets.numel() else None
+    if fused is not None:
+        return fused
     out = a.new_zeros(offsets.numel(), a.shape[1], dc.shape[1])
     for e, s, t in _expert_slices(offsets):
         torch.mm(a[s:t].t(), dc[s:t], out=out[e])

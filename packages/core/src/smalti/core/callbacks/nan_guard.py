@@ -10,13 +10,20 @@ from smalti.core.plugins import Callback
 
 
 class NaNGuard(Callback):
-    """Checks the batch loss right before the optimizer step.
+    """Stops the run, or skips the optimizer step, on a NaN or infinite ``loss/train/total``.
 
     The trainer averages ``state.batch_loss`` over ranks, so a NaN or infinity on any rank reaches every
-    rank and all of them take the same decision. ``action="stop"`` raises :class:`TrainingError` naming
-    the batch and the value; ``action="skip"`` sets ``state.skip_optimizer_step`` (the weights and the
-    optimizer state stay as they were), counts the batch in ``nan_guard/skipped_batches``, and still stops
-    after ``max_skips`` skipped batches in a row.
+    rank and all of them take the same decision.
+
+    ``action="stop"`` raises :class:`TrainingError` naming the batch and the value. It reads the losses the
+    trainer hands the loggers, so it adds no wait for the device: the trainer reads them once per log interval,
+    before every checkpoint and at the end, so the run stops at most one log interval after the bad batch and
+    never saves a checkpoint after it.
+
+    ``action="skip"`` must know before each optimizer step, so it reads each step's loss (one host sync per
+    step on a GPU). It sets ``state.skip_optimizer_step`` (the weights and the optimizer state stay as they
+    were), counts the batch in ``nan_guard/skipped_batches``, and still stops after ``max_skips`` skipped
+    batches in a row.
     """
 
     def __init__(self, action: str = "stop", max_skips: int = 10) -> None:
@@ -28,20 +35,32 @@ class NaNGuard(Callback):
         self.max_skips = max_skips
         self.skipped = 0
         self._in_a_row = 0
+        self._epoch_start = (0, 0)  # (epoch, first batch of it), to name a batch logged after the fact
+
+    def on_epoch_start(self, state: Any) -> None:
+        self._epoch_start = (state.timestamp.epoch, state.timestamp.batch)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if self.action != "stop" or "loss/train/total" not in metrics:
+            return
+        loss = float(metrics["loss/train/total"])
+        if not math.isfinite(loss):
+            epoch, first = self._epoch_start
+            where = f"batch {step} (epoch {epoch}, batch {step - first} of the epoch)"
+            raise TrainingError(
+                f"loss/train/total is {loss} at {where}; lower the learning rate, add gradient clipping, check "
+                "the data, or set callbacks.nan_guard.action=skip to skip such batches"
+            )
 
     def on_before_optimizer_step(self, state: Any, logger: Any) -> None:
-        value = state.batch_loss if state.batch_loss is not None else state.loss
-        loss = float(value)
+        if self.action != "skip":
+            return
+        loss = state.batch_loss_value() if state.batch_loss is not None else float(state.loss)
         if math.isfinite(loss):
             self._in_a_row = 0
             return
         ts = state.timestamp
         where = f"batch {ts.batch + 1} (epoch {ts.epoch}, batch {ts.batch_in_epoch + 1} of the epoch)"
-        if self.action == "stop":
-            raise TrainingError(
-                f"loss/train/total is {loss} at {where}; lower the learning rate, add gradient clipping, check "
-                "the data, or set callbacks.nan_guard.action=skip to skip such batches"
-            )
         if self._in_a_row >= self.max_skips:
             raise TrainingError(
                 f"loss/train/total is {loss} at {where}, after {self._in_a_row} skipped batches in a row "

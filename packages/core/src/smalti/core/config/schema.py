@@ -24,6 +24,8 @@ class TrainerConfig:
     seed: int = 17
     compile: bool = False
     device: Any = None
+    deterministic: bool = False
+    log_interval: Any = None
 
 
 @dataclass

@@ -30,6 +30,8 @@ class ConsoleLogger(LoggerDestination):
                  keys: list[str] | None = None) -> None:
         """``keys``: metric-name prefixes to print (default: loss, lr, grad norm, throughput, MFU); ``["*"]`` for all."""
         self.interval = Time.from_input(log_interval, "ba")
+        #: The trainer reads the step losses on the host at the finest ``log_interval`` of its plugins.
+        self.log_interval = self.interval
         self.keys = tuple(keys) if keys is not None else self.DEFAULT_KEYS
         self.rank_zero_only = rank_zero_only
         self.stream = stream

@@ -8,8 +8,8 @@ gradient of the hidden states (``dlogits @ W``) and adds into the gradient of th
 Only those two gradients (the sizes of ``hidden`` and ``weight``) wait for backward, which scales them by the
 incoming gradient. The matrix products are the three of the plain path, none repeated.
 
-Rows whose target is ``ignore_index`` are dropped before the projection (prompt tokens of a finetuning batch
-cost nothing in the head).
+Rows whose target is ``ignore_index`` are masked (they count for nothing): dropping them before the projection
+would need their number on the host, a wait for the device every step on a GPU.
 """
 
 from __future__ import annotations
@@ -42,14 +42,15 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     ) -> torch.Tensor:
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dtype = _compute_dtype(hidden)
-        n_rows, vocab = hidden.shape[0], weight.shape[0]
+        vocab = weight.shape[0]
+        # Ignored rows are masked, not dropped: dropping them needs their number on the host, which on a GPU
+        # waits for the device every step.
         valid = targets != ignore_index
-        rows = valid.nonzero().squeeze(1)
-        all_valid = rows.numel() == n_rows
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)
-            h = hidden.to(dtype) if all_valid else hidden.index_select(0, rows).to(dtype)
-            t = targets if all_valid else targets.index_select(0, rows)
+            h = hidden.to(dtype)
+            t = targets.masked_fill(~valid, 0)
+            keep = valid.float()
             n = h.shape[0]
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
             grad_h = torch.empty_like(h) if want_h else None
@@ -64,12 +65,13 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 top = logits.amax(dim=-1, keepdim=True)
                 exp = logits.sub_(top).exp_()
                 sums = exp.sum(dim=-1)
-                total += (sums.log() + top.squeeze(1) - target_logit).sum()
+                total += ((sums.log() + top.squeeze(1) - target_logit) * keep[start:stop]).sum()
                 if not (want_h or want_w):
                     continue
                 # softmax - one_hot(target): the gradient of the summed loss with respect to this chunk's logits.
                 dlogits = exp.mul_(sums.reciprocal_()[:, None])
                 dlogits[torch.arange(stop - start, device=dlogits.device), tc] -= 1.0
+                dlogits.mul_(keep[start:stop, None])
                 dlogits = dlogits.to(dtype)
                 if grad_h is not None:
                     torch.mm(dlogits, w, out=grad_h[start:stop])
@@ -78,20 +80,15 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                         grad_w.addmm_(dlogits.t(), hc)
                     else:
                         grad_w += torch.mm(dlogits.t(), hc).float()
-            scale = 1.0
             if reduction == "mean":
-                count = torch.clamp(torch.tensor(float(n), device=hidden.device), min=1.0)
-                total = total / count
-                scale = 1.0 / max(n, 1)
+                scale = keep.sum().clamp(min=1.0).reciprocal()  # stays on the device
+                total = total * scale
             if grad_h is not None:
-                if scale != 1.0:
-                    grad_h.mul_(scale)
-                if not all_valid:
-                    full = torch.zeros(n_rows, h.shape[1], dtype=hidden.dtype, device=hidden.device)
-                    grad_h = full.index_copy_(0, rows, grad_h.to(hidden.dtype))
+                if reduction == "mean":
+                    grad_h.mul_(scale.to(grad_h.dtype))
                 grad_h = grad_h.to(hidden.dtype)
             if grad_w is not None:
-                if scale != 1.0:
+                if reduction == "mean":
                     grad_w.mul_(scale)
                 grad_w = grad_w.to(weight.dtype)
         ctx.has_h, ctx.has_w = grad_h is not None, grad_w is not None

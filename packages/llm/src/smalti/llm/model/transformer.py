@@ -344,7 +344,7 @@ class LLM(nn.Module):
             if sp is not None:
                 out["sequence_slice"] = (start, stop, sp.size)
             targets = self._local_targets(out, batch)
-            out["fused_targets"] = targets
+            out["fused_labels"] = batch.get("labels", batch["input_ids"])  # what the targets were made from
             out["fused_ce"] = self._fused_ce(x, self.output_weight, targets, sp is not None)
         else:
             out = {"logits": F.linear(x, self.output_weight)}
@@ -379,7 +379,8 @@ class LLM(nn.Module):
         piece = outputs.get("sequence_slice")
         if "fused_ce" in outputs and "logits" not in outputs:
             targets = self._local_targets(outputs, batch)
-            if torch.equal(targets, outputs["fused_targets"]):
+            # The same labels tensor as forward's: an identity check, as comparing values would wait for the device.
+            if batch.get("labels", batch["input_ids"]) is outputs["fused_labels"]:
                 loss = outputs["fused_ce"]  # forward scored the same targets
             else:  # other labels than forward's batch (outside FSDP2, which frees the weight after forward)
                 loss = self._fused_ce(outputs["hidden"], outputs["output_weight"], targets, piece is not None)
