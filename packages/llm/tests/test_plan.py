@@ -68,6 +68,7 @@ CONFIGS = [
     [*TINY, "+model.activation_checkpointing=block"],
     [*TINY, "+model.fused_loss=false"],
     [*TINY, "model=llama_tiny", "trainer.precision=amp_bf16"],  # RMSNorm, SwiGLU, GQA, untied head, bf16 autocast
+    [*TINY, "model.position=alibi"],  # tiled attention with a shared bias
 ]
 
 

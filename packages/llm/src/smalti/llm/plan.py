@@ -14,7 +14,8 @@ activation model follows what this package's code keeps for backward, tensor by 
   one chunk of fp32 logits (:data:`smalti.llm.model.fused_loss.CHUNK_ELEMENTS`); without it the
   ``[B, T, vocab]`` logits in the compute dtype, their fp32 log-softmax, and the two fp32 gradients of
   backward (``(c + 12)`` bytes per logit);
-* attention masks (ALiBi biases, ``sequence_id``, sliding windows) as SDPA receives them.
+* masked attention (ALiBi, sliding windows, ``sequence_id``) runs in tiles: one shared bias tensor and one
+  more copy of the attention output per block (:mod:`smalti.llm.model.attention_mask`).
 
 MoE FFNs are estimated as ``top_k`` dense FFNs per token plus the routing buffers (an approximation).
 """
@@ -144,7 +145,10 @@ def activation_bytes(
     blocks = sum(kept[chosen.get(i)] for i in range(n_layers)) * tokens
     recompute = max((rebuilt[chosen.get(i)] for i in range(n_layers)), default=0.0) * tokens
 
-    masks = _mask_bytes(cfg, micro_batch_size, seq_len, compute_bytes, sequence_id, n_layers)
+    masks = _mask_bytes(cfg, seq_len, compute_bytes, sequence_id)
+    if _masked(cfg, seq_len, sequence_id):
+        # Tiled attention concatenates its tiles' outputs: one more attention-output copy per block and token.
+        blocks += sum(1 for i in range(n_layers) if chosen.get(i) in (None, "ffn")) * tokens * compute_bytes * d
     norm_keep, norm_out = _norm_bytes(cfg["norm_type"], residual_bytes, autocast_bytes)
     rows = int(tokens)
     if getattr(model, "fused_loss", True):
@@ -170,19 +174,25 @@ def activation_bytes(
             "inputs": float(inputs)}
 
 
-def _mask_bytes(cfg: dict[str, Any], batch: int, seq_len: int, compute: int, sequence_id: bool, n_layers: int) -> float:
+def _masked(cfg: dict[str, Any], seq_len: int, sequence_id: bool) -> bool:
+    """Whether attention runs in tiles (:mod:`smalti.llm.model.attention_mask`) rather than one causal SDPA."""
     window = cfg.get("sliding_window")
     windowed = window is not None and window < seq_len
     uses_ids = sequence_id and cfg.get("attn_uses_sequence_id", True)
-    alibi = cfg["position"] == "alibi"
-    if not (alibi or windowed or uses_ids):
+    return cfg["position"] == "alibi" or windowed or bool(uses_ids)
+
+
+def _mask_bytes(cfg: dict[str, Any], seq_len: int, compute: int, sequence_id: bool) -> float:
+    """The one bias tensor tiled attention shares across layers (ALiBi or sliding windows), in the compute dtype.
+    Nothing ``T x T`` is held: document masks become per-span causal calls."""
+    window = cfg.get("sliding_window")
+    if cfg["position"] != "alibi" and (window is None or window >= seq_len):
         return 0.0
-    rows = batch if uses_ids else 1
-    if not alibi:
-        return float(rows * seq_len * seq_len)  # one boolean mask, shared by every layer
-    bias = rows * cfg["n_heads"] * seq_len * seq_len
-    # The fp32 bias, and under a half-precision compute dtype a cast copy per layer that SDPA keeps.
-    return float(bias * 4 + (bias * compute * n_layers if compute != 4 else 0))
+    from smalti.llm.model.attention_mask import BIAS_ELEMENTS, CHUNK_ROWS
+
+    heads = cfg["n_heads"] if cfg["position"] == "alibi" else 1
+    keys = seq_len if window is None or window >= seq_len else min(seq_len, CHUNK_ROWS + window - 1)
+    return float(min(BIAS_ELEMENTS, heads * min(CHUNK_ROWS, seq_len) * keys) * compute)
 
 
 def training_flops(model: Any, micro_batch_size: int, seq_len: int) -> float:
