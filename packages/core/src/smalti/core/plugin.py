@@ -25,3 +25,11 @@ def should_eval(state: State, event: Event) -> bool | None:
     if event == "fit_end":
         return state.last_eval_batch != state.timestamp.batch
     return interval_fires(state.eval_interval, state, event)
+
+
+@hookimpl
+def smalti_config_schemas() -> dict[str, type]:
+    """Schemas of the ``trainer`` and ``data`` sections and of core's components (checked before building)."""
+    from smalti.core.config.core_schemas import schemas
+
+    return schemas()

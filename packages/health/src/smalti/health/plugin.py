@@ -11,3 +11,11 @@ hookimpl = pluggy.HookimplMarker("smalti")
 def smalti_config_searchpath() -> str:
     """Add the ``health`` config group's options: watchdog, straggler, mfu_alarm, gpu_monitor."""
     return "pkg://smalti.health.conf"
+
+
+@hookimpl
+def smalti_config_schemas() -> dict[str, type]:
+    """The schemas of the ``health`` options, checked before anything is built."""
+    from smalti.health.config_schema import schemas
+
+    return schemas()

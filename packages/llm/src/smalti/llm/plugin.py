@@ -24,3 +24,11 @@ def smalti_plan_model(model: Any, setup: Any) -> Any:
     from smalti.llm.plan import plan_model
 
     return plan_model(model, setup)
+
+
+@hookimpl
+def smalti_config_schemas() -> dict:
+    """The schemas of smalti-llm's models, datasets, parallelism and callbacks, checked before building."""
+    from smalti.llm.config_schema import schemas
+
+    return schemas()

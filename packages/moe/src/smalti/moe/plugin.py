@@ -14,3 +14,11 @@ hookimpl = pluggy.HookimplMarker("smalti")
 def smalti_config_searchpath() -> str:
     """The ``pkg://`` directory of smalti-moe's config group options."""
     return "pkg://smalti.moe.conf"
+
+
+@hookimpl
+def smalti_config_schemas() -> dict:
+    """The schemas of ``MoE``'s and the bias-update callback's options, checked by smalti-core before building."""
+    from smalti.moe.config_schema import schemas
+
+    return schemas()

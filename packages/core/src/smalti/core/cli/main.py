@@ -37,10 +37,12 @@ def list_run_plugins(overrides: list[str], out=sys.stdout) -> int:
     from omegaconf import DictConfig
 
     from smalti.core.config.schema import register_configs
+    from smalti.core.config.validate import validate_config
 
     register_configs()
     with initialize_config_module(config_module="smalti.core.conf", version_base="1.3"):
         cfg = compose("train", overrides=overrides)
+    validate_config(cfg)  # the same checks as smalti-train: a bad value fails here too
     for group in RUN_GROUPS:
         entries = {k: v for k, v in (cfg.get(group) or {}).items() if isinstance(v, DictConfig) and "_target_" in v}
         print(f"{group}:", file=out)
@@ -63,19 +65,23 @@ def main(argv: list[str] | None = None) -> int:
                               "smalti-train overrides will have")
     sub.add_parser("plan", help="per-GPU memory, step time and MFU of a run: smalti plan <overrides> plan.gpu=h100 "
                    "plan.gpus=8").add_argument("overrides", nargs=argparse.REMAINDER)
-    sub.add_parser("profile", help="top operators of the profiler callback's traces: smalti profile summary "
-                   "outputs/<run>").add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.command == "plan":
         from smalti.core.plan.report import main as plan_main
 
         return plan_main(args.overrides)
-    if args.command == "profile":
-        from smalti.core.callbacks.profiler import profile_main
-
-        return profile_main(args.args)
     if args.command == "plugins":
-        return list_run_plugins(args.run) if args.run is not None else list_plugins()
+        if args.run is None:
+            return list_plugins()
+        from hydra.errors import CompactHydraException
+
+        from smalti.core.cli.report import report_config_error
+        from smalti.core.errors import ConfigError
+
+        try:
+            return list_run_plugins(args.run)
+        except (ConfigError, CompactHydraException) as exc:
+            return report_config_error(exc, "smalti plugins --run")
     return 2
 
 

@@ -8,10 +8,14 @@ Runs as one process, or on every rank under ``torchrun ... -m smalti.core.cli.tr
 
 from __future__ import annotations
 
+import sys
+
 import hydra
 from omegaconf import DictConfig
 
+from smalti.core.cli.report import install_hydra_exit_code, report_config_error
 from smalti.core.config.schema import register_configs
+from smalti.core.errors import ConfigError
 from smalti.core.launch.node import (
     quiet_launcher_schema_notice,
     report_result,
@@ -21,10 +25,23 @@ from smalti.core.launch.node import (
 
 register_configs()
 quiet_launcher_schema_notice()  # conf/hydra/launcher/submitit_*.yaml match smalti's launcher schemas on purpose
+install_hydra_exit_code("smalti-train")
 
 
 @hydra.main(version_base="1.3", config_path="pkg://smalti.core.conf", config_name="train")
 def _train(cfg: DictConfig) -> float:
+    try:
+        return _checked_train(cfg)
+    except ConfigError as exc:
+        # A user's config error: a few lines naming the key, no traceback, exit code 2 (a bug keeps its traceback).
+        sys.exit(report_config_error(exc, "smalti-train"))
+
+
+def _checked_train(cfg: DictConfig) -> float:
+    from smalti.core.config.validate import validate_config
+
+    validate_config(cfg)  # every value against the installed schemas, before anything is imported or built
+
     from smalti.core.config.build import run
     from smalti.core.distributed import warn_if_restarts_may_hang
     from smalti.core.run_name import start_hydra_run

@@ -11,11 +11,12 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from smalti.core import distributed
+from smalti.core.config.validate import validate_config
 from smalti.core.data import build_dataloader, per_rank_batch_size
-from smalti.core.errors import ConfigError
+from smalti.core.errors import ConfigError, SmaltiError
 from smalti.core.parallelism import Parallelism, SingleDevice
 from smalti.core.redact import redact
-from smalti.core.seed import configure_determinism, seed_all
+from smalti.core.seed import seed_all
 from smalti.core.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,20 @@ def build(node: Any, key: str, **kwargs: Any) -> Any:
     try:
         return instantiate(node, **kwargs)
     except InstantiationException as exc:
+        cause = exc.__cause__
+        if is_user_error(cause):
+            # A package's own check (a missing data path, a bad bucket URL): its message, named by key.
+            message = " ".join(str(cause).split())
+            raise ConfigError(f"{key} ({node.get('_target_')}): {message}") from cause
         raise ConfigError(f"could not build `{key}` ({node.get('_target_')}): {exc}") from exc
+
+
+def is_user_error(exc: BaseException | None) -> bool:
+    """A deliberate error about the user's input: any smalti package's own error, or smalti-storage's."""
+    if isinstance(exc, SmaltiError):
+        return True
+    return any(cls.__module__.startswith("smalti.storage") and cls.__name__ == "StorageError"
+               for cls in type(exc).__mro__)
 
 
 def build_group(nodes: Any, key: str) -> dict[str, Any]:
@@ -46,15 +60,15 @@ def build_group(nodes: Any, key: str) -> dict[str, Any]:
 
 
 def build_trainer(cfg: DictConfig) -> Trainer:
-    """Instantiate every component of ``cfg`` and return a ready Trainer (process group started)."""
+    """Check ``cfg`` against the installed schemas, then instantiate every component and return a ready Trainer
+    (process group started). A bad value fails here, before anything is built."""
+    validate_config(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     assert isinstance(resolved, dict)
     parallelism = build(cfg.parallelism, "parallelism") or SingleDevice()
     if not isinstance(parallelism, Parallelism):
         raise ConfigError(f"`parallelism` built a {type(parallelism).__name__}, not a smalti Parallelism")
     parallelism.init_distributed()
-    if cfg.trainer.get("deterministic"):
-        configure_determinism()  # before anything runs a kernel (oneMKL reads its settings once)
     seed_all(cfg.trainer.seed)  # before the model is built: same initial weights on every rank and run
 
     data = cfg.data
@@ -108,8 +122,6 @@ def build_trainer(cfg: DictConfig) -> Trainer:
         device=t.device,
         seed=t.seed,
         compile=t.compile,
-        deterministic=bool(t.get("deterministic", False)),
-        log_interval=t.get("log_interval"),
         run_name=cfg.run_name,
         config=resolved,
     )

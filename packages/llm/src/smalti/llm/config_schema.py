@@ -1,0 +1,161 @@
+"""smalti-llm's config schemas: models, datasets, the sequence-parallel strategy and the llm callbacks.
+
+Returned by the ``smalti_config_schemas`` hook of :mod:`smalti.llm.plugin`; checked by smalti-core after
+Hydra composes the run and before anything is built. ``model.moe`` is checked with smalti-moe's schema.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from smalti.core.config.types import (
+    ExistingPath,
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Schema,
+    TimeStr,
+    ValidationInfo,
+    model_validator,
+    run_config,
+    world_size,
+)
+from smalti.core.config.validate import field_error
+from smalti.llm.model.ffn import _ACTIVATIONS, FFN_TYPES
+from smalti.llm.model.norms import NORM_TYPES
+from smalti.llm.model.transformer import POSITIONS
+from smalti.moe.config_schema import MoESchema
+
+_DTYPES = Literal["float32", "bfloat16", "float16"]
+
+
+def _sequence_parallel(info: ValidationInfo) -> int:
+    parallelism = run_config(info).get("parallelism") or {}
+    sp = parallelism.get("sp", 1) if isinstance(parallelism, dict) else 1
+    return sp if isinstance(sp, int) and sp > 0 else 1
+
+
+class LLMSchema(Schema):
+    """:class:`smalti.llm.LLM`'s arguments and the rules between them (and ``parallelism.sp``)."""
+
+    d_model: PositiveInt = 128
+    n_heads: PositiveInt = 4
+    n_layers: PositiveInt = 2
+    vocab_size: PositiveInt = 2048
+    max_seq_len: PositiveInt = 256
+    n_kv_heads: PositiveInt | None = None
+    expansion_ratio: PositiveFloat = 4
+    ffn_hidden_size: PositiveInt | None = None
+    position: Literal[POSITIONS] = "rope"  # type: ignore[valid-type]
+    rope_theta: PositiveFloat = 10000.0
+    alibi_bias_max: PositiveFloat = 8.0
+    clip_qkv: PositiveFloat | None = None
+    softmax_scale: PositiveFloat | None = None
+    sliding_window: PositiveInt | None = None
+    norm_type: Literal[NORM_TYPES] = "layernorm"  # type: ignore[valid-type]
+    norm_eps: PositiveFloat = 1e-5
+    ffn_type: Literal[FFN_TYPES] = "mlp"  # type: ignore[valid-type]
+    activation: Literal[tuple(_ACTIVATIONS)] | None = None  # type: ignore[valid-type]
+    moe: MoESchema | None = None
+    init_std: PositiveFloat = 0.02
+
+    @model_validator(mode="after")
+    def _shapes_agree(self, info: ValidationInfo) -> LLMSchema:
+        if self.d_model % self.n_heads:
+            raise field_error("n_heads", self.n_heads, f"a divisor of model.d_model={self.d_model}")
+        if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
+            raise field_error("n_kv_heads", self.n_kv_heads, f"a divisor of model.n_heads={self.n_heads}")
+        if self.position == "rope" and (self.d_model // self.n_heads) % 2:
+            raise field_error("n_heads", self.n_heads,
+                              f"an even head size d_model/n_heads for position=rope (now {self.d_model // self.n_heads})")
+        sp = _sequence_parallel(info)
+        if self.n_heads % sp:
+            raise field_error("n_heads", self.n_heads, f"a multiple of parallelism.sp={sp} (heads are split over it)")
+        return self
+
+
+class PretrainedLLMSchema(Schema):
+    """:class:`smalti.llm.hf.PretrainedLLM` (``model=hf``): a local folder written by ``save_pretrained``."""
+
+    pretrained: ExistingPath
+    max_seq_len: PositiveInt | None = None
+    require_tokenizer: bool = True
+
+
+class SequenceParallelSchema(Schema):
+    """:class:`smalti.llm.parallelism.SequenceParallelFSDP` (``parallelism=fsdp_sp``)."""
+
+    sp: PositiveInt = 1
+    param_dtype: _DTYPES | None = None
+    reduce_dtype: _DTYPES | None = None
+
+    @model_validator(mode="after")
+    def _divides_world(self, info: ValidationInfo) -> SequenceParallelSchema:
+        world = world_size(info)
+        if world > 1 and world % self.sp:
+            raise field_error("sp", self.sp, f"a divisor of the world size {world}")
+        return self
+
+
+class TextSchema(Schema):
+    """Token datasets built from text: ``TokenizedText``, ``FinetuneDataset``, ``ChatDataset``."""
+
+    max_seq_len: PositiveInt = 128
+    eval_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.1
+    packing: bool = True
+
+
+class ChatSchema(TextSchema):
+    overlong: Literal["truncate", "drop"] = "truncate"
+
+
+class MarkovSchema(Schema):
+    vocab_size: Annotated[int, Field(ge=2)] = 64
+    branching: PositiveInt = 4
+    max_seq_len: PositiveInt = 64
+    num_samples: PositiveInt = 2048
+    concentration: PositiveFloat = 1.0
+    seed: NonNegativeInt = 0
+
+
+class PreparedTextSchema(Schema):
+    """``PreparedTextMDS`` (``data=text_mds``); the folder itself is checked when the dataset is built."""
+
+    max_seq_len: PositiveInt = 2048
+    replication: PositiveInt | None = None
+
+
+class HFExportSchema(Schema):
+    dtype: _DTYPES | None = None
+    max_shard_size: Annotated[int, Field(gt=0)] | Annotated[str, Field(pattern=r"(?i)^\s*[0-9.]+\s*(b|kb|mb|gb|tb)?\s*$")] = "2GB"
+
+
+class ICLSchema(Schema):
+    interval: TimeStr | None = "500ba"
+    at_fit_end: bool = True
+
+
+class MLflowModelSchema(Schema):
+    dtype: _DTYPES = "float32"
+
+
+def schemas() -> dict[str, Any]:
+    """What smalti-llm's ``smalti_config_schemas`` hook returns."""
+    return {
+        "smalti.llm.LLM": LLMSchema,
+        "smalti.llm.model.transformer.LLM": LLMSchema,
+        "smalti.llm.hf.PretrainedLLM": PretrainedLLMSchema,
+        "smalti.llm.parallelism.SequenceParallelFSDP": SequenceParallelSchema,
+        "smalti.llm.data.text.TokenizedText": TextSchema,
+        "smalti.llm.data.finetune.FinetuneDataset": TextSchema,
+        "smalti.llm.data.chat.ChatDataset": ChatSchema,
+        "smalti.llm.data.synthetic.MarkovTokens": MarkovSchema,
+        "smalti.llm.data.prepare.PreparedTextMDS": PreparedTextSchema,
+        "smalti.llm.hf_export.HFExport": HFExportSchema,
+        "smalti.llm.icl.callback.ICLEval": ICLSchema,
+        "smalti.llm.mlflow_registry.MLflowModelRegistry": MLflowModelSchema,
+    }
+
+
+__all__ = ["LLMSchema", "schemas"]
