@@ -222,3 +222,34 @@ def test_decoupled_weight_decay_follows_the_schedule(cls):
     opt.param_groups[0]["lr"] = 0.05  # half the LR -> half the decay
     opt.step()
     torch.testing.assert_close(p.detach(), torch.full((3,), 0.375))
+
+
+@pytest.mark.parametrize("cls", ["DecoupledAdamW", "DecoupledSGDW"])
+def test_decoupled_weight_decay_survives_a_state_dict_round_trip(cls):
+    """torch's AdamW sets its own ``decoupled_weight_decay`` key to True on load; the decay must stay 0.5, not
+    become 1.0 (which zeroed every weight on the first step after a resume)."""
+    import smalti.core.optim as optim
+
+    def fresh():
+        p = torch.nn.Parameter(torch.ones(3))
+        return p, getattr(optim, cls)([p], lr=0.1, weight_decay=0.5)
+
+    p, opt = fresh()
+    p.grad = torch.zeros(3)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    q, resumed = fresh()
+    with torch.no_grad():
+        q.copy_(p)
+    resumed.load_state_dict(saved)
+    q.grad = torch.zeros(3)
+    resumed.step()
+    torch.testing.assert_close(q.detach(), torch.full((3,), 0.25))
+    # a checkpoint written before the key was renamed holds the decay under torch's key, as a float
+    legacy = copy.deepcopy(saved)
+    for group in legacy["param_groups"]:
+        group["decoupled_weight_decay"] = group.pop("smalti_decoupled_weight_decay")
+    r, old = fresh()
+    old.param_groups[0]["smalti_decoupled_weight_decay"] = 0.0
+    old.load_state_dict(legacy)
+    assert old.param_groups[0]["smalti_decoupled_weight_decay"] == 0.5

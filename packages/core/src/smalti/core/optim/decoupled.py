@@ -12,6 +12,12 @@ from typing import Any
 
 import torch
 
+#: The param-group key of the decay per step at the peak LR. Not ``decoupled_weight_decay``: torch's Adam owns
+#: that key (a bool) and AdamW sets it to True whenever a state dict is loaded, which read as a decay of 1.0
+#: zeroed every weight on the first step after a resume.
+DECAY_KEY = "smalti_decoupled_weight_decay"
+_OLD_KEY = "decoupled_weight_decay"  # what checkpoints written before the rename hold (a float)
+
 
 class _DecoupledWeightDecay:
     """Mixin: takes ``weight_decay`` away from the base optimizer and applies it scaled by ``lr / initial_lr``."""
@@ -20,13 +26,24 @@ class _DecoupledWeightDecay:
 
     def _take_weight_decay(self, weight_decay: float) -> None:
         for group in self.param_groups:
-            group["decoupled_weight_decay"] = weight_decay
+            group[DECAY_KEY] = weight_decay
             group.setdefault("initial_lr", group["lr"])
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load as the base optimizer does, keeping each group's decay (also from checkpoints that stored it
+        under torch's ``decoupled_weight_decay`` key, which the base class overwrites with True)."""
+        decays = []
+        for saved, current in zip(state_dict.get("param_groups", []), self.param_groups, strict=False):
+            value = saved.get(DECAY_KEY, saved.get(_OLD_KEY))
+            decays.append(current[DECAY_KEY] if isinstance(value, bool) or value is None else float(value))
+        super().load_state_dict(state_dict)  # type: ignore[misc]
+        for group, decay in zip(self.param_groups, decays, strict=False):
+            group[DECAY_KEY] = decay
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         for group in self.param_groups:
-            decay = group["decoupled_weight_decay"]
+            decay = group[DECAY_KEY]
             if decay:
                 factor = decay * group["lr"] / group["initial_lr"]
                 for p in group["params"]:
