@@ -16,7 +16,7 @@ from smalti.core.data import build_dataloader, per_rank_batch_size
 from smalti.core.errors import ConfigError, SmaltiError
 from smalti.core.parallelism import Parallelism, SingleDevice
 from smalti.core.redact import redact
-from smalti.core.seed import seed_all
+from smalti.core.seed import configure_determinism, seed_all
 from smalti.core.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,8 @@ def build_trainer(cfg: DictConfig) -> Trainer:
     if not isinstance(parallelism, Parallelism):
         raise ConfigError(f"`parallelism` built a {type(parallelism).__name__}, not a smalti Parallelism")
     parallelism.init_distributed()
+    if cfg.trainer.get("deterministic"):
+        configure_determinism()  # before anything runs a kernel (oneMKL reads its settings once)
     seed_all(cfg.trainer.seed)  # before the model is built: same initial weights on every rank and run
 
     data = cfg.data
@@ -122,6 +124,8 @@ def build_trainer(cfg: DictConfig) -> Trainer:
         device=t.device,
         seed=t.seed,
         compile=t.compile,
+        deterministic=bool(t.get("deterministic", False)),
+        log_interval=t.get("log_interval"),
         run_name=cfg.run_name,
         config=resolved,
     )

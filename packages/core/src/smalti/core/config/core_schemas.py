@@ -55,7 +55,6 @@ class TrainerSchema(Schema):
     compile: bool = False
     deterministic: bool = False
     device: Annotated[str, AfterValidator(_device)] | None = None
-    deterministic: bool = False
     log_interval: TimeOrBatches | None = None
 
 
