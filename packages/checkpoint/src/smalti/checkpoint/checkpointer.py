@@ -83,11 +83,12 @@ class Checkpointer(SaveSchedule, LoadAndResume, CommitProtocol, Callback):
             before smalti-checkpoint stored its rank-local state without pickled NumPy arrays.
         local_cache_dir: where remote checkpoints are staged and downloaded (default: a temp dir per folder).
         thread_count: DCP writer threads per rank (one file each).
-        direct_io: ``read`` (default): the load reads the data files ahead with ``O_DIRECT`` where the file
-            system allows it, and saves write through the page cache straight from the tensors' memory, with
-            the kernel's writeback started behind every 16 MiB (the fastest way on the disks measured: see the
-            README). ``true``: saves write with ``O_DIRECT`` too (their bytes are copied into aligned buffers
-            first; no page-cache pressure). ``false``: neither.
+        direct_io: ``true`` (default): saves write with ``O_DIRECT`` where the file system allows it (their
+            bytes are hashed and copied into aligned buffers, a helper thread writes them; no page-cache
+            pressure) and the load reads the data files ahead with ``O_DIRECT``. ``read``: only the load does;
+            saves write through the page cache straight from the tensors' memory, with the kernel's writeback
+            started behind every 16 MiB (no copy of ours; fastest where the page cache is not contended, see
+            the README). ``false``: neither.
         read_ahead_mb: how far (MiB per rank) the background read of the data files may get ahead of the load
             (it starts while the trainer builds the state to load into); the bytes wait in host memory.
         retry_budget_s: seconds each object-store call may keep retrying through a brown-out (smalti-storage's
@@ -114,7 +115,7 @@ class Checkpointer(SaveSchedule, LoadAndResume, CommitProtocol, Callback):
         verify: str = "manifest",
         local_cache_dir: str | None = None,
         thread_count: int = 1,
-        direct_io: bool | str = "read",
+        direct_io: bool | str = True,
         read_ahead_mb: int = 1024,
         s3_retries: int | None = None,
         s3_multipart_mb: int = 64,
