@@ -574,6 +574,8 @@ class Trainer:
         state = self.state
         if not state.evaluators:
             return {}
+        # the pending step losses go first: W&B drops a step logged after a later one (eval logs at this step)
+        self._flush_losses()
         self._event(Event.EVAL_BEFORE_ALL)
         was_training = state.model.training
         state.model.eval()
