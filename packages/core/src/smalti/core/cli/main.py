@@ -65,11 +65,17 @@ def main(argv: list[str] | None = None) -> int:
                               "smalti-train overrides will have")
     sub.add_parser("plan", help="per-GPU memory, step time and MFU of a run: smalti plan <overrides> plan.gpu=h100 "
                    "plan.gpus=8").add_argument("overrides", nargs=argparse.REMAINDER)
+    sub.add_parser("profile", help="top operators of the profiler callback's traces: smalti profile summary "
+                   "outputs/<run>").add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.command == "plan":
         from smalti.core.plan.report import main as plan_main
 
         return plan_main(args.overrides)
+    if args.command == "profile":
+        from smalti.core.callbacks.profiler import profile_main
+
+        return profile_main(args.args)
     if args.command == "plugins":
         if args.run is None:
             return list_plugins()
