@@ -79,5 +79,6 @@ def test_a_hung_rank_is_ended_by_the_watchdog_and_the_restart_resumes_from_the_c
                                                                            "hang-report-attempt0.json"}
     steps = [r["step"] for r in read_jsonl(log_path) if "loss/train/total" in r["metrics"]]
     # batches 1-3 ran, rank 1 hung after 3; the restart resumed after the batch-2 checkpoint, not from batch 0
-    assert steps.count(1) == 1 and steps[-3:] == [4, 5, 6] and 3 in steps[3:]
+    # (losses are read at the log interval, so batch 3's from the hung attempt may never have been logged)
+    assert steps.count(1) == 1 and steps.count(2) == 1 and steps[-4:] == [3, 4, 5, 6], steps
     assert json.loads((faulty / "digest.json").read_text()) == json.loads((reference / "digest.json").read_text())

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def _train(tmp_path: Path, name: str, *overrides: str) -> tuple[str, dict[int, dict[str, float]]]:
     env = {**os.environ, "SMALTI_RUN_NAME": f"llm-e2e-{name}", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2"}
-    cmd = [sys.executable, "-m", "smalti.core.cli.train", "experiment=gpt_tiny", "callbacks=[]", "logger=[jsonl]",
+    cmd = [sys.executable, "-m", "smalti.core.cli.train", "experiment=gpt_tiny", "callbacks=[icl_at_end]", "logger=[jsonl]",
            "trainer.deterministic=true", f"hydra.run.dir={tmp_path / name}", *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
     out = proc.stdout + proc.stderr
