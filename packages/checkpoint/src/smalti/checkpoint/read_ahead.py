@@ -311,15 +311,36 @@ def _read_at(fd: int, buffer: mmap.mmap, offset: int, direct: bool) -> tuple[int
     return total, direct
 
 
-class _Span(io.RawIOBase):
-    """A seekable read-only file over bytes ``[start, end)`` of a file, from the chunks that hold them."""
+class _Window(io.RawIOBase):
+    """A seekable read-only file over bytes ``[start, end)`` of a file; subclasses say where the bytes come from."""
 
-    def __init__(self, chunks: list[_Chunk], start: int, end: int) -> None:
+    def __init__(self, start: int, end: int) -> None:
         super().__init__()
-        self._chunks = chunks
         self._start = start
         self._end = end
         self._pos = start
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos - self._start
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: self._start, os.SEEK_CUR: self._pos, os.SEEK_END: self._end}[whence]
+        self._pos = min(max(base + offset, self._start), self._end)
+        return self.tell()
+
+
+class _Span(_Window):
+    """A window over the read-ahead chunks that hold its bytes."""
+
+    def __init__(self, chunks: list[_Chunk], start: int, end: int) -> None:
+        super().__init__(start, end)
+        self._chunks = chunks
 
     def copy_to(self, target: torch.Tensor, offset: int) -> None:
         """Copy ``target.numel()`` bytes from ``offset`` (within the span) into the uint8 tensor ``target``
@@ -337,20 +358,6 @@ class _Span(io.RawIOBase):
             copied += hi - lo
         if copied != end - begin:
             raise CheckpointError(f"bytes {offset}..{end - self._start} of a span were let go before they were read")
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos - self._start
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: self._start, os.SEEK_CUR: self._pos, os.SEEK_END: self._end}[whence]
-        self._pos = min(max(base + offset, self._start), self._end)
-        return self.tell()
 
     def readinto(self, target: Any) -> int:
         out = memoryview(target).cast("B")
@@ -376,16 +383,13 @@ class _Span(io.RawIOBase):
         return done
 
 
-class _FileSpan(io.RawIOBase):
-    """A seekable read-only file over bytes ``[start, end)`` of an open file, read with ``pread`` (for the files
-    this rank loads but does not read ahead); :meth:`copy_to` reads a tensor's bytes straight into it."""
+class _FileSpan(_Window):
+    """A window over an open file, read with ``pread`` (for the files this rank loads but does not read ahead);
+    :meth:`copy_to` reads a tensor's bytes straight into it."""
 
     def __init__(self, fd: int, start: int, end: int, path: Path) -> None:
-        super().__init__()
+        super().__init__(start, end)
         self._fd = fd
-        self._start = start
-        self._end = end
-        self._pos = start
         self._path = path
 
     def copy_to(self, target: torch.Tensor, offset: int) -> None:
@@ -406,20 +410,6 @@ class _FileSpan(io.RawIOBase):
             done += n
         if host is not target:
             target.copy_(host)
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos - self._start
-
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        base = {os.SEEK_SET: self._start, os.SEEK_CUR: self._pos, os.SEEK_END: self._end}[whence]
-        self._pos = min(max(base + offset, self._start), self._end)
-        return self.tell()
 
     def readinto(self, target: Any) -> int:
         out = memoryview(target).cast("B")[: self._end - self._pos]
