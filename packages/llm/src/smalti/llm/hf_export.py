@@ -307,9 +307,10 @@ def _export_trained_from_scratch(folder: Path, run: Any, out: str | os.PathLike,
         raise ConversionError(f"{folder}: the run's model ({node.get('_target_') if isinstance(node, dict) else node}) "
                               "is not a smalti LLM; give --pretrained for a model imported from Hugging Face")
     kwargs = {k: v for k, v in node.items() if not k.startswith("_") and k != "init_device"}
-    config = LLM(**kwargs, init_device="meta").config
+    shell = LLM(**kwargs, init_device="meta")
+    config = shell.config
     mpt_family(config)  # names what does not fit before any weight is read
-    order = [k for k in LLM(**kwargs, init_device="meta").state_dict() if not k.endswith("_extra_state")]
+    order = [k for k in shell.state_dict() if not k.endswith("_extra_state")]
     _, tensors = checkpoint_tensors(folder, order)
     state = {name: tensor.float() for name, tensor in tensors}
     tok = tokenizer or _selected(run, "data.train.tokenizer") or "default"
