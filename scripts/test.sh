@@ -6,6 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# Disk is shared with the rest of the machine; each package venv holds its own torch (about 1-2 GB), so say what is free.
+echo "disk free before setup: $(df -h --output=avail . | tail -1 | tr -d ' ')"
 bash scripts/setup.sh
 .venv/bin/ruff check .
 failed=()
@@ -29,6 +31,11 @@ for pkg in $(.venv/bin/python scripts/packages.py all); do
     (cd "packages/$pkg" && "$root/$venv/bin/python" -m pytest -q -p no:randomly --durations=8) || failed+=("$pkg")
   else
     "$venv/bin/python" -m pytest "packages/$pkg" -q -p no:randomly --durations=8 || failed+=("$pkg")
+  fi
+  # In CI (a fresh clone) a package's venv is not needed again: free its disk before the next one is built, so the
+  # run needs room for two environments at a time rather than nine. SMALTI_KEEP_VENVS=1 keeps them.
+  if [ -n "${CI:-}" ] && [ -z "${SMALTI_KEEP_VENVS:-}" ]; then
+    rm -rf "$venv"
   fi
 done
 if compgen -G "tests/test_*.py" > /dev/null; then
