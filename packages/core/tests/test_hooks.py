@@ -19,7 +19,7 @@ EVAL = ["eval_before_all", "eval_start"] + ["eval_batch_start", "eval_before_for
 
 def batch_events(micro: int, eval_after: bool) -> list[str]:
     out = ["before_dataloader", "after_dataloader", "batch_start", "before_train_batch"] + MICRO * micro
-    out += ["after_train_batch", "before_optimizer_step", "after_optimizer_step", "batch_end"]
+    out += ["gradients_ready", "after_train_batch", "before_optimizer_step", "after_optimizer_step", "batch_end"]
     return out + (EVAL if eval_after else []) + ["batch_checkpoint"]
 
 

@@ -23,6 +23,8 @@ class Event(StrEnum):
     BEFORE_BACKWARD = "before_backward"
     AFTER_BACKWARD = "after_backward"
     MICROBATCH_END = "microbatch_end"
+    #: Called with an extra ``recompute`` argument, and only when some plugin implements it (not via ``_event``).
+    GRADIENTS_READY = "gradients_ready"
     AFTER_TRAIN_BATCH = "after_train_batch"
     BEFORE_OPTIMIZER_STEP = "before_optimizer_step"
     AFTER_OPTIMIZER_STEP = "after_optimizer_step"

@@ -455,6 +455,8 @@ class Trainer:
                 self._shrink_microbatch(batch)
                 continue
             break
+        if self.hook.on_gradients_ready.get_hookimpls():  # a second pass over the batch for SAM-like algorithms
+            self.hook.on_gradients_ready(state=state, logger=self.logger, recompute=lambda: self.forward_backward(batch))
         # Averaged in place over ranks: a copy, as ``loss`` may share memory with ``state.loss``.
         state.batch_loss = distributed.all_reduce_mean_(loss.clone()) if state.world_size > 1 else loss
         if state.grad_scaler is not None:

@@ -22,7 +22,7 @@ Loop order (one optimizer step with two microbatches, then an eval)::
         on_before_dataloader, on_after_dataloader, on_batch_start, on_before_train_batch,
           (per microbatch) on_microbatch_start, on_before_forward, on_after_forward, on_before_loss,
           on_after_loss, on_before_backward, on_after_backward, on_microbatch_end,
-        on_after_train_batch, on_before_optimizer_step, on_after_optimizer_step, on_batch_end,
+        [on_gradients_ready (when implemented)], on_after_train_batch, on_before_optimizer_step, on_after_optimizer_step, on_batch_end,
         [on_eval_before_all, (per evaluator) on_eval_start, (per batch) on_eval_batch_start,
          on_eval_before_forward, on_eval_after_forward, on_eval_batch_end, on_eval_end, on_eval_after_all],
         on_batch_checkpoint,
@@ -32,12 +32,14 @@ Loop order (one optimizer step with two microbatches, then an eval)::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from smalti.core.plugins import hookspec
 
 if TYPE_CHECKING:
     import pluggy
+    import torch
 
     from smalti.core.events import Event
     from smalti.core.logger import Logger
@@ -199,6 +201,20 @@ def on_after_backward(state: State, logger: Logger) -> None:
 @hookspec
 def on_microbatch_end(state: State, logger: Logger) -> None:
     """After each microbatch's backward."""
+
+
+@hookspec
+def on_gradients_ready(state: State, logger: Logger, recompute: Callable[[], torch.Tensor]) -> None:
+    """After the batch's forward and backward over every microbatch, before ``on_after_train_batch``.
+
+    The gradients of the whole batch are in ``.grad`` (reduced over data-parallel ranks, still scaled under
+    ``amp_fp16``). ``recompute()`` runs the trainer's forward and backward over the same batch again (the
+    microbatch events fire again, gradient accumulation and gradient sync as in the first pass), adding to
+    ``.grad``, and returns the batch's mean loss; zero the gradients first to get the new ones alone.
+    Algorithms that need a second pass at other weights use it (SAM: perturb, ``recompute()``, restore).
+    The step's reported loss stays the first pass's. Not an :class:`~smalti.core.events.Event`: fired only
+    when some plugin implements it, with the same arguments on every rank.
+    """
 
 
 @hookspec
