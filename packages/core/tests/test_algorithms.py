@@ -76,6 +76,31 @@ def test_gradient_clipping_works_with_gradient_accumulation():
     assert len(norms.after) == 3 and max(norms.after) <= 0.1 * (1 + 1e-4)
 
 
+def test_gradient_clipping_reads_the_norms_once_per_log_interval():
+    from smalti.testing.host_sync import count_host_syncs
+
+    syncs: dict[int, list[str]] = {}
+
+    class Probe(Callback):
+        def on_after_dataloader(self, state):
+            self._block = count_host_syncs()
+            self._counter = self._block.__enter__()
+
+        def on_batch_end(self, state):
+            self._block.__exit__(None, None, None)
+            # moving the batch to the (CPU) device counts as a copy to the host here; only reads matter
+            syncs[state.timestamp.batch] = [s.op for s in self._counter.syncs if not s.op.startswith("to(")]
+
+    clip = GradientClipping("norm", 0.5, log_every="3ba")
+    sink = fit("7ba", callbacks=[Probe()], algorithms=[clip], lr=0.5, log_interval="10ba")
+    # clipping never waits for the device; the norms of batches 1-3 and 4-6 are read in one transfer each (algorithms
+    # run before callbacks at batch end, so inside the probe's window); batch 7's at fit end
+    assert syncs == {1: [], 2: [], 3: ["tolist"], 4: [], 5: [], 6: ["tolist"], 7: []}
+    assert [s for s, m in sink.rows if "grad_norm" in m] == list(range(1, 8))
+    with pytest.raises(ConfigError, match="log_every"):
+        GradientClipping("norm", 1.0, log_every="0.5dur")
+
+
 # ---------------------------------------------------------------------------------------------- EMA
 
 

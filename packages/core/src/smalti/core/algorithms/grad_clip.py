@@ -8,6 +8,7 @@ import torch
 
 from smalti.core.errors import ConfigError
 from smalti.core.plugins import Algorithm
+from smalti.core.time import Time, TimeUnit
 
 
 class GradientClipping(Algorithm):
@@ -18,18 +19,34 @@ class GradientClipping(Algorithm):
     the one over every shard) and logs the norm before clipping as ``grad_norm``. ``"value"`` clamps each
     gradient element to ``[-clipping_threshold, clipping_threshold]``.
 
-    The norm is read back at ``on_batch_end``, where the trainer already waits for the step, so clipping
-    adds no extra host-device synchronisation before the optimizer step.
+    The norms stay on the device and are read in one transfer every ``log_every`` batches (a ``ba`` interval,
+    default ``"10ba"``, the trainer's default loss interval), before a checkpoint and at fit end; each is logged
+    at the step it belongs to. Clipping itself never waits for the device.
     """
 
-    def __init__(self, clipping_type: str = "norm", clipping_threshold: float = 1.0) -> None:
+    def __init__(
+        self, clipping_type: str = "norm", clipping_threshold: float = 1.0, log_every: str | int = "10ba"
+    ) -> None:
         if clipping_type not in ("norm", "value"):
-            raise ConfigError(f"algorithms.gradient_clipping.clipping_type={clipping_type!r} must be 'norm' or 'value'")
+            raise ConfigError(
+                f"algorithms.gradient_clipping.clipping_type={clipping_type!r} must be 'norm' or 'value'"
+            )
         if not clipping_threshold > 0:
-            raise ConfigError(f"algorithms.gradient_clipping.clipping_threshold={clipping_threshold} must be > 0")
+            raise ConfigError(
+                f"algorithms.gradient_clipping.clipping_threshold={clipping_threshold} must be > 0"
+            )
         self.clipping_type = clipping_type
         self.clipping_threshold = float(clipping_threshold)
-        self._norm: torch.Tensor | None = None
+        try:
+            every = Time.from_input(log_every, "ba")
+        except Exception as exc:  # noqa: BLE001 - any parse failure is the user's value
+            raise ConfigError(f"algorithms.gradient_clipping.log_every={log_every!r}: {exc}") from None
+        if every.unit is not TimeUnit.BATCH or every.value < 1:
+            raise ConfigError(
+                f"algorithms.gradient_clipping.log_every={log_every!r} must be a number of batches >= 1"
+            )
+        self.log_every = int(every.value)
+        self._pending: list[tuple[int, torch.Tensor]] = []
 
     def on_after_train_batch(self, state: Any) -> None:
         params = [p for p in state.model.parameters() if p.grad is not None]
@@ -38,12 +55,26 @@ class GradientClipping(Algorithm):
         if self.clipping_type == "value":
             torch.nn.utils.clip_grad_value_(params, self.clipping_threshold)
         else:
-            self._norm = torch.nn.utils.clip_grad_norm_(params, self.clipping_threshold)
+            norm = torch.nn.utils.clip_grad_norm_(params, self.clipping_threshold)
+            if hasattr(norm, "full_tensor"):  # DTensor: reduce over the shards now, while every rank is here
+                norm = norm.full_tensor()
+            self._pending.append((state.timestamp.batch + 1, norm.detach().reshape(())))
 
-    def on_batch_end(self, logger: Any) -> None:
-        if self._norm is None:
+    def on_batch_end(self, state: Any, logger: Any) -> None:
+        if self._pending and state.timestamp.batch % self.log_every == 0:
+            self._flush(logger)
+
+    def on_batch_checkpoint(self, state: Any, logger: Any) -> None:
+        if state.checkpoint_requested:  # a run resumed from this checkpoint starts after it: log what it had
+            self._flush(logger)
+
+    def on_fit_end(self, logger: Any) -> None:
+        self._flush(logger)
+
+    def _flush(self, logger: Any) -> None:
+        pending, self._pending = self._pending, []
+        if not pending:
             return
-        norm, self._norm = self._norm, None
-        if hasattr(norm, "full_tensor"):  # DTensor: the reduction over shards is pending
-            norm = norm.full_tensor()
-        logger.log_metrics({"grad_norm": float(norm)})
+        values = torch.stack([norm.float() for _, norm in pending]).tolist()  # the one read of the interval
+        for (step, _), value in zip(pending, values):
+            logger.log_metrics({"grad_norm": value}, step=step)

@@ -170,6 +170,7 @@ class EMASchema(Schema):
 class GradientClippingSchema(Schema):
     clipping_type: Literal["norm", "value"] = "norm"
     clipping_threshold: PositiveFloat = 1.0
+    log_every: TimeOrBatches = "10ba"
 
 
 class ConsoleLoggerSchema(Schema):
