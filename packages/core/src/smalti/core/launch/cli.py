@@ -1,7 +1,7 @@
 """``smalti-launch``: scale-out helpers around ``smalti-train``.
 
     smalti-launch k8s --nodes 4 --gpus-per-node 8 --image REG/smalti:TAG [--cordon cordon.json] -- <overrides>
-    smalti-launch logs RUN [--no-follow]
+    smalti-launch logs RUN [--no-follow] [--goodput]
     smalti-launch preflight [-- <smalti-health preflight args>]
 """
 
@@ -56,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     logs.add_argument("--root", default="outputs", help="where run folders live (default: outputs)")
     logs.add_argument("--no-follow", action="store_true", help="print what is there and exit")
     logs.add_argument("--interval", type=float, default=0.5, help="seconds between polls when following")
+    logs.add_argument("--goodput", action="store_true",
+                      help="print the goodput breakdown of every attempt (outputs/RUN/goodput.jsonl) and exit")
 
     pre = sub.add_parser("preflight", help="run smalti-health's preflight on this node (exit code passed through)")
     pre.add_argument("--require", action="store_true", help="fail when smalti-health is not installed")
@@ -101,6 +103,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "logs":
             from smalti.core.launch.logs import find_run_dir, show_logs
 
+            if args.goodput:
+                from smalti.core.launch.goodput import show_goodput
+
+                return show_goodput(find_run_dir(args.run, args.root), sys.stdout)
             return show_logs(find_run_dir(args.run, args.root), follow=not args.no_follow, interval_s=args.interval)
         if args.command == "preflight":
             from smalti.core.launch.preflight import run_preflight
