@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import functools
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 import types
 from pathlib import Path
@@ -49,22 +51,62 @@ AFTER_STEP = ("on_batch_end", "on_batch_checkpoint", "on_eval", "should_", "on_e
               "on_fit_end")
 
 
-def instrument(plugin: Any, per_step: dict[int, float], clock: Any) -> None:
-    """Wrap every hook method of ``plugin`` so that its time adds to ``per_step[i]``, ``i`` the 0-based step."""
+#: Methods outside the hooks where a plugin does its work, timed as well: forward hooks' bodies, for one.
+EXTRA_METHODS = {"activation_monitor": ("_moments",)}
+
+
+def _hook_specname(method: Any) -> str | None:
+    """The hook a method implements: its marker's ``specname``, else its own name when it looks like a hook."""
+    opts = getattr(method, "smalti_impl", None)
+    if isinstance(opts, dict):
+        return opts.get("specname") or method.__name__
+    return method.__name__ if method.__name__.startswith(("on_", "should_")) else None
+
+
+def instrument(plugin: Any, per_step: dict[int, float], clock: Any, extra: tuple[str, ...] = ()) -> None:
+    """Wrap every hook method of ``plugin`` (and the ``extra`` methods) so that its time adds to ``per_step[i]``,
+    ``i`` the 0-based step. A hook wrapper (a generator around the other plugins' hooks) is timed before and
+    after its ``yield`` only."""
     for name in dir(type(plugin)):
-        if not (name.startswith(("on_", "should_")) and callable(getattr(plugin, name))):
+        method = getattr(plugin, name, None)
+        if not callable(method) or name.startswith("__"):
             continue
-        method = getattr(plugin, name)
-        after = name.startswith(AFTER_STEP)
+        spec = name if name in extra else _hook_specname(method)
+        if spec is None:
+            continue
+        after = spec.startswith(AFTER_STEP)
+
+        def charge(t0: float, __after: bool = after) -> None:
+            step = clock() - (1 if __after else 0)
+            per_step[step] = per_step.get(step, 0.0) + time.perf_counter() - t0
+
+        if (getattr(method, "smalti_impl", None) or {}).get("wrapper"):
+
+            @functools.wraps(method)
+            def timed_wrapper(_self: Any, *args: Any, __m=method, __charge=charge, **kw: Any) -> Any:
+                t0 = time.perf_counter()
+                gen = __m(*args, **kw)
+                next(gen)
+                __charge(t0)
+                result = yield
+                t0 = time.perf_counter()
+                try:
+                    gen.send(result)
+                except StopIteration as stop:
+                    return stop.value
+                finally:
+                    __charge(t0)
+
+            setattr(plugin, name, types.MethodType(timed_wrapper, plugin))
+            continue
 
         @functools.wraps(method)  # pluggy reads the hook's arguments through __wrapped__
-        def timed(_self: Any, *args: Any, __m=method, __after=after, **kw: Any) -> Any:
+        def timed(_self: Any, *args: Any, __m=method, __charge=charge, **kw: Any) -> Any:
             t0 = time.perf_counter()
             try:
                 return __m(*args, **kw)
             finally:
-                step = clock() - (1 if __after else 0)
-                per_step[step] = per_step.get(step, 0.0) + time.perf_counter() - t0
+                __charge(t0)
 
         setattr(plugin, name, types.MethodType(timed, plugin))
 
@@ -74,7 +116,10 @@ def measure(name: str, args: argparse.Namespace) -> None:
     ((plug_name, plugin),) = plugins.items()
     per_step: dict[int, float] = {}
     holder: dict[str, Any] = {}
-    instrument(plugin, per_step, lambda: holder["state"].timestamp.batch if "state" in holder else -1)
+    if hasattr(plugin, "path") and name == "goodput":  # its records go to a scratch file, not ./outputs
+        plugin.path = Path(tempfile.mkdtemp(prefix="callback_cost_")) / "goodput.jsonl"
+    instrument(plugin, per_step, lambda: holder["state"].timestamp.batch if "state" in holder else -1,
+               EXTRA_METHODS.get(name, ()))
     clock = StepClock()
     torch.manual_seed(0)
     loader = make_loader(args.steps, 32, args.width)
@@ -82,7 +127,11 @@ def measure(name: str, args: argparse.Namespace) -> None:
                       optimizers=lambda p: torch.optim.AdamW(p, lr=1e-4),
                       callbacks={plug_name: plugin, "clock": clock}, eval_interval=None)
     holder["state"] = trainer.state
-    trainer.fit()
+    try:
+        trainer.fit()
+    finally:
+        if name == "goodput":
+            shutil.rmtree(plugin.path.parent, ignore_errors=True)
     step = statistics.median(clock.times)
     spent = [per_step.get(i, 0.0) for i in range(args.steps)]
     every = getattr(plugin, "_every", None)
@@ -92,7 +141,8 @@ def measure(name: str, args: argparse.Namespace) -> None:
     mean_between = sum(between) / max(1, len(between))
     print(f"{name}: median step {step * 1e3:.2f} ms; in its hooks per step {mean_all * 1e6:.1f} us "
           f"(between intervals {mean_between * 1e6:.1f} us"
-          + (f", at its interval {sum(at) / len(at) * 1e6:.1f} us" if at else "") + ")")
+          + (f", at its interval {sum(at) / len(at) * 1e6:.1f} us" if at else "")
+          + f"; median over those steps {statistics.median(between or spent) * 1e6:.1f} us)")
     print(f"callback_cost: {name} between_ratio {mean_between / step:.4f} all_ratio {mean_all / step:.4f}")
 
 
