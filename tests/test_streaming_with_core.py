@@ -7,6 +7,7 @@ venv that holds every package.
 from importlib import resources
 
 import numpy as np
+import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
@@ -52,3 +53,45 @@ def test_core_time_objects_are_accepted_in_a_schedule(tmp_path):
     order = ds.epoch_order(0)
     # 10 global batches of 10 at 3:1, then 300 samples at 1:3
     assert int((order[:100] >= 300).sum()) == 25 and int((order[100:] >= 300).sum()) == 225
+
+
+class _RecordIds(torch.nn.Module):
+    """Trains on ``x`` and records the ``id`` of every sample it sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+        self.seen = []
+
+    def forward(self, batch):
+        self.seen += batch["id"].tolist()
+        return self.lin(batch["x"])
+
+    def loss(self, outputs, batch):
+        return outputs.float().pow(2).mean()
+
+
+def test_build_dataloader_gives_a_streaming_loader_that_resumes_through_the_trainer(tmp_path):
+    from smalti.core.data import build_dataloader
+    from smalti.core.trainer import Trainer
+    from smalti.streaming import StreamingDataLoader
+
+    data = write_ids(tmp_path / "d", 120)
+
+    def loader():
+        ds = StreamingDataset(local=data, batch_size=1, shuffle=True, num_canonical_nodes=1)
+        return build_dataloader(ds, 4, num_workers=2)
+
+    assert isinstance(loader(), StreamingDataLoader)
+    whole = StreamingDataset(local=data, batch_size=4, shuffle=True, num_canonical_nodes=1).epoch_order(0)[:32]
+    first = _RecordIds()
+    trainer = Trainer(first, loader(), "3ba", progress_bar=False, loggers=[], callbacks=[])
+    trainer.fit()
+    saved = trainer.state.dataloader_state_dict()
+    assert saved["loader"]["sample_in_epoch"] == 12
+    rest = _RecordIds()
+    resumed = Trainer(rest, loader(), "8ba", progress_bar=False, loggers=[], callbacks=[])
+    resumed.state.timestamp = trainer.state.timestamp
+    resumed.state.load_dataloader_state_dict(saved)
+    resumed.fit()
+    assert first.seen + rest.seen == whole.tolist()

@@ -81,6 +81,11 @@ class ResumableDistributedSampler(Sampler[int]):
         return self.num_samples - self.start
 
 
+#: A dataset's method that builds its own DataLoader from :func:`build_dataloader`'s options (``batch_size``,
+#: ``num_workers``, ``collate_fn``, ``drop_last`` and any other DataLoader keyword). A duck-typed protocol, so
+#: smalti-core needs no import of the package that defines the dataset (smalti-streaming's StreamingDataset).
+DATALOADER_METHOD = "smalti_dataloader"
+
 #: Set on a DataLoader whose generator smalti made, so the trainer may reseed it (a user's own is left alone).
 _OWNED = "_smalti_owns_generator"
 
@@ -115,7 +120,9 @@ def seed_data_loading(loader: Any, seed: int, epoch: int, stream: str = "train")
         loader.generator.manual_seed(data_seed(seed, epoch, stream))
 
 
-def per_rank_batch_size(global_batch_size: int, dp_world_size: int, what: str = "global_train_batch_size") -> int:
+def per_rank_batch_size(
+    global_batch_size: int, dp_world_size: int, what: str = "global_train_batch_size"
+) -> int:
     """``global_batch_size / dp_world_size``; raise naming the key when it does not divide evenly."""
     if global_batch_size % dp_world_size:
         raise ConfigError(
@@ -140,8 +147,10 @@ def build_dataloader(
     """A DataLoader over ``dataset`` for this rank (a ready DataLoader is returned unchanged).
 
     Map-style datasets get a :class:`ResumableDistributedSampler`; iterable datasets (streaming) split
-    themselves over ranks. The loader draws from its own generator (see :func:`seed_data_loading`), never
-    from torch's global one.
+    themselves over ranks. An iterable dataset with a ``smalti_dataloader(**loader_kwargs)`` method builds its
+    own loader (see :data:`DATALOADER_METHOD`; smalti-streaming's ``StreamingDataset`` returns its
+    ``StreamingDataLoader``, whose ``state_dict`` the trainer then checkpoints). The loader draws from its own
+    generator (see :func:`seed_data_loading`), never from torch's global one.
     """
     if isinstance(dataset, DataLoader):
         return dataset
@@ -149,9 +158,20 @@ def build_dataloader(
         if getattr(dataset, "batch_size", None) != batch_size and hasattr(dataset, "batch_size"):
             # Streaming datasets split global batches themselves and must know the per-rank batch size.
             dataset.batch_size = batch_size
-        loader = DataLoader(
-            dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_fn, drop_last=drop_last, **kwargs
+        options = dict(
+            batch_size=batch_size,
+            num_workers=num_workers,
+            collate_fn=collate_fn,
+            drop_last=drop_last,
+            **kwargs,
         )
+        make = getattr(dataset, DATALOADER_METHOD, None)
+        loader = make(**options) if callable(make) else DataLoader(dataset, **options)
+        if not isinstance(loader, DataLoader):
+            raise ConfigError(
+                f"{type(dataset).__name__}.{DATALOADER_METHOD}() returned {type(loader).__name__}, "
+                "not a torch DataLoader"
+            )
     else:
         sampler = ResumableDistributedSampler(
             dataset, num_replicas=dp_world_size, rank=dp_rank, shuffle=shuffle, seed=seed, drop_last=drop_last

@@ -24,6 +24,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from smalti.storage import is_temp_name
+from smalti.storage.atomic import TEMP_MARKER
 from smalti.streaming.errors import ShardCorruptError, StreamingError
 from smalti.streaming.mds import (
     ShardReader,
@@ -116,7 +118,7 @@ class ShardCache:
         with self._lock:
             lock = self._shard_locks.setdefault(shard, threading.Lock())
         with lock:
-            if not raw.exists() and defer_to_peer:
+            if not raw.exists() and (defer_to_peer or self._peer_busy(shard)):
                 self._wait_for_peer(shard)
             self._fetch(shard)
         self._evict()
@@ -137,6 +139,42 @@ class ShardCache:
                 continue
             newest = mtime if newest is None else max(newest, mtime)
         return newest
+
+    def claim(self, shard: int) -> Path | None:
+        """Mark shard ``shard`` as about to be fetched by this process (by a thread started next), so other
+        processes that need it wait for this copy (see :meth:`_peer_busy`); :meth:`release` removes the mark."""
+        raw = self.raw_path(shard)
+        mark = raw.parent / f".{raw.name}{TEMP_MARKER}claim-{os.getpid()}"
+        try:
+            raw.parent.mkdir(parents=True, exist_ok=True)
+            mark.touch()
+        except OSError as exc:
+            log.debug("cannot claim %s: %r", raw, exc)
+            return None
+        return mark
+
+    @staticmethod
+    def release(mark: Path | None) -> None:
+        if mark is not None:
+            mark.unlink(missing_ok=True)
+
+    def _peer_busy(self, shard: int) -> bool:
+        """Whether another process is making this shard now: a temporary file or claim of it changed within
+        ``peer_grace_s`` (a download, a decompression, or the warm-up a dataset starts at construction)."""
+        raw = self.raw_path(shard)
+        if not raw.parent.exists():
+            return False
+        cutoff = time.time() - self.peer_grace_s
+        own = f"claim-{os.getpid()}"  # this process's own claim: its thread holds the shard's lock
+        for path in raw.parent.glob(f".{raw.name}*"):
+            if not is_temp_name(path.name) or path.name.endswith(own):
+                continue
+            try:
+                if path.stat().st_mtime > cutoff:
+                    return True
+            except FileNotFoundError:
+                continue
+        return False
 
     def _wait_for_peer(self, shard: int) -> None:
         raw = self.raw_path(shard)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import bz2
+import contextlib
 import gzip
+import importlib
 from collections.abc import Callable
 from typing import BinaryIO
 
@@ -25,6 +27,17 @@ def parse(compression: str | None) -> tuple[str, int | None] | None:
     if family == "snappy" or int(level) not in _LEVELS[family]:
         raise StreamingError(f"compression {compression!r}: level {level} is not valid for {family}")
     return family, int(level)
+
+
+_MODULES = {"zstd": "zstandard", "br": "brotli", "snappy": "snappy"}
+
+
+def preload(compression: str | None) -> None:
+    """Import the codec of ``compression`` now (in the calling thread); a missing codec is left for its use."""
+    parsed = parse(compression)
+    if parsed and parsed[0] in _MODULES:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(_MODULES[parsed[0]])
 
 
 def compress(compression: str, data: bytes) -> bytes:

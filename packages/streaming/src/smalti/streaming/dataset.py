@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from smalti.storage import is_temp_name
+from smalti.streaming import compression as comp
 from smalti.streaming.cache import ShardCache
 from smalti.streaming.errors import StreamingError
 from smalti.streaming.mds import INDEX, check_columns, load_index, parse_size
@@ -39,6 +40,8 @@ log = logging.getLogger(__name__)
 BATCHING_METHODS = ("random", "stratified", "per_stream", "device_per_stream")
 PARTITION_ALGOS = ("orig", "relaxed")
 SCHEDULE_UNITS = ("ep", "ba", "sp")
+WARM_UP_STEPS = 2  # global batches whose shards the dataset starts fetching at construction ...
+WARM_UP_SHARDS = 4  # ... at most this many, one thread each
 STALE_TMP_S = 15 * 60  # a download's temporary file untouched this long belongs to a dead process
 _SEGMENT_SEED = 1_000_003  # seed offset between the segments of an epoch with a mid-epoch curriculum change
 _AT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE]\+?[0-9]+)?)\s*([a-z]+)\s*$")
@@ -273,7 +276,7 @@ class StreamingDataset(IterableDataset):
             raise StreamingError(f"streams {[s.name for s in streams]} hold no samples")
         self._stream_sizes = [int(sum(shards[s][1]["samples"] for s in ids)) for ids in self._stream_shards]
         self._epoch_plan(0)  # bad weights (a stream without a proportion among proportions) fail here
-        self.cache_limit = parse_size(cache_limit) if cache_limit is not None else None
+        self.cache_limit = parse_size(cache_limit, "cache_limit") if cache_limit is not None else None
         if self.cache_limit is not None:
             largest = max((e["raw_data"]["bytes"] + ((e.get("zip_data") or {}).get("bytes") or 0)) for _, e in shards)
             if self.cache_limit < largest:
@@ -282,6 +285,56 @@ class StreamingDataset(IterableDataset):
         self.cache = ShardCache(streams, shards, self.cache_limit, self._fetcher, validate_hash,
                                 allow_unsafe_types=allow_unsafe_types)
         self._remove_stale_downloads()
+        self._warm_up()
+
+    def _first_needed_shards(self, steps: int) -> list[int]:
+        """The shards this node's first ``steps`` global batches of the current epoch read, in the order needed."""
+        grid = self._remaining_grid(self.epoch)[:steps]
+        b = self.batch_size
+        first_rank = self.rank // self.local_world * self.local_world
+        lo = first_rank // self.replication
+        hi = (first_rank + self.local_world - 1) // self.replication + 1
+        flat = grid[:, lo * b : hi * b].reshape(-1)
+        shards, _ = self._locate(flat[flat >= 0])
+        return list(dict.fromkeys(shards.tolist()))
+
+    def _warm_up(self) -> None:
+        """Start fetching the shards the first batches need now, in background threads of this process.
+
+        The download and decompression then overlap whatever comes before the first batch (building the
+        model, starting DataLoader workers, computing the order in them). The node's local ranks split these
+        shards; a process that needs one while another is making it waits for that copy instead of making
+        its own (see ``ShardCache.ensure``). Shards already local and uncompressed need nothing.
+        """
+        if self.predownload <= 0:
+            return
+        try:
+            shards = self._first_needed_shards(WARM_UP_STEPS)[:WARM_UP_SHARDS]
+        except Exception as exc:  # the iteration meets (and reports) any problem with the order itself
+            log.debug("no warm-up: %r", exc)
+            return
+        mine = [s for i, s in enumerate(shards) if i % self.local_world == self.local_rank and not
+                self.cache.is_local(s)]
+        if not mine:
+            return
+        # Import what a fetch imports here, not in the threads: a DataLoader worker forked while a thread
+        # imports a module would find that module's import lock held forever.
+        import xxhash  # noqa: F401
+
+        for shard in mine:
+            comp.preload(self._shards[shard][1].get("compression"))
+        for shard in mine:
+            mark = self.cache.claim(shard)  # before any DataLoader worker exists, so every worker sees it
+            threading.Thread(target=self._warm_one, args=(shard, mark), daemon=True,
+                             name=f"smalti-streaming-warm-up-{shard}").start()
+
+    def _warm_one(self, shard: int, mark: Path | None) -> None:
+        try:
+            self.cache.ensure(shard)
+        except Exception as exc:  # the reader meets it again, and raises it, when it needs the shard
+            log.debug("warm-up fetch of shard %d failed: %r", shard, exc)
+        finally:
+            self.cache.release(mark)
 
     def _check_partition(self, ncn: int | None = None) -> None:
         ncn, nodes = ncn or self.num_canonical_nodes, self.physical_nodes
@@ -649,6 +702,16 @@ class StreamingDataset(IterableDataset):
         self._consumed = 0
         if self._resume and self._resume[0] <= epoch:
             self._resume = None
+
+    def smalti_dataloader(self, **loader_kwargs: Any) -> Any:
+        """A :class:`~smalti.streaming.StreamingDataLoader` over this dataset with ``loader_kwargs``.
+
+        smalti-core's ``build_dataloader`` calls it (a duck-typed hook, so core does not import this package):
+        the trainer then gets whole batches made in the workers and a loader whose ``state_dict`` is exact.
+        """
+        from smalti.streaming.loader import StreamingDataLoader
+
+        return StreamingDataLoader(self, **loader_kwargs)
 
     # ------------------------------------------------------------------ resumption
 

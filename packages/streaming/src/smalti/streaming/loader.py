@@ -63,6 +63,7 @@ def _as_is(batch: Any) -> Any:
 
 
 _LOADER_PARAMS = inspect.signature(DataLoader.__init__)
+BATCHED_PREFETCH = 8  # batches in flight per worker when batches are made whole in the workers (torch's default: 2)
 
 
 class StreamingDataLoader(DataLoader):
@@ -72,7 +73,8 @@ class StreamingDataLoader(DataLoader):
     whole where the samples are read (in the worker): one read per shard and, with the default collation and
     fixed-size columns, one copy per column straight into the batch's tensors. The batches are exactly those
     of a plain ``DataLoader(dataset, batch_size=dataset.batch_size, ...)``. ``loader.streaming_dataset`` is
-    the dataset (``loader.dataset`` is then a batching view of it that forwards its attributes).
+    the dataset (``loader.dataset`` is then a batching view of it that forwards its attributes). Such a
+    loader keeps :data:`BATCHED_PREFETCH` batches in flight per worker unless ``prefetch_factor`` is given.
     """
 
     def __init__(self, dataset: StreamingDataset, *args: Any, **kwargs: Any) -> None:
@@ -90,6 +92,10 @@ class StreamingDataLoader(DataLoader):
         batched = (given.get("batch_size", 1) == dataset.batch_size and given.get("sampler") is None
                    and given.get("batch_sampler") is None and not given.get("shuffle"))
         if batched:
+            if given.get("num_workers") and given.get("prefetch_factor") is None:
+                # a batch costs a worker well under a millisecond: with torch's 2 in flight per worker, the
+                # workers idle whenever the training process is not scheduled for a moment
+                given["prefetch_factor"] = BATCHED_PREFETCH
             # pinned batches need tensors from the worker (the pin thread runs before __iter__ sees them)
             view = _Batches(dataset, given.pop("collate_fn", None), bool(given.pop("drop_last", False)),
                             arrays=not given.get("pin_memory"))
@@ -104,6 +110,8 @@ class StreamingDataLoader(DataLoader):
         epoch = ds.epoch
         ds._consumed = 0
         ds._counted_by_loader = True
+        if self.num_workers:
+            ds.epoch_order(epoch)  # once here, not in every worker: forked workers inherit it
         try:
             for batch in super().__iter__():
                 if type(batch) is RawBatch:

@@ -11,6 +11,7 @@ import json
 import logging
 import mmap
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -32,24 +33,43 @@ log = logging.getLogger(__name__)
 INDEX = "index.json"
 COPY_HASH = "xxh3_128"  # recorded for every local copy smalti makes of a shard (fast: ~10+ GB/s)
 DEFAULT_SIZE_LIMIT = 1 << 26
-_UNITS = {"b": 1, "kb": 1 << 10, "mb": 1 << 20, "gb": 1 << 30}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE]\+?([0-9]+))?\s*([a-z]*)\s*$")
+# binary multiples whichever way they are written ("50gb" = "50GiB" = 50 * 2**30), as mosaicml-streaming reads them
+_UNITS = {"": 1, "b": 1}
+for _power, _letter in enumerate("kmgtpe", start=1):
+    for _suffix in (_letter, _letter + "b", _letter + "ib"):
+        _UNITS[_suffix] = 1 << (10 * _power)
+MAX_SHARD_BYTES = (1 << 32) - 1  # MDS sample offsets are 32-bit
 
 
-def parse_size(value: int | str | None) -> int | None:
-    """``"64mb"`` -> bytes; ints pass through; must stay below 2**32."""
+def parse_size(value: int | str | None, what: str = "size") -> int | None:
+    """A byte count from ``value``: an int, or a string like ``"50gb"``, ``"1.5TiB"``, ``"64 MB"``, ``"4096"``.
+
+    Units are binary (``kb`` = ``kib`` = ``k`` = 1024 bytes, up to ``eb``) and case-insensitive; a fraction is
+    rounded down to whole bytes. ``None`` passes through. Anything else, or a size below one byte, raises
+    :class:`StreamingError` naming ``what`` and the value.
+    """
     if value is None:
         return None
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise StreamingError(f"{what}={value!r} is not a size: give bytes (an int) or a string like '64mb', '50gb'")
     if isinstance(value, str):
-        text = value.strip().lower()
-        for unit in ("gb", "mb", "kb", "b"):
-            if text.endswith(unit):
-                value = int(float(text[: -len(unit)]) * _UNITS[unit])
-                break
-        else:
-            value = int(text)
-    if not 0 < int(value) < 1 << 32:
-        raise StreamingError(f"size_limit={value} must be between 1 and 2**32 - 1 bytes")
-    return int(value)
+        match = _SIZE.match(value.lower())
+        if match is None or match.group(3) not in _UNITS:
+            raise StreamingError(f"{what}={value!r} is not a size: give bytes or a number with a unit (b, kb, mb, "
+                                 "gb, tb, pb; kib... and k... mean the same), e.g. '64mb', '50gb', '1.5TiB'")
+        number, exponent, unit = match.groups()
+        size = int(float(number) * 10 ** int(exponent or 0) * _UNITS[unit]) if ("." in number or exponent) \
+            else int(number) * _UNITS[unit]
+    elif isinstance(value, float):
+        if not value == value or value in (float("inf"), float("-inf")):
+            raise StreamingError(f"{what}={value!r} is not a size")
+        size = int(value)
+    else:
+        size = value
+    if size < 1:
+        raise StreamingError(f"{what}={value!r} must be at least 1 byte")
+    return size
 
 
 class MDSWriter:
@@ -89,7 +109,10 @@ class MDSWriter:
             raise StreamingError(f"hashes={self.hashes} must be unique and sorted")
         for algo in self.hashes:
             digest(algo, b"")
-        self.size_limit = parse_size(size_limit)
+        self.size_limit = parse_size(size_limit, "size_limit")
+        if self.size_limit is not None and self.size_limit > MAX_SHARD_BYTES:
+            raise StreamingError(f"size_limit={size_limit!r} ({self.size_limit} bytes) is too large: an MDS shard "
+                                 f"holds at most {MAX_SHARD_BYTES} bytes (its offsets are 32-bit)")
         self.config = json.dumps({
             "column_encodings": self.column_encodings, "column_names": self.column_names,
             "column_sizes": self.column_sizes, "compression": self.compression, "format": "mds",

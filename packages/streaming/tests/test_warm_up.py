@@ -1,0 +1,41 @@
+"""The dataset starts fetching the first batches' shards at construction; the order and the epoch are unchanged."""
+
+import threading
+
+from torch.utils.data import DataLoader
+
+from smalti.streaming import StreamingDataLoader, StreamingDataset
+from smalti.streaming.dataset import WARM_UP_SHARDS, WARM_UP_STEPS
+
+
+def warm_up_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("smalti-streaming-warm-up-")]
+
+
+def ids(loader):
+    return [int(i) for batch in loader for i in batch["id"]]
+
+
+def test_construction_fetches_the_first_shards_and_changes_no_order(make_dataset, tmp_path):
+    data = make_dataset(tmp_path / "d", n=300, size_limit=1000)
+    kw = {"batch_size": 8, "shuffle": True, "num_canonical_nodes": 1}
+    expected = ids(DataLoader(StreamingDataset(local=str(data), predownload=0, **kw), batch_size=8))
+    for raw in data.glob("shard.*.mds"):
+        raw.unlink()  # back to zips only
+    ds = StreamingDataset(local=str(data), **kw)
+    for thread in warm_up_threads():
+        thread.join(10)
+    first = ds._first_needed_shards(WARM_UP_STEPS)[:WARM_UP_SHARDS]
+    assert first and all(ds.cache.is_local(s) for s in first)  # decompressed before any iteration
+    assert not list(data.glob(".*smalti-tmp-*"))  # claims released
+    assert ids(StreamingDataLoader(ds, batch_size=8, num_workers=2)) == expected
+
+
+def test_workers_started_during_the_warm_up_get_the_same_epoch(make_dataset, tmp_path):
+    data = make_dataset(tmp_path / "d", n=300, size_limit=1000)
+    kw = {"batch_size": 8, "shuffle": True, "num_canonical_nodes": 1}
+    expected = ids(DataLoader(StreamingDataset(local=str(data), predownload=0, **kw), batch_size=8))
+    for raw in data.glob("shard.*.mds"):
+        raw.unlink()
+    got = ids(StreamingDataLoader(StreamingDataset(local=str(data), **kw), batch_size=8, num_workers=2))
+    assert got == expected
