@@ -83,16 +83,21 @@ class Goodput(Callback):
     process start) and ``goodput/<category>_s`` for each of :data:`CATEGORIES`, where ``redone`` is the step
     time an attempt spent past the batch that a later attempt resumed from, and ``idle`` the time between
     one attempt's last line and the next one's process start; plus ``goodput/wall_s`` and ``goodput/attempts``.
+
+    ``started_at`` (a Unix time) replaces the process start as this attempt's start: for a launcher that knows
+    when the job began, or for several attempts in one process (one ``Trainer`` each).
     """
 
-    def __init__(self, path: str | None = None, flush_interval_s: float = 30.0) -> None:
+    def __init__(
+        self, path: str | None = None, flush_interval_s: float = 30.0, started_at: float | None = None
+    ) -> None:
         if flush_interval_s < 0:
             raise ConfigError(f"callbacks.goodput.flush_interval_s={flush_interval_s} must be >= 0")
         self.path = Path(path) if path else None
         self.flush_interval_s = float(flush_interval_s)
         self.attempt = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         now_wall, now = time.time(), time.perf_counter()
-        started = process_start_time()
+        started = process_start_time() if started_at is None else float(started_at)
         self.process_start = started if started is not None and started <= now_wall else now_wall
         self.seconds = dict.fromkeys(PHASES, 0.0)
         self._phase = "startup"
