@@ -135,7 +135,8 @@ class ActivationMonitor(Callback):
         if self._layers is None:
             self._layers = self.layers(state.raw_model)
         if self._sums is None:
-            self._sums = torch.zeros(len(self._layers), len(_SUMS), dtype=torch.float64, device=state.device)
+            dtype = torch.float32 if state.device.type == "mps" else torch.float64  # MPS has no float64
+            self._sums = torch.zeros(len(self._layers), len(_SUMS), dtype=dtype, device=state.device)
         for row, (_, module) in enumerate(self._layers):
             self._handles.append(module.register_forward_hook(self._hook_for(row)))
 
@@ -155,7 +156,7 @@ class ActivationMonitor(Callback):
             tensor = _first_float_tensor(output)
             if tensor is not None and tensor.numel() and self._sums is not None:
                 with torch.no_grad():
-                    self._sums[row] += self._moments(tensor.detach())
+                    self._sums[row] += self._moments(tensor.detach()).to(self._sums.dtype)
 
         return hook
 
@@ -182,7 +183,7 @@ class ActivationMonitor(Callback):
                 row_l2,
                 row_kurtosis,
             ]
-        ).double()
+        )
 
     # ------------------------------------------------------------------ one read per interval
 
