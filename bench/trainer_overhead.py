@@ -14,7 +14,9 @@ machine shared with other jobs, wall time also counts the moments the process wa
 noise as large as the effect measured; ``--clock wall`` measures wall time. The bare
 loop keeps its running loss on the device and reads it every ``log_interval`` steps, as a careful hand-written
 loop does. Printed per size: the median step of each side, their ratio, and its spread (the ratios of the
-rounds, each round a fresh Trainer; and the median per-step ratio).
+rounds, each round a fresh Trainer; and the median per-step ratio), then the noise floor: the same measurement
+with two bare loops in the Trainer's place (an A/A run, whose ratio would be 1.000 on a quiet machine), so a
+ratio can be read against what the machine's noise alone produces.
 
 ``--callbacks name1,name2`` adds callbacks or algorithms by their config name (``conf/callbacks/<name>.yaml``
 or ``conf/algorithms/<name>.yaml`` of any installed package, as ``smalti-train callbacks=[...]`` finds them)
@@ -126,6 +128,23 @@ class Interleave(Callback):
         self._resume = t1
 
 
+def aa_round(loader: DataLoader, width: int, steps: int) -> tuple[list[float], list[float]]:
+    """Two fresh bare loops interleaved step by step, timed as a Trainer round is: the bench's noise floor."""
+    first, second = BareLoop(loader, width), BareLoop(loader, width)
+    a: list[float] = []
+    b: list[float] = []
+    t = clock()
+    for _ in range(steps):
+        first.step()
+        t1 = clock()
+        second.step()
+        t2 = clock()
+        a.append(t1 - t)
+        b.append(t2 - t1)
+        t = t2
+    return a, b
+
+
 def extra_plugins(names: list[str]) -> dict[str, Any]:
     """Build callbacks/algorithms by config name, from whichever group (``callbacks``, ``algorithms``) has it."""
     if not names:
@@ -180,6 +199,13 @@ def measure(label: str, width: int, args: argparse.Namespace, extra_names: list[
         smalti += s
         bare += b
         round_ratios.append(statistics.median(s) / statistics.median(b))
+    aa_first, aa_second, aa_rounds = [], [], []
+    for _ in range(args.rounds if args.noise_floor else 0):
+        a, b = aa_round(loader, width, len(loader))
+        a, b = a[args.warmup:], b[args.warmup:]
+        aa_first += a
+        aa_second += b
+        aa_rounds.append(statistics.median(a) / statistics.median(b))
     per_step = sorted(si / bi for si, bi in zip(smalti, bare))
     q1, q3 = per_step[len(per_step) // 4], per_step[3 * len(per_step) // 4]
     s_ms, b_ms = statistics.median(smalti) * 1e3, statistics.median(bare) * 1e3
@@ -190,6 +216,9 @@ def measure(label: str, width: int, args: argparse.Namespace, extra_names: list[
           f"{', ' + ', '.join(extra_names) if extra_names else ''})")
     print(f"  ratio smalti / bare = {ratio:.3f}   rounds {min(round_ratios):.3f}..{max(round_ratios):.3f}   "
           f"per-step ratio median {statistics.median(per_step):.3f} (IQR {q1:.3f}..{q3:.3f})")
+    if aa_rounds:
+        print(f"  noise floor: bare / bare = {statistics.median(aa_first) / statistics.median(aa_second):.3f}   "
+              f"rounds {min(aa_rounds):.3f}..{max(aa_rounds):.3f}   (1.000 on a quiet machine)")
     return ratio
 
 
@@ -267,6 +296,8 @@ def main() -> None:
                         help="torch threads (1: steadier on a shared machine; both sides use the same)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
                         help="cpu: the main thread's CPU time (steady on a shared machine); wall: wall time")
+    parser.add_argument("--no-noise-floor", dest="noise_floor", action="store_false",
+                        help="skip the A/A rounds (two bare loops) that show the machine's noise")
     parser.add_argument("--jsonl", action="store_true", help="also measure the JSONL logger's per-line flush")
     parser.add_argument("--mlflow", action="store_true", help="also measure an MLflow logger (real server)")
     args = parser.parse_args()

@@ -14,6 +14,7 @@ _EXPORTS = {
     "Callback": "smalti.core.plugins",
     "ConfigError": "smalti.core.errors",
     "Evaluator": "smalti.core.evaluator",
+    "FitResult": "smalti.core.trainer",
     "LoggerDestination": "smalti.core.plugins",
     "PluginError": "smalti.core.errors",
     "SmaltiError": "smalti.core.errors",

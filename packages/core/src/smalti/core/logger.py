@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from smalti.core.dispatch import FastHook
+
 if TYPE_CHECKING:
     import pluggy
 
@@ -11,16 +13,30 @@ if TYPE_CHECKING:
 
 
 class Logger:
-    """Front of the logging hooks. ``log_metrics`` stamps the current step; every logger plugin receives it."""
+    """Front of the logging hooks. ``log_metrics`` stamps the current step; every logger plugin receives it.
+
+    ``latest`` keeps the last value sent of each metric: what :meth:`Trainer.fit` returns as the final metrics.
+    """
 
     def __init__(self, hook: pluggy.HookRelay, state: State) -> None:
         self._hook = hook
         self._state = state
+        self._log_metrics: FastHook | None = None
+        #: The last value logged of each metric, by name.
+        self.latest: dict[str, float] = {}
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
         """Send scalar metrics at ``step`` (default: the current optimizer step) to every logger."""
         if metrics:
-            self._hook.log_metrics(metrics=metrics, step=self._state.timestamp.batch if step is None else step)
+            self.latest.update(metrics)
+            call = self._log_metrics
+            if call is None:
+                plugin_manager = self._state.plugin_manager
+                if plugin_manager is None or plugin_manager.hook is not self._hook:  # pluggy's own call
+                    call = self._hook.log_metrics
+                else:
+                    call = self._log_metrics = FastHook(plugin_manager, "log_metrics")
+            call(metrics=metrics, step=self._state.timestamp.batch if step is None else step)
 
     def log_hyperparameters(self, params: dict[str, Any]) -> None:
         """Send the run's hyperparameters to every logger, with credentials redacted (:mod:`smalti.core.redact`)."""

@@ -11,6 +11,8 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,7 +20,9 @@ from torch import nn
 
 from smalti.core import distributed
 from smalti.core.batching import batch_size_of, move_to_device, num_tokens_of, split_batch
+from smalti.core.callbacks.progress_bar import ProgressBar
 from smalti.core.data import seed_data_loading
+from smalti.core.dispatch import FastHook
 from smalti.core.errors import ConfigError, TrainingError
 from smalti.core.evaluator import Evaluator
 from smalti.core.events import Event
@@ -30,7 +34,7 @@ from smalti.core.plugins.manager import SmaltiPluginManager, new_plugin_manager
 from smalti.core.precision import autocast, check_precision, make_grad_scaler
 from smalti.core.seed import configure_determinism, seed_all
 from smalti.core.state import State
-from smalti.core.time import Time
+from smalti.core.time import Time, TimeUnit
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +83,13 @@ class Trainer:
         schedulers: :class:`Schedule` objects (warmup in Time units) or ready ``LRScheduler`` objects.
         eval_dataloader: a dataloader, an :class:`Evaluator` or a list of them.
         eval_interval: how often to evaluate (``"1ep"``, ``"500ba"``, ``"0.25dur"``).
-        algorithms, callbacks, loggers: plugins for this run, as ``name -> object`` or a list.
+        algorithms, callbacks, loggers: plugins for this run, as ``name -> object`` or a list. ``loggers=None``
+            (the default) logs as ``smalti-train`` does: a :class:`ConsoleLogger` every ``10ba`` and a
+            :class:`JSONLLogger` writing ``<output_dir>/metrics.jsonl``; ``loggers=[]`` logs nowhere.
+        progress_bar: add a :class:`~smalti.core.callbacks.ProgressBar` (drawn on rank 0 when stdout is a
+            terminal) unless ``callbacks`` already holds one; ``False`` for none.
+        output_dir: the run's folder, for the default ``metrics.jsonl``; default ``outputs/<run_name>`` (as
+            ``smalti-train``), and then ``outputs/latest`` points at it.
         device_train_microbatch_size: samples per microbatch (gradient accumulation), ``"auto"`` to halve on
             out-of-memory, or ``None`` for the whole batch at once.
         precision: ``fp32``, ``amp_bf16`` or ``amp_fp16``.
@@ -121,6 +131,8 @@ class Trainer:
         load_state: dict[str, Any] | None = None,
         log_interval: Time | str | int | None = None,
         deterministic: bool = False,
+        progress_bar: bool = True,
+        output_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         _check_model(model)
         check_precision(precision)
@@ -160,15 +172,27 @@ class Trainer:
             raise TrainingError("the train dataloader has no batches; check the dataset path, its size and the batch size")
         self.logger = Logger(self.pm.hook, self.state)
         self.hook = self.pm.hook
+        self.output_dir = Path(output_dir) if output_dir is not None else Path("outputs") / self.state.run_name
+        callbacks = _named(callbacks)
+        if progress_bar and not any(isinstance(c, ProgressBar) for c in callbacks.values()):
+            callbacks["progress_bar"] = ProgressBar()
+        if loggers is None:
+            loggers = self._default_loggers(default_dir=output_dir is None)
         self._run_plugins = self.pm.register_run_plugins(
-            [("algorithms", _named(algorithms)), ("callbacks", _named(callbacks)), ("loggers", _named(loggers))]
+            [("algorithms", _named(algorithms)), ("callbacks", callbacks), ("loggers", _named(loggers))]
         )
         self._closed = False
         self._replay = 0
-        self._callers: dict[Event, Any] = {}
+        # The loop's hooks, called without pluggy's per-call machinery (smalti.core.dispatch).
+        self._callers: dict[Event, FastHook] = {}
+        self._decisions: dict[str, FastHook] = {}
         # A parallelism that keeps the base class's no-op gradient_sync needs no context around each microbatch.
         self._sync_context = type(self.parallelism).gradient_sync is not Parallelism.gradient_sync
         self._log_intervals = self._loss_intervals(log_interval)
+        # Intervals in batches (the common case) are a modulo each step rather than a call to interval_fires.
+        every = [int(t.value) for t in self._log_intervals if t.unit is TimeUnit.BATCH and t.value > 0]
+        self._log_every = every if len(every) == len(self._log_intervals) else None
+        self._token_counter: tuple[Any, Any] = (None, None)  # (model, its num_tokens method or None)
         self._pending_losses: list[tuple[int, torch.Tensor]] = []
         self._host_counts: tuple[Any, int, int] | None = None
         self._microbatch_settled = False
@@ -218,6 +242,17 @@ class Trainer:
         if size < 1:
             raise ConfigError(f"trainer.device_train_microbatch_size={value!r} must be at least 1")
         return size, False
+
+    def _default_loggers(self, default_dir: bool) -> dict[str, Any]:
+        """What ``smalti-train`` logs to (``logger: [console, jsonl]``): the console and ``metrics.jsonl``."""
+        from smalti.core.loggers import ConsoleLogger, JSONLLogger
+
+        if default_dir:
+            from smalti.core.run_name import update_latest
+
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            update_latest(self.output_dir, self.output_dir.parent)
+        return {"console": ConsoleLogger(), "jsonl": JSONLLogger(str(self.output_dir / "metrics.jsonl"))}
 
     def _loss_intervals(self, log_interval: Time | str | int | None) -> list[Time]:
         if log_interval is not None:
@@ -299,20 +334,31 @@ class Trainer:
     # ------------------------------------------------------------------ events
 
     def _event(self, event: Event) -> None:
-        caller = self._callers.get(event)
-        if caller is None:
-            caller = self._callers[event] = getattr(self.hook, event.hook_name)
-        if caller.get_hookimpls():  # most events have no implementation: skip pluggy's call machinery
-            caller(state=self.state, logger=self.logger)
+        hook = self._callers.get(event)
+        if hook is None:
+            hook = self._callers[event] = FastHook(self.pm, event.hook_name)
+        if hook.impls:  # most events have no implementation
+            hook(state=self.state, logger=self.logger)
 
     def _decides(self, hook_name: str) -> bool:
         """Whether any plugin implements the decision hook (asked every batch; most runs have none for some)."""
-        return bool(getattr(self.hook, hook_name).get_hookimpls())
+        return self._decision(hook_name).implemented()
+
+    def _decision(self, hook_name: str) -> FastHook:
+        hook = self._decisions.get(hook_name)
+        if hook is None:
+            hook = self._decisions[hook_name] = FastHook(self.pm, hook_name)
+        return hook
 
     # ------------------------------------------------------------------ the loop
 
-    def fit(self) -> State:
-        """Train until ``max_duration`` or until a plugin's ``should_stop`` says so; returns the final state."""
+    def fit(self) -> FitResult:
+        """Train until ``max_duration`` or until a plugin's ``should_stop`` says so.
+
+        Returns a :class:`FitResult`: ``metrics`` holds the last logged value of each metric
+        (``result.metrics["loss/train/total"]``), ``state`` the run's :class:`State`, whose attributes the result
+        also reads through (``result.timestamp``), as the State this method used to return.
+        """
         state = self.state
         try:
             self._event(Event.FIT_START)
@@ -329,7 +375,7 @@ class Trainer:
             self._fail(exc)
             raise
         self.close()
-        return state
+        return FitResult(metrics=dict(self.logger.latest), state=state)
 
     def _done(self) -> bool:
         return self.state.stop_requested or self.state.reached(self.state.max_duration)
@@ -355,7 +401,7 @@ class Trainer:
                 break
             produced = True
             # Counted on the host copy: counting tokens through an attention mask on the device would wait for it.
-            samples, tokens = batch_size_of(batch), num_tokens_of(state.raw_model, batch)
+            samples, tokens = batch_size_of(batch), self._num_tokens(batch)
             state.batch = move_to_device(batch, state.device)
             self._host_counts = (state.batch, samples, tokens)
             self._event(Event.AFTER_DATALOADER)
@@ -403,17 +449,22 @@ class Trainer:
         state = self.state
         if state.batch_loss is not None:
             self._pending_losses.append((state.timestamp.batch, state.batch_loss))
-            if any(interval_fires(i, state, "batch_end") for i in self._log_intervals):
+            every = self._log_every
+            if every is not None:
+                batch = state.timestamp.batch
+                fires = any(batch % n == 0 for n in every)
+            else:
+                fires = any(interval_fires(i, state, "batch_end") for i in self._log_intervals)
+            if fires:
                 self._flush_losses()
         self._event(Event.BATCH_END)
-        if self._decides("should_eval") and self.hook.should_eval(state=state, event=Event.BATCH_END):
+        if self._decision("should_eval")(state=state, event=Event.BATCH_END):
             self.eval()
-        state.checkpoint_requested = self._decides("should_checkpoint") and bool(
-            self.hook.should_checkpoint(state=state, event=Event.BATCH_END))
+        state.checkpoint_requested = bool(self._decision("should_checkpoint")(state=state, event=Event.BATCH_END))
         if state.checkpoint_requested:
             self._flush_losses()  # a resumed run restarts after the checkpoint: the steps before it are logged
         self._event(Event.BATCH_CHECKPOINT)
-        if self._decides("should_stop") and self.hook.should_stop(state=state):
+        if self._decision("should_stop")(state=state):
             state.stop_requested = True
 
     def _flush_losses(self) -> None:
@@ -479,6 +530,17 @@ class Trainer:
         self._event(Event.AFTER_OPTIMIZER_STEP)
         state.timestamp.advance_batch(state.batch_num_samples, state.batch_num_tokens, time.perf_counter() - start)
         return state.batch_loss
+
+    def _num_tokens(self, batch: Any) -> int:
+        """:func:`num_tokens_of` the model, without looking its ``num_tokens`` up every step."""
+        model = self.state.raw_model
+        cached, counter = self._token_counter
+        if cached is not model:
+            counter = getattr(model, "num_tokens", None)
+            self._token_counter = (model, counter)
+        if callable(counter):
+            return int(counter(batch))
+        return num_tokens_of(None, batch)
 
     def _some_rank_out_of_memory(self, oom: bool) -> bool:
         """Whether any rank ran out of memory in this try of the batch.
@@ -657,6 +719,29 @@ class Trainer:
 
 
 _NO_CONTEXT = contextlib.nullcontext()
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """What :meth:`Trainer.fit` returns: the final metrics and the run's state.
+
+    ``metrics`` maps each metric logged during the run (``loss/train/total``, ``metrics/eval/<name>``,
+    ``throughput/...``) to its last value. Any other attribute is the state's (``result.timestamp``,
+    ``result.batch_loss``), so code written when ``fit()`` returned the :class:`State` keeps working.
+    """
+
+    metrics: dict[str, float] = field(default_factory=dict)
+    state: State | None = None
+
+    @property
+    def loss(self) -> float | None:
+        """The last logged training loss (``metrics["loss/train/total"]``), ``None`` if none was logged."""
+        return self.metrics.get("loss/train/total")
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "state":  # copy/pickle probes, and a half-built instance
+            raise AttributeError(name)
+        return getattr(self.state, name)
 
 
 def _safe_len(loader: Any) -> int | None:

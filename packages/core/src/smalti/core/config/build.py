@@ -117,6 +117,7 @@ def build_trainer(cfg: DictConfig) -> Trainer:
         eval_subset_num_batches=t.eval_subset_num_batches,
         algorithms=build_group(cfg.algorithms, "algorithms"),
         callbacks=callbacks,
+        progress_bar=False,  # the `callbacks` group decides (progress_bar is in its default list)
         loggers=build_group(cfg.logger, "logger"),
         device_train_microbatch_size=t.device_train_microbatch_size,
         precision=t.precision,
@@ -136,7 +137,7 @@ def run(cfg: DictConfig) -> float:
     trainer = state = None
     try:
         trainer = build_trainer(cfg)
-        state = trainer.fit()
+        state = trainer.fit().state
         loss = float(state.batch_loss) if state.batch_loss is not None else float("nan")
         run_name, timestamp = state.run_name, state.timestamp
     finally:

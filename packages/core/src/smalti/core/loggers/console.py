@@ -8,7 +8,7 @@ from typing import Any, TextIO
 from smalti.core import distributed
 from smalti.core.intervals import interval_fires
 from smalti.core.plugins import LoggerDestination
-from smalti.core.time import Time
+from smalti.core.time import Time, TimeUnit
 
 
 def _fmt(value: float) -> str:
@@ -36,9 +36,27 @@ class ConsoleLogger(LoggerDestination):
         self.rank_zero_only = rank_zero_only
         self.stream = stream
         self._latest: dict[str, float] = {}
+        # Per metric name: 0 not printed, 1 printed at the interval, 2 an eval metric printed at once.
+        self._kind: dict[str, int] = {}
+        self._every = int(self.interval.value) if self.interval.unit is TimeUnit.BATCH else None
+        self._active_in_fit: bool | None = None
 
     def _active(self) -> bool:
+        if self._active_in_fit is not None:  # the rank does not change during fit: asked once
+            return self._active_in_fit
         return not self.rank_zero_only or distributed.get_rank() == 0
+
+    def on_fit_start(self) -> None:
+        self._active_in_fit = None
+        self._active_in_fit = self._active()
+
+    def _classify(self, key: str) -> int:
+        if key.startswith("metrics/"):
+            kind = 2
+        else:
+            kind = 1 if self.keys == ("*",) or key.startswith(self.keys) else 0
+        self._kind[key] = kind
+        return kind
 
     def _write(self, line: str) -> None:
         from tqdm import tqdm
@@ -48,24 +66,34 @@ class ConsoleLogger(LoggerDestination):
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         if not self._active():
             return
-        evals = {k: v for k, v in metrics.items() if k.startswith("metrics/")}
+        kinds, latest = self._kind, self._latest
+        evals = None
+        for key, value in metrics.items():
+            kind = kinds.get(key)
+            if kind is None:
+                kind = self._classify(key)
+            if kind == 1:
+                latest[key] = value
+            elif kind == 2:
+                evals = evals or {}
+                evals[key] = value
         if evals:
             self._write(f"[eval  {step}] " + "  ".join(f"{k.removeprefix('metrics/')}: {_fmt(v)}" for k, v in evals.items()))
-        for key, value in metrics.items():
-            if key not in evals and (self.keys == ("*",) or key.startswith(self.keys)):
-                self._latest[key] = value
 
     def log_hyperparameters(self, params: dict[str, Any]) -> None:
         if self._active():
             self._write(f"[config] {len(params)} sections: {', '.join(map(str, params))}")
 
     def on_batch_end(self, state: Any) -> None:
-        if self._latest and interval_fires(self.interval, state, "batch_end"):
+        if not self._latest:
+            return
+        if state.timestamp.batch % self._every == 0 if self._every else interval_fires(self.interval, state, "batch_end"):
             self._print(state)
 
     def on_fit_end(self, state: Any) -> None:
         if self._latest:
             self._print(state)
+        self._active_in_fit = None
 
     def _print(self, state: Any) -> None:
         if not self._active():

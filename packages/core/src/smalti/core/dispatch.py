@@ -1,0 +1,63 @@
+"""Calling a hook from the training loop for a few hundred nanoseconds instead of pluggy's few microseconds.
+
+The loop calls about twenty hooks every step, most of which no plugin implements, and pluggy's call machinery
+(argument checks, a copy of the implementation list, ``_multicall``'s wrapper handling) costs more than the
+work of a short hook. :class:`FastHook` calls the implementations the way ``_multicall`` does (last registered
+first, each with the arguments it names, stopping at the first non-``None`` answer of a ``firstresult`` hook)
+and hands the call to pluggy whenever pluggy would do something more: hook wrappers, tracing or call
+monitoring (``PluginManager.enable_tracing``, ``add_hookcall_monitoring``). The implementation list is
+re-read whenever it changes, so plugins registered or unregistered mid-run are seen at the next call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pluggy
+
+#: What a plugin manager runs hooks with when nobody traces or monitors them (pluggy's ``_multicall``).
+_PLAIN_HOOKEXEC = pluggy.PluginManager("smalti-dispatch-probe")._inner_hookexec
+
+
+class FastHook:
+    """One hook of ``pm``, callable as ``hook(**kwargs)`` with pluggy's semantics and without its overhead."""
+
+    __slots__ = ("_caller", "_pm", "_seen", "_calls", "_first", "impls")
+
+    def __init__(self, pm: pluggy.PluginManager, name: str) -> None:
+        self._caller = getattr(pm.hook, name)
+        #: The hook's implementations: pluggy's own list, changed in place as plugins come and go (empty: no
+        #: plugin implements the hook, and a caller may skip the call).
+        self.impls: list[Any] = self._caller._hookimpls
+        self._pm = pm
+        self._seen: list[Any] | None = None
+        self._calls: list[tuple[Any, tuple[str, ...]]] | None = None
+        spec = self._caller.spec
+        self._first = bool(spec is not None and spec.opts.get("firstresult"))
+
+    def implemented(self) -> bool:
+        """Whether any plugin implements the hook now."""
+        return bool(self.impls)
+
+    def __call__(self, **kwargs: Any) -> Any:
+        impls = self.impls
+        if not impls:
+            return None if self._first else []
+        if impls != self._seen:
+            self._seen = list(impls)
+            plain = not any(impl.hookwrapper or impl.wrapper for impl in impls)
+            self._calls = [(impl.function, tuple(impl.argnames)) for impl in reversed(impls)] if plain else None
+        if self._calls is None or self._pm._inner_hookexec is not _PLAIN_HOOKEXEC:
+            return self._caller(**kwargs)
+        if self._first:
+            for function, names in self._calls:
+                result = function(*[kwargs[n] for n in names])
+                if result is not None:
+                    return result
+            return None
+        results = []
+        for function, names in self._calls:
+            result = function(*[kwargs[n] for n in names])
+            if result is not None:
+                results.append(result)
+        return results

@@ -1,0 +1,111 @@
+"""FastHook calls implementations exactly as pluggy does, and hands over to pluggy when it must."""
+
+import pluggy
+import pytest
+
+from smalti.core.dispatch import FastHook
+
+spec = pluggy.HookspecMarker("t")
+impl = pluggy.HookimplMarker("t")
+
+
+class Spec:
+    @spec
+    def on_event(self, state, logger):
+        """An event."""
+
+    @spec(firstresult=True)
+    def should(self, state):
+        """A decision."""
+
+
+class Recorder:
+    def __init__(self, name, calls, answer=None):
+        self.name, self.calls, self.answer = name, calls, answer
+
+    @impl
+    def on_event(self, state):  # takes only what it names
+        self.calls.append((self.name, state))
+        return self.name
+
+    @impl
+    def should(self, state):
+        self.calls.append(self.name)
+        return self.answer
+
+
+def manager(*plugins):
+    pm = pluggy.PluginManager("t")
+    pm.add_hookspecs(Spec)
+    for p in plugins:
+        pm.register(p)
+    return pm
+
+
+def test_same_order_arguments_and_results_as_pluggy():
+    fast_calls, slow_calls = [], []
+    fast = manager(*(Recorder(n, fast_calls) for n in "abc"))
+    slow = manager(*(Recorder(n, slow_calls) for n in "abc"))
+    assert FastHook(fast, "on_event")(state=1, logger=2) == slow.hook.on_event(state=1, logger=2)
+    assert fast_calls == slow_calls == [("c", 1), ("b", 1), ("a", 1)]  # last registered first
+
+
+def test_firstresult_stops_at_the_first_answer():
+    calls = []
+    pm = manager(Recorder("a", calls, answer=True), Recorder("b", calls, answer=None))
+    assert FastHook(pm, "should")(state=0) is True
+    assert calls == ["b", "a"]
+    assert FastHook(manager(), "should")(state=0) is None
+    assert FastHook(manager(), "on_event")(state=0, logger=0) == []
+
+
+def test_plugins_registered_or_unregistered_later_are_seen():
+    calls = []
+    pm = manager(Recorder("a", calls))
+    hook = FastHook(pm, "on_event")
+    hook(state=0, logger=0)
+    late = Recorder("late", calls)
+    pm.register(late)
+    hook(state=1, logger=0)
+    pm.unregister(late)
+    hook(state=2, logger=0)
+    assert calls == [("a", 0), ("late", 1), ("a", 1), ("a", 2)]
+
+
+def test_wrappers_and_monitoring_go_through_pluggy():
+    calls, seen = [], []
+
+    class Wrap:
+        @impl(wrapper=True)
+        def on_event(self, state):
+            calls.append("before")
+            result = yield
+            calls.append("after")
+            return result
+
+    pm = manager(Recorder("a", calls), Wrap())
+    FastHook(pm, "on_event")(state=0, logger=0)
+    assert calls == ["before", ("a", 0), "after"]
+
+    pm = manager(Recorder("a", []))
+    hook = FastHook(pm, "on_event")
+    hook(state=0, logger=0)
+    undo = pm.add_hookcall_monitoring(lambda name, impls, kw: seen.append(name), lambda *a: None)
+    hook(state=1, logger=0)
+    undo()
+    hook(state=2, logger=0)
+    assert seen == ["on_event"]
+
+
+def test_an_exception_propagates_and_stops_the_call():
+    calls = []
+
+    class Boom:
+        @impl
+        def on_event(self):
+            raise ValueError("boom")
+
+    pm = manager(Recorder("a", calls), Boom())
+    with pytest.raises(ValueError, match="boom"):
+        FastHook(pm, "on_event")(state=0, logger=0)
+    assert calls == []
