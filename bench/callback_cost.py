@@ -7,6 +7,11 @@ hooks per step, the same on the steps where it does its work (its interval) and 
 the median step time measured in the same run.
 
     python bench/callback_cost.py [--steps 100] [--width 768] optimizer_monitor loss_spike ...
+    python bench/callback_cost.py --set algorithms.sam.interval=2 --set algorithms.swa.swa_start=0ba sam swa
+
+``--set KEY=VALUE`` overrides the composed config (Hydra syntax) for every name. The steps where a plugin does its
+work are every ``_every`` batches (its interval, read from the plugin after the run); an algorithm whose work is a
+second forward and backward (``sam``) counts it as its own time.
 
 Last line per plugin: ``callback_cost: NAME between_ratio X.XXXX all_ratio X.XXXX``.
 """
@@ -111,8 +116,29 @@ def instrument(plugin: Any, per_step: dict[int, float], clock: Any, extra: tuple
         setattr(plugin, name, types.MethodType(timed, plugin))
 
 
+def build_plugins(name: str, overrides: list[str]) -> dict[str, Any]:
+    """The option ``name`` of the ``callbacks`` or ``algorithms`` group, built from config with ``overrides``."""
+    if not overrides:
+        return extra_plugins([name])
+    from hydra import compose, initialize_config_module
+
+    from smalti.core.config.build import build_group
+    from smalti.core.config.schema import register_configs
+
+    register_configs()
+    with initialize_config_module("smalti.core.conf", version_base="1.3"):
+        for group in ("callbacks", "algorithms"):
+            mine = [o for o in overrides if o.startswith(f"{group}.{name}.")]
+            try:
+                cfg = compose("train", overrides=[f"{group}=[{name}]", *mine])
+            except Exception:  # noqa: BLE001 - not an option of this group: try the next one
+                continue
+            return build_group(cfg[group], group)
+    raise SystemExit(f"{name!r} is neither a callbacks nor an algorithms config option")
+
+
 def measure(name: str, args: argparse.Namespace) -> None:
-    plugins = extra_plugins([name])
+    plugins = build_plugins(name, args.set)
     ((plug_name, plugin),) = plugins.items()
     per_step: dict[int, float] = {}
     holder: dict[str, Any] = {}
@@ -151,6 +177,8 @@ def main() -> None:
     parser.add_argument("names", nargs="+")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--width", type=int, default=768)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override, e.g. algorithms.sam.interval=2 (repeatable)")
     args = parser.parse_args()
     for name in args.names:
         measure(name, args)
