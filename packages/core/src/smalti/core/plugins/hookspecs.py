@@ -212,8 +212,9 @@ def on_gradients_ready(state: State, logger: Logger, recompute: Callable[[], tor
     microbatch events fire again, gradient accumulation and gradient sync as in the first pass), adding to
     ``.grad``, and returns the batch's mean loss; zero the gradients first to get the new ones alone.
     Algorithms that need a second pass at other weights use it (SAM: perturb, ``recompute()``, restore).
-    The step's reported loss stays the first pass's. Not an :class:`~smalti.core.events.Event`: fired only
-    when some plugin implements it, with the same arguments on every rank.
+    The step's reported loss stays the first pass's. Listed in :class:`~smalti.core.events.Event` for its
+    place in the loop, but fired only when some plugin implements it (it takes ``recompute`` besides
+    ``state`` and ``logger``), on every rank alike; ``sam`` is the algorithm that uses it.
     """
 
 
