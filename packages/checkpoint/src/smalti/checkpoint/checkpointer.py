@@ -7,6 +7,8 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,20 @@ from smalti.core.time import Time
 log = logging.getLogger(__name__)
 
 __all__ = ["Checkpointer", "retained"]
+
+
+def run_in_thread(function: Callable[..., Any], *args: Any) -> Future[Any]:
+    """Start ``function(*args)`` on a new thread; its result (or error) comes through the returned future."""
+    future: Future[Any] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(function(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the future
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="smalti-ckpt-rank-file", daemon=True).start()
+    return future
 
 
 class Checkpointer(SaveSchedule, LoadAndResume, CommitProtocol, Callback):
@@ -116,7 +132,7 @@ class Checkpointer(SaveSchedule, LoadAndResume, CommitProtocol, Callback):
         local_cache_dir: str | None = None,
         thread_count: int = 1,
         direct_io: bool | str = True,
-        read_ahead_mb: int = 1024,
+        read_ahead_mb: int = 64,
         s3_retries: int | None = None,
         s3_multipart_mb: int = 64,
         retry_budget_s: float | None = None,
@@ -262,8 +278,9 @@ class Checkpointer(SaveSchedule, LoadAndResume, CommitProtocol, Callback):
         # (temp name, fsync, rename), in the background: a failure there fails that save
         extra_rel, extra_data, extra_record = state_io.dump_rank_local_state(staging, state, self.hash,
                                                                              check=not self.async_save)
-        if not self.async_save:
-            state_io.write_rank_local_file(staging, extra_rel, extra_data)
+        rank_file: Future[None] | None = None
+        if not self.async_save:  # written (and fsynced) beside the DCP save rather than before it
+            rank_file = run_in_thread(state_io.write_rank_local_file, staging, extra_rel, extra_data)
             extra_data = None
         info = {
             "name": name,
@@ -278,19 +295,23 @@ class Checkpointer(SaveSchedule, LoadAndResume, CommitProtocol, Callback):
         self._last_saved_batch = state.timestamp.batch
         future = None
         records: dict[str, dict[str, Any]] = {}
-        if self._is_writer:
-            state_dict = state_io.dcp_state_dict(state)
-            if self.async_save:
-                if self._stager is None:
-                    self._stager = ReusedHostStager(background=True)
-                self._stager.deferrable = self._guard_step_mutated_state(state)
-                future, records = state_io.async_save_dcp(
-                    state_dict, staging, self._writer_group, self._stager, self.thread_count, self.direct_writes,
-                    self.hash,
-                )
-            else:
-                records = state_io.save_dcp(state_dict, staging, self._writer_group, self.thread_count,
-                                            self.direct_writes, self.hash)
+        try:
+            if self._is_writer:
+                state_dict = state_io.dcp_state_dict(state)
+                if self.async_save:
+                    if self._stager is None:
+                        self._stager = ReusedHostStager(background=True)
+                    self._stager.deferrable = self._guard_step_mutated_state(state)
+                    future, records = state_io.async_save_dcp(
+                        state_dict, staging, self._writer_group, self._stager, self.thread_count,
+                        self.direct_writes, self.hash,
+                    )
+                else:
+                    records = state_io.save_dcp(state_dict, staging, self._writer_group, self.thread_count,
+                                                self.direct_writes, self.hash)
+        finally:
+            if rank_file is not None:
+                rank_file.result()  # its error (disk full, ...) fails the save before anything is committed
         info["records"] = records
         info["extra"] = (extra_rel, extra_record)
         info["extra_data"] = extra_data

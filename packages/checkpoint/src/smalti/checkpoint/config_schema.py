@@ -51,7 +51,7 @@ class CheckpointerSchema(Schema):
     local_cache_dir: str | None = None
     thread_count: PositiveInt = 1
     direct_io: bool | Literal["read"] = True
-    read_ahead_mb: PositiveInt = 1024
+    read_ahead_mb: PositiveInt = 64
     s3_multipart_mb: Annotated[int, Field(ge=5)] = 64
     retry_budget_s: NonNegativeFloat | None = None
     timeout_s: PositiveFloat = 600

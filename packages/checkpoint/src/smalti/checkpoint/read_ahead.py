@@ -40,7 +40,7 @@ from smalti.checkpoint.hashing_file import ALIGN_BYTES, CHUNK_BYTES, leave_direc
 from smalti.checkpoint.safe_load import SafeFileSystemReader
 
 #: how far ahead of the loader the reader may get, per rank, unless told otherwise
-DEFAULT_WINDOW_BYTES = 1 << 30
+DEFAULT_WINDOW_BYTES = 64 << 20
 
 
 @dataclasses.dataclass

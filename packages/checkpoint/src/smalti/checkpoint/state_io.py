@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from smalti.checkpoint.errors import CheckpointError, ReshardError
 from smalti.checkpoint.hashes import DEFAULT_ALGORITHM, new_hasher, tagged
+from smalti.checkpoint.prefault import Prefaulter
 from smalti.checkpoint.read_ahead import ReadAhead, ReadAheadFileSystemReader
 from smalti.checkpoint.safe_load import (
     SafeLoadPlanner,
@@ -169,7 +170,9 @@ def _adam_state_names(group: dict[str, Any]) -> set[str]:
     return {"step", "exp_avg", "exp_avg_sq"} | ({"max_exp_avg_sq"} if group.get("amsgrad") else set())
 
 
-def _prefill_adam_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, metadata: Any) -> bool:
+def _prefill_adam_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, metadata: Any, created: list[torch.Tensor] | None = None
+) -> bool:
     """Give an Adam/AdamW optimizer without state uninitialised state tensors for the checkpoint to fill.
 
     Without state, DCP creates it with a zero-lr optimizer step: zero gradients and a full Adam update over
@@ -178,6 +181,7 @@ def _prefill_adam_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
     ``max_exp_avg_sq`` with ``amsgrad``), shaped and sharded like the parameter, with the dtypes the checkpoint
     holds, and only when the checkpoint holds exactly those entries for every parameter (so every byte is
     loaded over). Returns False, changing nothing, for other optimizers or any other checkpoint contents.
+    The new tensors are appended to ``created`` (for :class:`~smalti.checkpoint.prefault.Prefaulter`).
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.state_dict import _get_fqns
@@ -212,6 +216,8 @@ def _prefill_adam_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
             fills.append((param, fill))
     for param, fill in fills:
         optimizer.state[param].update(fill)
+        if created is not None:
+            created.extend(fill.values())
     return True
 
 
@@ -255,15 +261,18 @@ def load_checkpoint(
             f"checkpoint {folder} holds no optimizer state; load it with load_weights_only=true or add 'optim' to load_ignore_keys"
         )
     to_load: dict[str, Any] = {"model": wanted}
+    created: list[torch.Tensor] = []
     if load_optim:
         for optimizer in state.optimizers:
-            if not optimizer.state and not _prefill_adam_state(state.model, optimizer, metadata):
+            if not optimizer.state and not _prefill_adam_state(state.model, optimizer, metadata, created):
                 # DCP creates an empty optimizer's state (a zero-lr step) only when no parameter holds a gradient;
                 # with gradients left from earlier use of the model it would ask for, and load, no optimizer state
                 optimizer.zero_grad(set_to_none=True)
         _, optim_sd = get_state_dict(state.model, state.optimizers)
         to_load["optim"] = optim_sd
     planner = SafeLoadPlanner(allow_partial_load=True, trust_pickles=trust_pickles)
+    # the new optimizer state's pages are mapped while DCP plans and the disk reads the weights ahead of them
+    prefaulter = Prefaulter(created)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
         try:
@@ -273,6 +282,8 @@ def load_checkpoint(
             if unsafe is None:
                 raise
             raise unsafe from None
+        finally:
+            prefaulter.join()
     partial = len(wanted) != len(model_sd)
     options = StateDictOptions(strict=not partial)
     if load_optim:
