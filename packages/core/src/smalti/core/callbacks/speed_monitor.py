@@ -104,14 +104,20 @@ class SpeedMonitor(Callback):
         seconds = now - (self._batch_t0 if self._batch_t0 is not None else now)
         self._batch_t0 = None
         flops = float(self._flops(state.batch)) if self._flops is not None else 0.0
-        entry = (seconds, state.batch_num_samples, state.batch_num_tokens, flops)
-        self._window.append(entry)
+        samples, tokens = state.batch_num_samples, state.batch_num_tokens
+        window = self._window
+        window.append((seconds, samples, tokens, flops))
         sums = self._sums
-        for i, value in enumerate(entry):
-            sums[i] += value
-        if len(self._window) > self.window_size:
-            for i, value in enumerate(self._window.popleft()):
-                sums[i] -= value
+        sums[0] += seconds
+        sums[1] += samples
+        sums[2] += tokens
+        sums[3] += flops
+        if len(window) > self.window_size:
+            old = window.popleft()
+            sums[0] -= old[0]
+            sums[1] -= old[1]
+            sums[2] -= old[2]
+            sums[3] -= old[3]
         window_s, samples, tokens, window_flops = sums
         if window_s <= 0:
             return
