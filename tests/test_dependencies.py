@@ -10,6 +10,7 @@ distribution must be imported somewhere in ``src`` (or be listed in ``USED_WITHO
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.metadata as md
 import re
 import sys
@@ -49,8 +50,9 @@ def _declared(pyproject: Path) -> dict[str, str]:
     return out
 
 
+@functools.cache
 def _imports(src: Path, *, optional_too: bool = False) -> dict[str, set[str]]:
-    """Top-level import name (``smalti.<pkg>`` kept whole) -> the files that import it."""
+    """Top-level import name (``smalti.<pkg>`` kept whole) -> the files that import it (parsed once per tree)."""
     found: dict[str, set[str]] = {}
     for path in sorted(src.rglob("*.py")):
         tree = ast.parse(path.read_text(), filename=str(path))
@@ -85,13 +87,19 @@ def _catches_import_error(node: ast.Try) -> bool:
     return False
 
 
+@functools.cache
+def _module_distributions() -> dict[str, list[str]]:
+    """Top-level module -> installed distributions; read once (it scans every installed distribution's files)."""
+    return md.packages_distributions()
+
+
 def _distributions(module: str, own: str) -> set[str]:
     if module.startswith("smalti."):
         return {_norm("smalti-" + module.split(".")[1])}
     if module.startswith("hydra_plugins."):
         name = module.split(".")[1]
         return {own} if name == own.replace("-", "_") else {_norm(name.replace("_", "-"))}
-    return {_norm(d) for d in md.packages_distributions().get(module, [])}
+    return {_norm(d) for d in _module_distributions().get(module, [])}
 
 
 def _package_dirs() -> list[Path]:
