@@ -3,9 +3,12 @@
 checkpoint and continues with the losses of the uninterrupted run, bit for bit.
 
 With ``trainer.deterministic=true`` three processes of the same command, run at the same time, give
-bit-identical losses and final weights. Without it a run used to leave the usual trajectory by one float32 ulp
-at an early step now and then (4 of ~36 runs of 20+ batches) and drift to ~1e-6 by step 20; what deterministic
-mode fixes is written down in packages/core/README.md ("Bit-reproducible runs").
+bit-identical losses and final weights. The default mode's old occasional divergence (one float32 ulp at an early
+step in 4 of ~36 runs, then a drift to ~1e-6 by step 20) came from PyTorch's fused CPU LayerNorm, whose weight
+gradient is summed in one buffer per intra-op thread, so its bits depended on the run's thread count; smalti-llm's
+LayerNorm sums it in a thread-count-independent order, and the last test here runs the default mode with 1 and 2
+threads at once and requires the same losses bit for bit (with PyTorch's LayerNorm put back they part at step 4).
+The investigation is in packages/core/README.md ("Bit-reproducible runs").
 """
 
 from __future__ import annotations
@@ -24,10 +27,31 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _train(tmp_path: Path, name: str, *overrides: str) -> tuple[str, dict[int, dict[str, float]]]:
-    env = {**os.environ, "SMALTI_RUN_NAME": f"llm-e2e-{name}", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "2"}
-    cmd = [sys.executable, "-m", "smalti.core.cli.train", "experiment=gpt_tiny", "callbacks=[icl_at_end]", "logger=[jsonl]",
-           "trainer.deterministic=true", f"hydra.run.dir={tmp_path / name}", *overrides]
+def _train(
+    tmp_path: Path,
+    name: str,
+    *overrides: str,
+    deterministic: bool = True,
+    callbacks: str = "[icl_at_end]",
+    threads: int = 2,
+) -> tuple[str, dict[int, dict[str, float]]]:
+    env = {
+        **os.environ,
+        "SMALTI_RUN_NAME": f"llm-e2e-{name}",
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": str(threads),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "smalti.core.cli.train",
+        "experiment=gpt_tiny",
+        f"callbacks={callbacks}",
+        "logger=[jsonl]",
+        f"trainer.deterministic={str(deterministic).lower()}",
+        f"hydra.run.dir={tmp_path / name}",
+        *overrides,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
@@ -65,15 +89,23 @@ def _weights_digest(folder: Path) -> str:
     return digest.hexdigest()
 
 
-@pytest.mark.timeout(1200)  # three runs at once, then a resumed one: about 2 minutes on an idle 2-core machine
+# Three runs at once, then a resumed one: about 2 minutes on an idle 2-core machine.
+@pytest.mark.timeout(1200)
 def test_smalti_train_gpt_tiny_is_bit_reproducible_checkpoints_resumes_and_evaluates(tmp_path):
     pytest.importorskip("smalti.llm")
     pytest.importorskip("smalti.checkpoint")
     names = ["full", "again", "third"]
 
     def run(name: str) -> tuple[str, dict[int, dict[str, float]]]:
-        return _train(tmp_path, name, "trainer.max_duration=40ba", "trainer.eval_interval=20ba", "checkpoint=dcp",
-                      f"checkpoint.save_folder={tmp_path / ('ckpt-' + name)}", "checkpoint.save_interval=20ba")
+        return _train(
+            tmp_path,
+            name,
+            "trainer.max_duration=40ba",
+            "trainer.eval_interval=20ba",
+            "checkpoint=dcp",
+            f"checkpoint.save_folder={tmp_path / ('ckpt-' + name)}",
+            "checkpoint.save_interval=20ba",
+        )
 
     with ThreadPoolExecutor(len(names)) as pool:  # the same command in three processes at once
         (out, full), *others = list(pool.map(run, names))
@@ -87,19 +119,56 @@ def test_smalti_train_gpt_tiny_is_bit_reproducible_checkpoints_resumes_and_evalu
     final = float(re.search(r"with loss ([0-9.]+)", out).group(1))
     assert final < math.log(2048) - 3.0, out[-2000:]  # from ~7.6 nats (uniform) to well below
     assert re.search(r"icl/mc_phrases/0shot/accuracy=([0-9.]+)", out), out[-2000:]
-    evals = {step: m["metrics/eval/LanguageCrossEntropy"] for step, m in full.items()
-             if "metrics/eval/LanguageCrossEntropy" in m}
+    evals = {
+        step: m["metrics/eval/LanguageCrossEntropy"]
+        for step, m in full.items()
+        if "metrics/eval/LanguageCrossEntropy" in m
+    }
     assert sorted(evals) == [20, 40] and evals[40] < evals[20], evals
     ckpt = tmp_path / "ckpt-full"
     middle = [p for p in ckpt.iterdir() if p.is_dir() and p.name.endswith("ba20")]
     assert len(middle) == 1, sorted(p.name for p in ckpt.iterdir())
 
     # Same duration (the learning-rate schedule depends on it), no eval or ICL: only the training goes on.
-    out, resumed = _train(tmp_path, "resumed", "trainer.max_duration=40ba", "trainer.eval_interval=null",
-                          "callbacks.icl=null", "checkpoint=dcp", f"checkpoint.load_path={middle[0]}",
-                          f"checkpoint.save_folder={tmp_path / 'ckpt2'}", "checkpoint.save_interval=null")
+    out, resumed = _train(
+        tmp_path,
+        "resumed",
+        "trainer.max_duration=40ba",
+        "trainer.eval_interval=null",
+        "callbacks.icl=null",
+        "checkpoint=dcp",
+        f"checkpoint.load_path={middle[0]}",
+        f"checkpoint.save_folder={tmp_path / 'ckpt2'}",
+        "checkpoint.save_interval=null",
+    )
     assert re.search(r"resuming at epoch \d+, batch 20\b", out), out[-3000:]
     resumed_losses = _losses(resumed)
     assert sorted(resumed_losses) == list(range(21, 41))
     assert resumed_losses == {s: losses[s] for s in resumed_losses}  # bit for bit
     assert _weights_digest(_saved_at(tmp_path / "ckpt2", 40)) == finals[0]
+
+
+@pytest.mark.timeout(1000)  # two short runs at once: ~20 s on an idle 2-core machine
+def test_default_mode_losses_do_not_depend_on_the_process_or_the_thread_count(tmp_path):
+    """Without ``trainer.deterministic``, the same command in two processes at once, one with 1 intra-op thread
+    and one with 2, gives the same losses bit for bit. A kernel whose result depends on the thread count (as
+    PyTorch's fused LayerNorm weight gradient does), on the process or on the memory layout would show here."""
+    pytest.importorskip("smalti.llm")
+
+    def run(threads: int) -> dict[int, float]:
+        _, metrics = _train(
+            tmp_path,
+            f"default-{threads}-threads",
+            "trainer.max_duration=6ba",
+            "trainer.eval_interval=null",
+            "data.eval=null",
+            deterministic=False,
+            callbacks="[]",
+            threads=threads,
+        )
+        return _losses(metrics)
+
+    with ThreadPoolExecutor(2) as pool:
+        one, two = pool.map(run, [1, 2])
+    assert sorted(one) == list(range(1, 7))
+    assert two == one  # bit for bit

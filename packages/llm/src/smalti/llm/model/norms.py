@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,6 +29,58 @@ class RMSNorm(nn.Module):
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
+
+
+class _LayerNormFunction(torch.autograd.Function):
+    """PyTorch's fused LayerNorm forward and input gradient; weight and bias gradients summed over rows by
+    ordinary reductions, which give the same bits for any number of threads."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, shape: list[int], eps: float
+    ) -> torch.Tensor:
+        out, mean, rstd = torch.ops.aten.native_layer_norm(x, shape, weight, bias, eps)
+        ctx.save_for_backward(x, weight, mean, rstd)  # what nn.LayerNorm keeps: no extra memory
+        ctx.shape, ctx.has_bias = shape, bias is not None
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight, mean, rstd = ctx.saved_tensors
+        want_x, want_w, want_b = ctx.needs_input_grad[:3]
+        grad_x = grad_w = grad_b = None
+        if want_x:
+            grad_x = torch.ops.aten.native_layer_norm_backward(
+                grad_out, x, ctx.shape, mean, rstd, weight, None, [True, False, False]
+            )[0]
+        rows = grad_out.reshape(-1, weight.numel() if weight is not None else x.shape[-1])
+        if want_w:
+            x_hat = (x.reshape(rows.shape) - mean.reshape(-1, 1)) * rstd.reshape(-1, 1)
+            grad_w = (rows * x_hat).sum(0).view(weight.shape)
+        if want_b:
+            grad_b = rows.sum(0).view(weight.shape if weight is not None else ctx.shape)
+        return grad_x, grad_w, grad_b, None, None
+
+
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` whose gradients on the CPU do not depend on the number of threads.
+
+    PyTorch's fused CPU kernel sums the weight and bias gradients over rows in one buffer per intra-op thread and
+    then adds the buffers, so their last bits change with the thread count (1 and 2 threads differ in every
+    LayerNorm weight gradient of gpt_tiny, and in nothing else of the step). Here the fused kernel computes the
+    output and the input gradient, and the weight and bias gradients are plain reductions over rows, one output
+    element at a time, in the same order for any thread count. Same parameters, state-dict keys, outputs and
+    saved tensors as ``nn.LayerNorm``; elsewhere (GPU, autocast, DTensor parameters, no gradients) it is
+    ``nn.LayerNorm``.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight, self.bias
+        plain = type(x) is torch.Tensor and all(p is None or type(p.data) is torch.Tensor for p in (weight, bias))
+        if x.device.type != "cpu" or not plain or not torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
+            return super().forward(x)
+        return _LayerNormFunction.apply(x, weight, bias, list(self.normalized_shape), self.eps)
 
 
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype:
@@ -59,7 +113,7 @@ class LowPrecisionRMSNorm(RMSNorm):
 def make_norm(norm_type: str, dim: int, eps: float, bias: bool, device: torch.device | str | None = None) -> nn.Module:
     """Build the norm named ``norm_type`` (one of :data:`NORM_TYPES`)."""
     if norm_type == "layernorm":
-        return nn.LayerNorm(dim, eps=eps, bias=bias, device=device)
+        return LayerNorm(dim, eps=eps, bias=bias, device=device)
     if norm_type == "low_precision_layernorm":
         return LowPrecisionLayerNorm(dim, eps=eps, bias=bias, device=device)
     if norm_type == "rmsnorm":
