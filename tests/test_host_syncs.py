@@ -9,6 +9,10 @@ subprocess), with the console logger, speed monitor, LR monitor, progress bar an
 
 A steady-state step (no log, eval or checkpoint interval firing) makes no such call; a step where the loss is
 logged makes one (all the steps' losses since the last log, read in one transfer).
+
+The Triton run is shorter (5 batches, no checkpoint: steady-state steps 2 and 3, the loss logged at 4): in the
+interpreter each step costs seconds, and the steps after a checkpoint go through the same trainer code as on
+the ``torch`` backend, which the 7-batch runs cover.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ from smalti.testing.host_sync import count_host_syncs
 ROOT = Path(__file__).resolve().parent.parent
 
 # 7 batches: the console logs at 4, the checkpoint is saved at 5; 2, 3 and 6 are steady-state steps.
-STEADY, LOGGED = (2, 3, 6), 4
+BATCHES, STEADY, LOGGED = 7, (2, 3, 6), 4
+# The Triton interpreter's run: 5 batches (a batch is probed until the next one is asked for), no checkpoint.
+SHORT_BATCHES, SHORT_STEADY = 5, (2, 3)
 
 
 class SyncProbe(Callback):
@@ -50,7 +56,7 @@ class SyncProbe(Callback):
             self._block = None
 
 
-def build(tmp_path: Path, *overrides: str):
+def build(tmp_path: Path, *overrides: str, batches: int = BATCHES, checkpoint: bool = True):
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
@@ -61,25 +67,26 @@ def build(tmp_path: Path, *overrides: str):
     GlobalHydra.instance().clear()
     with initialize_config_module("smalti.core.conf", version_base="1.3"):
         cfg = compose("train", overrides=[
-            *overrides, "trainer.max_duration=7ba", "trainer.eval_interval=null", "data.global_train_batch_size=8",
-            "logger=[console]", "logger.console.log_interval=4ba",
-            "callbacks.progress_bar.force=true", "checkpoint=dcp", f"checkpoint.save_folder={tmp_path / 'ckpt'}",
-            "checkpoint.save_interval=5ba", "checkpoint.save_on_fit_end=false", "run_name=host-syncs",
+            *overrides, f"trainer.max_duration={batches}ba", "trainer.eval_interval=null",
+            "data.global_train_batch_size=8", "logger=[console]", f"logger.console.log_interval={LOGGED}ba",
+            "callbacks.progress_bar.force=true", "run_name=host-syncs",
+            *(["checkpoint=dcp", f"checkpoint.save_folder={tmp_path / 'ckpt'}", "checkpoint.save_interval=5ba",
+               "checkpoint.save_on_fit_end=false"] if checkpoint else []),
         ])
     GlobalHydra.instance().clear()
     return build_trainer(cfg)
 
 
-def probe_run(tmp_path: Path, *overrides: str) -> dict[int, list[str]]:
-    trainer = build(tmp_path, *overrides)
+def probe_run(tmp_path: Path, *overrides: str, **kwargs) -> dict[int, list[str]]:
+    trainer = build(tmp_path, *overrides, **kwargs)
     probe = SyncProbe()
     trainer.pm.register_run_plugins([("algorithms", {"probe": probe})])  # algorithms run first in every event
     trainer.fit()
     return probe.by_batch
 
 
-def check(by_batch: dict[int, list[str]]) -> None:
-    for batch in STEADY:
+def check(by_batch: dict[int, list[str]], steady: tuple[int, ...] = STEADY) -> None:
+    for batch in steady:
         assert by_batch[batch] == [], f"batch {batch} synced with the host:\n" + "\n".join(by_batch[batch])
     logged = by_batch[LOGGED]
     assert len(logged) == 1 and logged[0].startswith("tolist at ") and "trainer.py" in logged[0], logged
@@ -103,10 +110,11 @@ TRITON_RUN = """
 import sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
-from test_host_syncs import check, probe_run
+from test_host_syncs import SHORT_BATCHES, SHORT_STEADY, check, probe_run
 # Small enough for Triton's interpreter, which runs every kernel program in NumPy.
 check(probe_run(Path(sys.argv[2]), "experiment=moe_tiny", "model.n_layers=1", "model.d_model=32", "model.n_heads=2",
-                "model.ffn_hidden_size=64", "model.max_seq_len=16", "+model.moe.backend=triton"))
+                "model.ffn_hidden_size=64", "model.max_seq_len=16", "+model.moe.backend=triton",
+                batches=SHORT_BATCHES, checkpoint=False), steady=SHORT_STEADY)
 print("OK")
 """
 
