@@ -21,6 +21,7 @@ of a round having seen the most similar load. Every run's first-step loss must a
     OMP_NUM_THREADS=2 python bench/llm_vs_hf.py --check-steps 50 --vocab 4096 --d-model 128 --ffn 384 --layers 2 \
         --heads 4 --kv-heads 2 --seq 128
     Levers on smalti's side: --adamw fused|foreach|loop, --ac block|attention|ffn, --no-fused-loss, --compile
+    (--compile: ``LLM.compile``, each block through torch.compile; its time is in the untimed first step)
 """
 
 from __future__ import annotations
@@ -225,6 +226,9 @@ def main() -> None:
             cuda = max((res.get("cuda_mb", 0.0) for res in runs[side]), default=0.0)
             print(f"{side:6s}: median step {med[side]:.2f} s, {tokens / med[side]:.0f} tokens/s, peak RSS "
                   f"{mem[side]:.0f} MB, median CPU time {cpu_med[side]:.2f} s/step" + (f", peak CUDA {cuda:.0f} MB" if cuda else ""))
+        if args.compile:  # the blocks compile during smalti's first step, which the medians leave out
+            firsts_s = " ".join(f"{res['times'][0]:.1f}" for res in runs["smalti"])
+            print(f"smalti first step (includes torch.compile of the blocks, not in the medians): {firsts_s} s")
         # On a shared machine wall time includes waiting for a core; CPU time per step is the work done.
         print(f"CPU-time ratio hf/smalti = {cpu_med['hf'] / cpu_med['smalti']:.2f}")
         print(f"llm_vs_hf: speed ratio smalti/hf = {med['hf'] / med['smalti']:.2f} (goal >= 1.40), "

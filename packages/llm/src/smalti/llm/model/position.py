@@ -64,6 +64,9 @@ class Rotary:
         self.scaling = dict(scaling) if scaling else None
         self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    # Eager under torch.compile: traced, the cache lookup would guard on the cache's contents and recompile the
+    # block once the first call has filled it.
+    @torch.compiler.disable
     def tables(self, seq_len: int, offset: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin`` of shape ``[seq_len, head_dim]`` for positions ``offset .. offset + seq_len - 1``."""
         key = (seq_len, offset, device, dtype)

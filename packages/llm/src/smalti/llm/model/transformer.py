@@ -12,6 +12,7 @@ same whole batch and computes the positions of its own chunk; see
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 from typing import Any
@@ -50,6 +51,10 @@ class LMOutputs(dict):
         return logits
 
 
+#: ``torch.compile(Block._forward, **kwargs)`` per set of kwargs, shared by every block that compiles.
+_COMPILED_FORWARDS: dict[tuple, Any] = {}
+
+
 class Block(nn.Module):
     """Pre-norm block: ``x + attn(norm_1(x))`` then ``x + ffn(norm_2(x))``; returns ``(x, aux_loss)``."""
 
@@ -60,13 +65,27 @@ class Block(nn.Module):
         self.norm_2 = norm_2
         self.ffn = ffn
         self.checkpointing: str | None = None  # "block", "attention" or "ffn"
+        self._compiled: Any = None  # a torch.compile of Block._forward, set by compile_forward
+
+    def compile_forward(self, **kwargs: Any) -> None:
+        """Run this block's computation through ``torch.compile(**kwargs)`` (``LLM.compile`` calls it).
+
+        The module call stays eager, so hooks on the block (FSDP2's gathers, activation checkpointing) wrap the
+        compiled code instead of being traced by it; every block shares one compiled graph (same code, same
+        shapes; the parameters are inputs of the graph).
+        """
+        key = tuple(sorted((k, repr(v)) for k, v in kwargs.items()))
+        if key not in _COMPILED_FORWARDS:  # one function for all blocks (no bound method kept on the module)
+            _COMPILED_FORWARDS[key] = torch.compile(Block._forward, **kwargs)
+        self._compiled = _COMPILED_FORWARDS[key]
 
     def forward(
         self, x: torch.Tensor, mask: torch.Tensor | None = None, sp: SequenceParallelGroup | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        run = self._forward if self._compiled is None else functools.partial(self._compiled, self)
         if self.checkpointing == "block" and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, mask, sp, use_reentrant=False)
-        return self._forward(x, mask, sp)
+            return checkpoint(run, x, mask, sp, use_reentrant=False)
+        return run(x, mask, sp)
 
     def _forward(
         self, x: torch.Tensor, mask: torch.Tensor | None, sp: SequenceParallelGroup | None
@@ -218,6 +237,17 @@ class LLM(nn.Module):
         chosen = parse_activation_checkpointing(spec, self.n_layers)
         for i, block in enumerate(self.blocks):
             block.checkpointing = chosen.get(i)
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+        """``torch.compile`` each transformer block (what ``Trainer(compile=True)`` / ``trainer.compile=true``
+        calls), rather than the whole forward: the blocks are where Inductor pays (the norms, RoPE, the gated
+        activation and the residual adds fused around the matrix products), while the embedding, the mask and
+        the chunked fused loss stay eager (matrix products and data-dependent loops it would not speed up).
+        Keyword arguments go to ``torch.compile``; compiling happens at each block's first call."""
+        if args:
+            raise TypeError("LLM.compile takes torch.compile's keyword arguments only")
+        for block in self.blocks:
+            block.compile_forward(**kwargs)
 
     def _active_params(self) -> int:
         """Parameters used per token: all but the position table and the experts a token is not routed to."""
