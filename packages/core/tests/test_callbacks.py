@@ -296,7 +296,9 @@ def test_every_shipped_option_builds_its_plugin(group):
 
     from smalti.core.plugins import Algorithm
     from smalti.core.plugins import Callback as CallbackBase
+    from smalti.core.run_name import register_resolvers
 
+    register_resolvers()  # as smalti-train does: shipped options may name the run's folder (goodput)
     base = CallbackBase if group == "callbacks" else Algorithm
     files = sorted((CONF / group).glob("*.yaml"))
     assert files
