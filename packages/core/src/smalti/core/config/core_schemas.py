@@ -173,6 +173,81 @@ class GradientClippingSchema(Schema):
     log_every: TimeOrBatches = "10ba"
 
 
+class OptimizerMonitorSchema(IntervalSchema):
+    per_layer: bool = True
+
+
+class LossSpikeSchema(Schema):
+    action: Literal["log", "save_and_stop", "rollback"] = "log"
+    window_size: PositiveInt = 100
+    outlier_multiplier: Annotated[float, Field(gt=1)] = 2.0
+    patience: NonNegativeInt = 4
+    loss_cap: PositiveFloat | None = 10.0
+    max_rollbacks: NonNegativeInt = 3
+    check_interval: TimeOrBatches = "1ba"
+
+
+class RuntimeEstimatorSchema(IntervalSchema):
+    window_size: PositiveInt = 50
+    skip_batches: NonNegativeInt = 1
+
+
+class ProfilerSchema(Schema):
+    wait: NonNegativeInt = 5
+    warmup: NonNegativeInt = 1
+    active: PositiveInt = 3
+    repeat: NonNegativeInt = 0
+    skip_first: NonNegativeInt = 0
+    profile_memory: bool = False
+    record_shapes: bool = False
+    with_stack: bool = False
+    trace_dir: str | None = None
+    gzip_traces: bool = False
+
+
+class ActivationMonitorSchema(Schema):
+    interval: TimeOrBatches = "25ba"
+    stats: list[Literal["max", "average", "std", "l2_norm", "kurtosis"]] = ["max", "average", "std"]
+    modules: list[str] | None = None
+    module_types: list[str] | None = None
+
+
+class GoodputSchema(Schema):
+    path: str | None = None
+    flush_interval_s: NonNegativeFloat = 30.0
+    started_at: NonNegativeFloat | None = None
+
+
+#: A time string, or a plain number read as a fraction of the run (``0.5`` is ``0.5dur``).
+TimeOrFraction = TimeStr | NonNegativeFloat
+
+
+class LabelSmoothingSchema(Schema):
+    smoothing: Annotated[float, Field(ge=0, lt=1)] = 0.1
+    ignore_index: int = -100
+
+
+class LayerFreezingSchema(Schema):
+    freeze_start: TimeOrFraction = "0.5dur"
+    freeze_level: Probability = 1.0
+    drop_optimizer_state: bool = False
+
+
+class SeqLengthWarmupSchema(Schema):
+    duration: TimeOrFraction = "0.3dur"
+    min_seq_length: PositiveInt = 8
+    max_seq_length: PositiveInt = 1024
+    step_size: PositiveInt = 8
+    truncate: bool = True
+
+    @model_validator(mode="after")
+    def _lengths(self) -> SeqLengthWarmupSchema:
+        if self.min_seq_length > self.max_seq_length:
+            raise field_error("min_seq_length", self.min_seq_length,
+                              f"at most max_seq_length ({self.max_seq_length})")
+        return self
+
+
 class ConsoleLoggerSchema(Schema):
     log_interval: TimeOrBatches = "10ba"
 
@@ -231,6 +306,15 @@ def schemas() -> dict[str, type]:
         "smalti.core.callbacks.NaNGuard": NaNGuardSchema,
         "smalti.core.callbacks.ProgressBar": ProgressBarSchema,
         "smalti.core.callbacks.SpeedMonitor": SpeedMonitorSchema,
+        "smalti.core.callbacks.OptimizerMonitor": OptimizerMonitorSchema,
+        "smalti.core.callbacks.LossSpike": LossSpikeSchema,
+        "smalti.core.callbacks.RuntimeEstimator": RuntimeEstimatorSchema,
+        "smalti.core.callbacks.Profiler": ProfilerSchema,
+        "smalti.core.callbacks.ActivationMonitor": ActivationMonitorSchema,
+        "smalti.core.callbacks.Goodput": GoodputSchema,
+        "smalti.core.algorithms.LabelSmoothing": LabelSmoothingSchema,
+        "smalti.core.algorithms.LayerFreezing": LayerFreezingSchema,
+        "smalti.core.algorithms.SeqLengthWarmup": SeqLengthWarmupSchema,
         "smalti.core.algorithms.EMA": EMASchema,
         "smalti.core.algorithms.GradientClipping": GradientClippingSchema,
         "smalti.core.loggers.ConsoleLogger": ConsoleLoggerSchema,
