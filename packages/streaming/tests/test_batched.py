@@ -178,3 +178,26 @@ def test_a_shard_whose_offsets_break_the_stride_is_never_read_as_columns(tmp_pat
         ds.__getitems__([0, 1, 2])
     with pytest.raises(ShardCorruptError, match="sample 2 holds"):
         list(StreamingDataLoader(ds, batch_size=8))
+
+
+def test_a_subclass_that_changes_its_samples_keeps_its_change_in_the_loader(tmp_path):
+    """LLM Foundry's pattern: a StreamingDataset subclass whose __getitem__/__iter__ turn a raw sample into the
+    model's input. The whole-batch path reads shards directly, so it must not be used for such a dataset."""
+    write_columnar(tmp_path / "ds", n=40)
+
+    class Renamed(StreamingDataset):
+        def __getitem__(self, index):
+            return {"input": super().__getitem__(index)["t"].astype(np.int64)}
+
+        def __iter__(self):
+            for sample in super().__iter__():
+                yield {"input": sample["t"].astype(np.int64)}
+
+    ds = Renamed(local=str(tmp_path / "ds"), batch_size=8, shuffle=False)
+    loader = StreamingDataLoader(ds, batch_size=8)
+    batches = list(loader)
+    assert not loader.batched and len(batches) == 5
+    assert list(batches[0]) == ["input"] and batches[0]["input"].dtype == torch.int64
+    plain = StreamingDataset(local=str(tmp_path / "ds"), batch_size=8, shuffle=False)
+    expected = torch.cat([b["t"] for b in StreamingDataLoader(plain, batch_size=8)]).long()
+    assert torch.equal(torch.cat([b["input"] for b in batches]), expected)

@@ -62,6 +62,15 @@ def _as_is(batch: Any) -> Any:
     return batch
 
 
+def _transforms_samples(dataset: StreamingDataset) -> bool:
+    """Whether a subclass changes what a sample is (``__getitem__``/``__iter__`` overridden, as LLM Foundry's
+    and our text datasets do): whole batches read straight from the shards would skip that, so such a dataset
+    goes through the per-sample path."""
+    cls = type(dataset)
+    return any(getattr(cls, name) is not getattr(StreamingDataset, name)
+               for name in ("__getitem__", "__getitems__", "__iter__"))
+
+
 _LOADER_PARAMS = inspect.signature(DataLoader.__init__)
 BATCHED_PREFETCH = 8  # batches in flight per worker when batches are made whole in the workers (torch's default: 2)
 
@@ -90,7 +99,8 @@ class StreamingDataLoader(DataLoader):
         given.pop("self")
         given.pop("dataset")
         batched = (given.get("batch_size", 1) == dataset.batch_size and given.get("sampler") is None
-                   and given.get("batch_sampler") is None and not given.get("shuffle"))
+                   and given.get("batch_sampler") is None and not given.get("shuffle")
+                   and not _transforms_samples(dataset))
         if batched:
             if given.get("num_workers") and given.get("prefetch_factor") is None:
                 # a batch costs a worker well under a millisecond: with torch's 2 in flight per worker, the
