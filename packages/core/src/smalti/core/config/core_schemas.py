@@ -248,6 +248,23 @@ class SeqLengthWarmupSchema(Schema):
         return self
 
 
+class SAMSchema(Schema):
+    rho: PositiveFloat = 0.05
+    epsilon: NonNegativeFloat = 1.0e-12
+    interval: TimeOrBatches = 1
+    log_every: TimeOrBatches = "10ba"
+
+
+class SWASchema(Schema):
+    swa_start: TimeOrBatches = "0.7dur"
+    update_interval: TimeOrBatches = "1ep"
+    swa_lr: NonNegativeFloat | None = None
+    anneal_steps: NonNegativeInt = 10
+    anneal_strategy: Literal["cos", "linear"] = "cos"
+    swap_at_fit_end: bool = True
+    bn_update_batches: NonNegativeInt = 16
+
+
 class ConsoleLoggerSchema(Schema):
     log_interval: TimeOrBatches = "10ba"
 
@@ -315,6 +332,8 @@ def schemas() -> dict[str, type]:
         "smalti.core.algorithms.LabelSmoothing": LabelSmoothingSchema,
         "smalti.core.algorithms.LayerFreezing": LayerFreezingSchema,
         "smalti.core.algorithms.SeqLengthWarmup": SeqLengthWarmupSchema,
+        "smalti.core.algorithms.SAM": SAMSchema,
+        "smalti.core.algorithms.SWA": SWASchema,
         "smalti.core.algorithms.EMA": EMASchema,
         "smalti.core.algorithms.GradientClipping": GradientClippingSchema,
         "smalti.core.loggers.ConsoleLogger": ConsoleLoggerSchema,
