@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from smalti.core.errors import ConfigError
 from smalti.core.time import Time, TimeUnit
 
 if TYPE_CHECKING:
@@ -32,3 +33,18 @@ def interval_fires(interval: Time | str, state: State, event: str) -> bool:
     count = ts.get(interval.unit)
     step = state.batch_num_samples if interval.unit is TimeUnit.SAMPLE else state.batch_num_tokens
     return count // int(interval.value) > (count - step) // int(interval.value)
+
+
+def batch_count(value: Time | str | int, key: str, example: str = "10ba") -> int:
+    """``value`` (``"10ba"`` or a bare int) as a number of batches >= 1; a ``ConfigError`` naming ``key`` otherwise.
+
+    For the cadences of monitors and algorithms that only make sense in optimizer steps (``key`` is the full
+    config key, e.g. ``"callbacks.optimizer_monitor.interval"``).
+    """
+    try:
+        parsed = Time.from_input(value, "ba")
+    except Exception as exc:  # noqa: BLE001 - any parse failure is the user's value
+        raise ConfigError(f"{key}={value!r}: {exc}") from None
+    if parsed.unit is not TimeUnit.BATCH or parsed.value < 1:
+        raise ConfigError(f"{key}={value!r} must be a number of batches >= 1, e.g. {example}")
+    return int(parsed.value)

@@ -8,12 +8,8 @@ import torch
 
 from smalti.core.errors import ConfigError, TrainingError
 from smalti.core.plugins import Algorithm
+from smalti.core.tensors import local_shard, weights_and_float_buffers
 from smalti.core.time import Time
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (FSDP2), or the tensor itself; in-place ops on it change the original."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 class EMA(Algorithm):
@@ -52,19 +48,13 @@ class EMA(Algorithm):
 
     # ------------------------------------------------------------------ set-up
 
-    @staticmethod
-    def _named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        named = {k: p for k, p in model.named_parameters()}
-        named.update({k: b for k, b in model.named_buffers() if b.is_floating_point()})
-        return named
-
     def on_fit_start(self, state: Any) -> None:
-        named = self._named_tensors(state.raw_model)
+        named = weights_and_float_buffers(state.raw_model)
         if set(self.shadow) != set(named):
             self.shadow = {k: t.detach().clone() for k, t in named.items()}
             self.started = False
-        self._live = [_local(t.detach()) for t in named.values()]
-        self._avg = [_local(self.shadow[k]) for k in named]
+        self._live = [local_shard(t.detach()) for t in named.values()]
+        self._avg = [local_shard(self.shadow[k]) for k in named]
         self._interval = max(1, state.to_batches(self.update_interval))
         self._start = state.to_batches(self.ema_start)
         self._s = None

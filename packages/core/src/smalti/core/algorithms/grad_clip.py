@@ -7,8 +7,8 @@ from typing import Any
 import torch
 
 from smalti.core.errors import ConfigError
+from smalti.core.intervals import batch_count
 from smalti.core.plugins import Algorithm
-from smalti.core.time import Time, TimeUnit
 
 
 class GradientClipping(Algorithm):
@@ -37,15 +37,7 @@ class GradientClipping(Algorithm):
             )
         self.clipping_type = clipping_type
         self.clipping_threshold = float(clipping_threshold)
-        try:
-            every = Time.from_input(log_every, "ba")
-        except Exception as exc:  # noqa: BLE001 - any parse failure is the user's value
-            raise ConfigError(f"algorithms.gradient_clipping.log_every={log_every!r}: {exc}") from None
-        if every.unit is not TimeUnit.BATCH or every.value < 1:
-            raise ConfigError(
-                f"algorithms.gradient_clipping.log_every={log_every!r} must be a number of batches >= 1"
-            )
-        self.log_every = int(every.value)
+        self.log_every = batch_count(log_every, "algorithms.gradient_clipping.log_every")
         self._pending: list[tuple[int, torch.Tensor]] = []
 
     def on_after_train_batch(self, state: Any) -> None:

@@ -9,23 +9,9 @@ import torch
 
 from smalti.core import distributed
 from smalti.core.errors import ConfigError
+from smalti.core.intervals import batch_count
 from smalti.core.plugins import Algorithm
-from smalti.core.time import Time, TimeUnit
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (FSDP2), or the tensor itself; in-place ops on it change the original."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def _batches(value: str | int, key: str) -> int:
-    try:
-        every = Time.from_input(value, "ba")
-    except Exception as exc:  # noqa: BLE001 - any parse failure is the user's value
-        raise ConfigError(f"algorithms.sam.{key}={value!r}: {exc}") from None
-    if every.unit is not TimeUnit.BATCH or every.value < 1:
-        raise ConfigError(f"algorithms.sam.{key}={value!r} must be a number of batches >= 1")
-    return int(every.value)
+from smalti.core.tensors import local_shard
 
 
 class SAM(Algorithm):
@@ -58,8 +44,8 @@ class SAM(Algorithm):
             raise ConfigError(f"algorithms.sam.epsilon={epsilon} must be >= 0")
         self.rho = float(rho)
         self.epsilon = float(epsilon)
-        self.interval = _batches(interval, "interval")
-        self.log_every = _batches(log_every, "log_every")
+        self.interval = batch_count(interval, "algorithms.sam.interval", "1ba")
+        self.log_every = batch_count(log_every, "algorithms.sam.log_every")
         self._every = self.interval  # read by bench/callback_cost.py: the steps where it does its work
         self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
 
@@ -84,9 +70,9 @@ class SAM(Algorithm):
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if hasattr(norm, "full_tensor"):  # DTensor: the norm over every shard
             norm = norm.full_tensor()
-        weights = [_local(p) for p in params]
+        weights = [local_shard(p) for p in params]
         kept = [w.clone() for w in weights]
-        perturbation = torch._foreach_mul([_local(p.grad) for p in params], self.rho / (norm + self.epsilon))
+        perturbation = torch._foreach_mul([local_shard(p.grad) for p in params], self.rho / (norm + self.epsilon))
         torch._foreach_add_(weights, perturbation)
         del perturbation
         for p in state.model.parameters():

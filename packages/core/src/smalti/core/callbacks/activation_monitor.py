@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from smalti.core.errors import ConfigError, TimeError
+from smalti.core.errors import ConfigError
+from smalti.core.intervals import batch_count
 from smalti.core.plugins import Callback
 from smalti.core.time import Time, TimeUnit
 
@@ -75,14 +76,7 @@ class ActivationMonitor(Callback):
         modules: Sequence[str] | None = None,
         module_types: Sequence[str] | None = None,
     ) -> None:
-        try:
-            self.interval = Time.from_input(interval, "ba")
-        except TimeError as exc:
-            raise ConfigError(f"callbacks.activation_monitor.interval={interval!r}: {exc}") from None
-        if self.interval.unit is not TimeUnit.BATCH or self.interval.value < 1:
-            raise ConfigError(
-                f"callbacks.activation_monitor.interval={interval!r} must be a number of batches >= 1, e.g. 25ba"
-            )
+        self.interval = Time(batch_count(interval, "callbacks.activation_monitor.interval", "25ba"), TimeUnit.BATCH)
         unknown = [s for s in stats if s not in STATS]
         if unknown or not stats:
             raise ConfigError(

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from smalti.core.errors import ConfigError, TimeError, TrainingError
+from smalti.core.errors import ConfigError, TrainingError
+from smalti.core.intervals import batch_count
 from smalti.core.plugins import Callback
-from smalti.core.time import Time, TimeUnit
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +66,7 @@ class LossSpike(Callback):
             raise ConfigError(f"callbacks.loss_spike.outlier_multiplier={outlier_multiplier} must be > 1")
         if patience < 0:
             raise ConfigError(f"callbacks.loss_spike.patience={patience} must be >= 0")
-        try:
-            interval = Time.from_input(check_interval, "ba")
-        except TimeError as exc:
-            raise ConfigError(f"callbacks.loss_spike.check_interval={check_interval!r}: {exc}") from None
-        if interval.unit is not TimeUnit.BATCH or interval.value < 1:
-            raise ConfigError(f"callbacks.loss_spike.check_interval={check_interval!r} must be a number of batches >= 1")
-        self._every = int(interval.value)
+        self._every = batch_count(check_interval, "callbacks.loss_spike.check_interval", "1ba")
         self._pending: list[tuple[int, torch.Tensor]] = []
         self.action = action
         self.window_size = window_size

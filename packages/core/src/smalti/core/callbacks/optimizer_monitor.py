@@ -6,17 +6,15 @@ from typing import Any
 
 import torch
 
-from smalti.core.errors import ConfigError, TimeError
+from smalti.core.intervals import batch_count
 from smalti.core.plugins import Callback
+from smalti.core.tensors import local_shard
 from smalti.core.time import Time, TimeUnit
 
 #: Optimizer-state keys read as the first moment (Adam's ``exp_avg``, SGD's momentum buffer) and the second.
 _FIRST_MOMENT = ("exp_avg", "momentum_buffer")
 _SECOND_MOMENT = ("exp_avg_sq",)
 
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _shard_groups(tensor: torch.Tensor) -> tuple[Any, ...]:
@@ -48,14 +46,7 @@ class OptimizerMonitor(Callback):
     """
 
     def __init__(self, interval: str | int = "10ba", per_layer: bool = True) -> None:
-        try:
-            self.interval = Time.from_input(interval, "ba")
-        except TimeError as exc:
-            raise ConfigError(f"callbacks.optimizer_monitor.interval={interval!r}: {exc}") from None
-        if self.interval.unit is not TimeUnit.BATCH or self.interval.value < 1:
-            raise ConfigError(
-                f"callbacks.optimizer_monitor.interval={interval!r} must be a number of batches >= 1, e.g. 10ba"
-            )
+        self.interval = Time(batch_count(interval, "callbacks.optimizer_monitor.interval"), TimeUnit.BATCH)
         self.per_layer = per_layer
         self._every = int(self.interval.value)
         self._names: dict[int, str] = {}
@@ -81,9 +72,9 @@ class OptimizerMonitor(Callback):
         self._before, self._grad_sq = {}, {}
         for _, p in self._params(state):
             if p.grad is not None:
-                self._grad_sq[id(p)] = _local(p.grad).detach().float().square().sum()
+                self._grad_sq[id(p)] = local_shard(p.grad).detach().float().square().sum()
             if self.per_layer:
-                self._before[id(p)] = _local(p).detach().clone()
+                self._before[id(p)] = local_shard(p).detach().clone()
 
     def on_after_optimizer_step(self, state: Any) -> None:
         if self._before or self._grad_sq:
@@ -101,7 +92,7 @@ class OptimizerMonitor(Callback):
             if key in self._grad_sq:
                 entries.append((f"l2_norm/grad/{name}", self._grad_sq[key]))
             if self.per_layer:
-                local = _local(p).detach().float()
+                local = local_shard(p).detach().float()
                 entries.append((f"l2_norm/param/{name}", local.square().sum()))
                 before = self._before.get(key)
                 if before is not None:
@@ -110,11 +101,11 @@ class OptimizerMonitor(Callback):
                 opt_state = states.get(key, {})
                 for k in _FIRST_MOMENT:
                     if isinstance(opt_state.get(k), torch.Tensor):
-                        entries.append((f"l2_norm/moment/{name}", _local(opt_state[k]).float().square().sum()))
+                        entries.append((f"l2_norm/moment/{name}", local_shard(opt_state[k]).float().square().sum()))
                         break
                 for k in _SECOND_MOMENT:
                     if isinstance(opt_state.get(k), torch.Tensor):  # ||sqrt(v)||^2 = sum(v)
-                        entries.append((f"l2_norm/second_moment_sqrt/{name}", _local(opt_state[k]).float().sum()))
+                        entries.append((f"l2_norm/second_moment_sqrt/{name}", local_shard(opt_state[k]).float().sum()))
             shards = _shard_groups(p)
             for metric, value in entries:
                 names.append(metric)

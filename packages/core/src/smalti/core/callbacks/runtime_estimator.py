@@ -9,8 +9,9 @@ from collections import deque
 from typing import Any
 
 from smalti.core.errors import ConfigError, TimeError
+from smalti.core.intervals import batch_count
 from smalti.core.plugins import Callback
-from smalti.core.time import Time, TimeUnit
+from smalti.core.time import TimeUnit
 
 
 def format_seconds(seconds: float) -> str:
@@ -39,17 +40,10 @@ class RuntimeEstimator(Callback):
     """
 
     def __init__(self, interval: str | int = "10ba", window_size: int = 50, skip_batches: int = 1) -> None:
-        try:
-            parsed = Time.from_input(interval, "ba")
-        except TimeError as exc:
-            raise ConfigError(f"callbacks.runtime_estimator.interval={interval!r}: {exc}") from None
-        if parsed.unit is not TimeUnit.BATCH or parsed.value < 1:
-            raise ConfigError(
-                f"callbacks.runtime_estimator.interval={interval!r} must be a number of batches >= 1, e.g. 10ba"
-            )
+        every = batch_count(interval, "callbacks.runtime_estimator.interval")
         if window_size < 1:
             raise ConfigError(f"callbacks.runtime_estimator.window_size={window_size} must be >= 1")
-        self._every = int(parsed.value)
+        self._every = every
         self.window_size = window_size
         self.skip_batches = max(0, int(skip_batches))
         self._window: deque[float] = deque(maxlen=window_size)
