@@ -22,9 +22,7 @@ from smalti.core.config.types import (
     world_size,
 )
 from smalti.core.config.validate import field_error
-from smalti.llm.model.ffn import _ACTIVATIONS, FFN_TYPES
-from smalti.llm.model.norms import NORM_TYPES
-from smalti.llm.model.transformer import POSITIONS
+from smalti.llm.choices import ACTIVATIONS, FFN_TYPES, NORM_TYPES, POSITIONS
 from smalti.moe.config_schema import MoESchema
 
 _DTYPES = Literal["float32", "bfloat16", "float16"]
@@ -56,7 +54,7 @@ class LLMSchema(Schema):
     norm_type: Literal[NORM_TYPES] = "layernorm"  # type: ignore[valid-type]
     norm_eps: PositiveFloat = 1e-5
     ffn_type: Literal[FFN_TYPES] = "mlp"  # type: ignore[valid-type]
-    activation: Literal[tuple(_ACTIVATIONS)] | None = None  # type: ignore[valid-type]
+    activation: Literal[ACTIVATIONS] | None = None  # type: ignore[valid-type]
     moe: MoESchema | None = None
     init_std: PositiveFloat = 0.02
 

@@ -8,10 +8,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from smalti.llm.choices import ACTIVATIONS, FFN_TYPES
 from smalti.llm.errors import ModelConfigError
 
-FFN_TYPES = ("mlp", "glu", "moe")
 _ACTIVATIONS = {"gelu": nn.GELU, "gelu_tanh": lambda: nn.GELU(approximate="tanh"), "silu": nn.SiLU, "relu": nn.ReLU}
+assert tuple(_ACTIVATIONS) == ACTIVATIONS, "smalti.llm.choices.ACTIVATIONS must list every activation"
 
 
 def make_activation(name: str) -> nn.Module:

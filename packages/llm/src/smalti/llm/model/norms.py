@@ -8,9 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from smalti.llm.choices import NORM_TYPES
 from smalti.llm.errors import ModelConfigError
-
-NORM_TYPES = ("layernorm", "rmsnorm", "low_precision_layernorm", "low_precision_rmsnorm")
 
 
 class RMSNorm(nn.Module):

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from smalti.llm.choices import POSITIONS
 from smalti.llm.errors import ModelConfigError
 from smalti.llm.model.attention import Attention
 from smalti.llm.model.attention_mask import AttentionMask
@@ -36,7 +37,6 @@ from smalti.llm.model.sequence_parallel import SequenceParallelGroup
 log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
-POSITIONS = ("alibi", "rope", "learned", "none")
 
 
 class LMOutputs(dict):
