@@ -22,10 +22,11 @@ _PLAIN_HOOKEXEC = pluggy.PluginManager("smalti-dispatch-probe")._inner_hookexec
 class FastHook:
     """One hook of ``pm``, callable as ``hook(**kwargs)`` with pluggy's semantics and without its overhead."""
 
-    __slots__ = ("_caller", "_pm", "_seen", "_calls", "_first", "impls")
+    __slots__ = ("_caller", "_pm", "_seen", "_calls", "_first", "_name", "impls")
 
     def __init__(self, pm: pluggy.PluginManager, name: str) -> None:
         self._caller = getattr(pm.hook, name)
+        self._name = name
         #: The hook's implementations: pluggy's own list, changed in place as plugins come and go (empty: no
         #: plugin implements the hook, and a caller may skip the call).
         self.impls: list[Any] = self._caller._hookimpls
@@ -46,17 +47,20 @@ class FastHook:
         if impls != self._seen:
             self._seen = list(impls)
             plain = not any(impl.hookwrapper or impl.wrapper for impl in impls)
-            self._calls = [(impl.function, tuple(impl.argnames)) for impl in reversed(impls)] if plain else None
+            self._calls = [(impl, impl.function, tuple(impl.argnames)) for impl in reversed(impls)] if plain else None
         if self._calls is None or self._pm._inner_hookexec is not _PLAIN_HOOKEXEC:
             return self._caller(**kwargs)
+        # Named as in pluggy's _multicall: smalti-health's watchdog reads them from a hung rank's live stack to
+        # say which hook and which plugin it is stuck in.
+        hook_name, hook_impls = self._name, impls  # noqa: F841
         if self._first:
-            for function, names in self._calls:
+            for hook_impl, function, names in self._calls:  # noqa: B007
                 result = function(*[kwargs[n] for n in names])
                 if result is not None:
                     return result
             return None
         results = []
-        for function, names in self._calls:
+        for hook_impl, function, names in self._calls:  # noqa: B007
             result = function(*[kwargs[n] for n in names])
             if result is not None:
                 results.append(result)

@@ -289,7 +289,7 @@ def hooks_in_progress(thread_id: int, pm: Any = None) -> list[dict[str, Any]]:
     chain.reverse()
     hooks: list[dict[str, Any]] = []
     for outer, inner in zip(chain, chain[1:] + [None], strict=True):
-        if outer.f_code.co_name != "_multicall" or "pluggy" not in outer.f_code.co_filename:
+        if not _is_hook_call(outer.f_code):
             continue
         local = outer.f_locals
         hook_name = local.get("hook_name")
@@ -308,6 +308,14 @@ def hooks_in_progress(thread_id: int, pm: Any = None) -> list[dict[str, Any]]:
             plugin_name = f"{name}: {where}" if name else where
         hooks.append({"hook": str(hook_name), "plugin": plugin_name, "impl_index": order})
     return hooks
+
+
+def _is_hook_call(code: Any) -> bool:
+    """Whether a frame's code calls a hook's implementations: pluggy's ``_multicall``, or smalti-core's
+    ``FastHook`` (which the training loop uses for plain hooks; it keeps the same local names)."""
+    if code.co_name == "_multicall":
+        return "pluggy" in code.co_filename
+    return code.co_name == "__call__" and code.co_filename.replace("\\", "/").endswith("smalti/core/dispatch.py")
 
 
 def _flush_loggers(timeout_s: float, pm: Any) -> None:
