@@ -278,8 +278,8 @@ def hooks_in_progress(thread_id: int, pm: Any = None) -> list[dict[str, Any]]:
     that plugin's place in the hook's call order (``impl_index``, 0 = called first).
 
     ``pm`` (default: the process's plugin manager) names the plugins. Read from the thread's live stack: every
-    pluggy call frame (``_multicall``) names its hook, and the frame it called is the running implementation
-    (its ``self`` is the plugin). Costs nothing until a rank hangs.
+    hook call frame (pluggy's ``_multicall`` or core's ``FastHook``) names its hook, and the frame it called is
+    the running implementation (its ``self`` is the plugin). Costs nothing until a rank hangs.
     """
     frame = sys._current_frames().get(thread_id)
     chain = []
