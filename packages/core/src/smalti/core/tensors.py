@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+from smalti.core.errors import TrainingError
 
 
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:
@@ -16,3 +20,17 @@ def weights_and_float_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]
     named = dict(model.named_parameters())
     named.update({k: b for k, b in model.named_buffers() if b.is_floating_point()})
     return named
+
+
+@torch.no_grad()
+def copy_saved_tensors(into: dict[str, torch.Tensor], saved: dict[str, Any], what: str, option: str) -> None:
+    """Copy a checkpoint's tensors into ``into`` in place, by name; a ``TrainingError`` naming the names that
+    differ when the two do not hold the same ones (``what`` the state, ``option`` the config key to drop)."""
+    missing, unexpected = set(into) - set(saved), set(saved) - set(into)
+    if missing or unexpected:
+        raise TrainingError(
+            f"{what} in the checkpoint does not match the model: missing {sorted(missing)}, "
+            f"unexpected {sorted(unexpected)}; load it into the same model, or drop {option}'s state"
+        )
+    for name, tensor in into.items():
+        tensor.copy_(saved[name])

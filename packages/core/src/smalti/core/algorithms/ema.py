@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from smalti.core.errors import ConfigError, TrainingError
+from smalti.core.errors import ConfigError
 from smalti.core.plugins import Algorithm
-from smalti.core.tensors import local_shard, weights_and_float_buffers
+from smalti.core.tensors import copy_saved_tensors, local_shard, weights_and_float_buffers
 from smalti.core.time import Time
 
 
@@ -124,13 +124,5 @@ class EMA(Algorithm):
 
     @torch.no_grad()
     def _apply_loaded(self, plugin_state: dict[str, Any]) -> None:
-        saved = plugin_state["shadow"]
-        missing, unexpected = set(self.shadow) - set(saved), set(saved) - set(self.shadow)
-        if missing or unexpected:
-            raise TrainingError(
-                f"EMA state in the checkpoint does not match the model: missing {sorted(missing)}, "
-                f"unexpected {sorted(unexpected)}; load it into the same model, or drop algorithms.ema's state"
-            )
-        for name, tensor in self.shadow.items():
-            tensor.copy_(saved[name])
+        copy_saved_tensors(self.shadow, plugin_state["shadow"], "EMA state", "algorithms.ema")
         self.started = bool(plugin_state.get("started", True))

@@ -9,7 +9,7 @@ from torch.optim.swa_utils import SWALR, get_swa_multi_avg_fn
 
 from smalti.core.errors import ConfigError, TimeError, TrainingError
 from smalti.core.plugins import Algorithm
-from smalti.core.tensors import local_shard, weights_and_float_buffers
+from smalti.core.tensors import copy_saved_tensors, local_shard, weights_and_float_buffers
 from smalti.core.time import Time
 
 
@@ -215,15 +215,7 @@ class SWA(Algorithm):
 
     @torch.no_grad()
     def _apply_loaded(self, state: Any, plugin_state: dict[str, Any]) -> None:
-        saved = plugin_state["average"]
-        missing, unexpected = set(self.average) - set(saved), set(saved) - set(self.average)
-        if missing or unexpected:
-            raise TrainingError(
-                f"SWA state in the checkpoint does not match the model: missing {sorted(missing)}, "
-                f"unexpected {sorted(unexpected)}; load it into the same model, or drop algorithms.swa's state"
-            )
-        for name, tensor in self.average.items():
-            tensor.copy_(saved[name])
+        copy_saved_tensors(self.average, plugin_state["average"], "SWA state", "algorithms.swa")
         self.n_averaged = int(plugin_state["n_averaged"])
         schedule = plugin_state.get("lr_schedule") or []
         self.schedulers = []
