@@ -7,7 +7,6 @@ real subprocess, for the exit code and the absence of a traceback.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import subprocess
@@ -20,6 +19,7 @@ from smalti.core.cli.report import CONFIG_ERROR_EXIT, MAX_LINES, format_config_e
 from smalti.core.config.schema import register_configs
 from smalti.core.config.validate import validate_config
 from smalti.core.errors import ConfigError
+from smalti.testing.train_cli import smalti_train_in_process
 
 MISSING = "/nonexistent/smalti-h18"
 
@@ -180,24 +180,6 @@ def test_shipped_options_and_experiments_pass(composer, tmp_path, overrides):
     validate_config(composer(_overrides(overrides, tmp_path)), world_size=1)
 
 
-def _train_in_process(args: list[str], tmp_path, monkeypatch) -> tuple[int, str]:
-    """``smalti-train ARGS`` in this process (Hydra's own app runner): its exit code and stderr."""
-    from hydra.core.global_hydra import GlobalHydra
-
-    from smalti.core.cli import train
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["smalti-train", *args])
-    err = io.StringIO()
-    GlobalHydra.instance().clear()
-    try:
-        with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as info:
-            train.main()
-    finally:
-        GlobalHydra.instance().clear()
-    return info.value.code, err.getvalue()
-
-
 @pytest.mark.parametrize(("overrides", "key", "expected"), [
     (["trainer.max_duration=abc"], "trainer.max_duration", "a time"),
     (["model=moe_tiny", "data=markov", "model.moe.top_k=9"], "model.moe.top_k", "at most num_experts=8"),
@@ -205,7 +187,7 @@ def _train_in_process(args: list[str], tmp_path, monkeypatch) -> tuple[int, str]
     (["data.global_train_batch_size=abc"], "data.global_train_batch_size", "converted to Integer"),
 ])
 def test_smalti_train_in_process_exits_2_without_traceback(tmp_path, monkeypatch, overrides, key, expected):
-    code, err = _train_in_process(overrides, tmp_path, monkeypatch)
+    code, err = smalti_train_in_process(overrides, tmp_path, monkeypatch)
     assert code == 2, err
     assert err.startswith("smalti-train: config error: ") and "Traceback" not in err, err
     assert len(err.splitlines()) <= MAX_LINES and key in err and expected in err, err
@@ -218,15 +200,15 @@ def test_unexpected_exception_keeps_its_traceback(tmp_path, monkeypatch):
         raise RuntimeError("a real bug")
 
     monkeypatch.setattr(build, "run", broken)
-    code, err = _train_in_process(["model=mlp", "data=synthetic"], tmp_path, monkeypatch)
+    code, err = smalti_train_in_process(["model=mlp", "data=synthetic"], tmp_path, monkeypatch)
     assert code == 1
     assert "Traceback" in err and "RuntimeError: a real bug" in err, err
 
 
 def test_build_time_error_of_a_package_has_the_same_form(tmp_path, monkeypatch):
     """A missing data folder found while building (smalti-llm's own check): short, named by key, exit 2."""
-    code, err = _train_in_process(["model=gpt_tiny", "data=text_mds", f"data.train.local={MISSING}", "logger=[]",
-                                   "callbacks=[]"], tmp_path, monkeypatch)
+    code, err = smalti_train_in_process(["model=gpt_tiny", "data=text_mds", f"data.train.local={MISSING}",
+                                         "logger=[]", "callbacks=[]"], tmp_path, monkeypatch)
     assert code == 2, err
     assert err.startswith("smalti-train: config error: data.train (smalti.llm.data.prepare.PreparedTextMDS): "), err
     assert MISSING in err and "Traceback" not in err and len(err.splitlines()) <= MAX_LINES, err

@@ -4,6 +4,7 @@ stable name (these need checkpoint=dcp, so they live here rather than in smalti-
 import re
 
 from smalti.testing.train_cli import smalti_train as train
+from smalti.testing.train_cli import smalti_train_in_process
 
 QUICK = ["model=mlp", "data=synthetic", "trainer.max_duration=3ba", "trainer.eval_interval=100ba", "callbacks=[]",
          "logger=[jsonl]"]
@@ -29,34 +30,9 @@ def test_sweep_points_get_their_own_names_and_checkpoint_folders(tmp_path):
     assert (tmp_path / "outputs" / "latest").resolve() == (sweep / "1").resolve()
 
 
-def _train_in_process(args, tmp_path, monkeypatch) -> tuple[object, str]:
-    """``smalti-train ARGS`` in this process (a refusal at start needs no process of its own): exit code, stderr."""
-    import contextlib
-    import io
-    import sys
-
-    import pytest
-    from hydra.core.global_hydra import GlobalHydra
-
-    from smalti.core.cli import train as train_cli
-    from smalti.testing.train_cli import RUN_NAME_VARS
-
-    for var in RUN_NAME_VARS:
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["smalti-train", *args])
-    err = io.StringIO()
-    GlobalHydra.instance().clear()
-    try:
-        with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as info:
-            train_cli.main()
-    finally:
-        GlobalHydra.instance().clear()
-    return info.value.code, err.getvalue()
-
-
 def test_autoresume_without_a_stable_name_fails_saying_how_to_name_it(tmp_path, monkeypatch):
-    code, err = _train_in_process(QUICK + ["checkpoint=dcp", "checkpoint.autoresume=true"], tmp_path, monkeypatch)
+    code, err = smalti_train_in_process(QUICK + ["checkpoint=dcp", "checkpoint.autoresume=true"], tmp_path,
+                                        monkeypatch)
     assert code not in (0, None), err
     assert "checkpoint.autoresume=true" in err and "run_name=<name>" in err
     assert "SMALTI_RUN_NAME" in err and "--rdzv-id" in err
