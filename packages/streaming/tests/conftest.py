@@ -36,8 +36,9 @@ class FaultyProxy:
     """Forwards HTTP to an S3 endpoint, injecting faults into shard GETs.
 
     Every ``fail_every``-th shard GET answers 500; every ``stall_every``-th one first stalls ``stall_s``
-    seconds (longer than the client's time-out, to force a retry); the others are delayed ``delay_s``.
-    ``gets`` counts the shard GETs per path.
+    seconds (longer than the client's time-out, to force a retry; :meth:`stop` ends a stall early); the
+    others are delayed ``delay_s``. ``gets`` counts the shard GETs per path, ``stalled`` lists the paths of
+    stalled GETs and ``gets_while_stalled`` counts GETs of a path that arrived while a GET of it was stalled.
     """
 
     def __init__(self, target: str, fail_every: int = 0, delay_s: float = 0.0, stall_every: int = 0,
@@ -49,6 +50,10 @@ class FaultyProxy:
         self.failures = 0
         self.stalls = 0
         self.gets: Counter[str] = Counter()
+        self.stalled: list[str] = []
+        self.gets_while_stalled: Counter[str] = Counter()
+        self._stalling: Counter[str] = Counter()
+        self._stopped = threading.Event()
         self._lock = threading.Lock()
         proxy = self
 
@@ -59,10 +64,13 @@ class FaultyProxy:
             def _forward(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 if self.command == "GET" and ".mds" in self.path:
+                    path = self.path.split("?")[0]
                     with proxy._lock:
                         proxy.requests += 1
                         n = proxy.requests
-                        proxy.gets[self.path.split("?")[0]] += 1
+                        proxy.gets[path] += 1
+                        if proxy._stalling[path]:
+                            proxy.gets_while_stalled[path] += 1
                     if proxy.fail_every and n % proxy.fail_every == 1:
                         proxy.failures += 1
                         self.send_response(500)
@@ -70,8 +78,13 @@ class FaultyProxy:
                         self.end_headers()
                         return
                     if proxy.stall_every and n % proxy.stall_every == 1:
-                        proxy.stalls += 1
-                        time.sleep(proxy.stall_s)
+                        with proxy._lock:
+                            proxy.stalls += 1
+                            proxy.stalled.append(path)
+                            proxy._stalling[path] += 1
+                        proxy._stopped.wait(proxy.stall_s)
+                        with proxy._lock:
+                            proxy._stalling[path] -= 1
                     time.sleep(proxy.delay_s)
                 conn = http.client.HTTPConnection(proxy.target.hostname, proxy.target.port, timeout=30)
                 headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
@@ -102,6 +115,7 @@ class FaultyProxy:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
 
     def stop(self):
+        self._stopped.set()
         self.server.shutdown()
         self.server.server_close()
 

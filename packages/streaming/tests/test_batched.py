@@ -201,3 +201,58 @@ def test_a_subclass_that_changes_its_samples_keeps_its_change_in_the_loader(tmp_
     plain = StreamingDataset(local=str(tmp_path / "ds"), batch_size=8, shuffle=False)
     expected = torch.cat([b["t"] for b in StreamingDataLoader(plain, batch_size=8)]).long()
     assert torch.equal(torch.cat([b["input"] for b in batches]), expected)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize("cap", [1, 4, 16])
+def test_bundles_cover_every_step_once_in_the_order_the_loader_takes_them(workers, cap):
+    from smalti.streaming.dataset import _bundles
+
+    for steps in (0, 1, 5, 37, 200):
+        per_worker = [list(_bundles(steps, w, workers, cap)) for w in range(workers)]
+        taken, k = [], 0  # the DataLoader takes one item from each worker in turn
+        while any(per_worker):
+            if per_worker[k % workers]:
+                taken.append(per_worker[k % workers].pop(0))
+            k += 1
+        assert [s for lo, hi in taken for s in range(lo, hi)] == list(range(steps))
+        assert all(hi - lo <= cap for lo, hi in taken)
+        assert all(hi - lo == 1 for lo, hi in taken[:workers])  # each worker's first batch is not held back
+
+
+def test_workers_hand_over_sample_ids_and_any_process_makes_the_batches(tmp_path, monkeypatch):
+    """A worker's bundle holds sample ids, not samples; a fresh copy of the dataset (the loader's main process)
+    turns it into exactly the batches a plain DataLoader yields, from its own mapping of the shard files."""
+    import pickle
+
+    from smalti.streaming import mds
+    from smalti.streaming.dataset import Bundle
+
+    remote = write_columnar(tmp_path / "remote")
+
+    def make():
+        return StreamingDataset(remote=str(remote), local=str(tmp_path / "cache"), batch_size=8, shuffle=True)
+
+    plain = list(DataLoader(make(), batch_size=8))
+    bundles = list(make().iter_batches(bundles=True))
+    assert all(type(b) is Bundle and b.batches is None for b in bundles) and len(bundles) < len(plain)
+    assert sum(len(b.refs) for b in bundles) == len(plain)
+    # the ids of the samples (here equal to the "id" column), as one small int64 array per batch
+    assert [i for b in bundles for r in b.refs for i in r.tolist()] == [i for b in plain for i in b["id"].tolist()]
+    assert all(r.dtype == np.int64 for b in bundles for r in b.refs)
+    assert type(pickle.loads(pickle.dumps(bundles[-1]))) is Bundle
+
+    main = make()
+    shard = main.cache.raw_path(int(main._locate(bundles[-1].refs[0])[0][0]))
+    shard.unlink()  # evicted after the worker handed the bundle over: fetched again here
+    checked = []
+    real_digest = mds.file_digest
+    monkeypatch.setattr(mds, "file_digest", lambda *a, **k: checked.append(a[0]) or real_digest(*a, **k))
+    got = [batch for bundle in bundles for batch in main.resolve(bundle)]
+    assert checked == [] and shard.exists()  # copies a worker vouched for are not hashed again
+    make().cache.reader(0)
+    assert checked == [main.cache.raw_path(0)]  # (a process opening a copy on its own checks it)
+    assert len(got) == len(plain)
+    for a, b in zip(got, plain):
+        same_batch(a, b)
+    assert main.resolve(Bundle(refs=[])) == []

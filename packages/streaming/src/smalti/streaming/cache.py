@@ -264,8 +264,12 @@ class ShardCache:
                 self._checked.discard(shard)
                 used -= size
 
-    def reader(self, shard: int, defer_to_peer: bool = False) -> ShardReader:
-        """An open reader of shard ``shard`` (fetched if needed); readers are kept open, most recent first."""
+    def reader(self, shard: int, defer_to_peer: bool = False, vouched: bool = False) -> ShardReader:
+        """An open reader of shard ``shard`` (fetched if needed); readers are kept open, most recent first.
+
+        ``vouched``: another process of this node has just fetched and checked the local copy (it handed
+        over a batch of it), so an existing copy is opened without being hashed again here.
+        """
         reader = self._readers.get(shard)
         if reader is not None:
             self._readers.move_to_end(shard)
@@ -274,6 +278,14 @@ class ShardCache:
             return reader
         si, entry = self.shards[shard]
         name = self.streams[si].name
+        if vouched and shard not in self._checked:
+            try:
+                reader = ShardReader(self.raw_path(shard), entry, name, self.allow_unsafe_types)
+            except FileNotFoundError:  # evicted since: fetched (and checked) below like any other
+                pass
+            else:
+                self._checked.add(shard)
+                return self._keep(shard, reader)
         for _ in range(3):
             path = self.ensure(shard, defer_to_peer)
             try:
@@ -284,6 +296,9 @@ class ShardCache:
         else:
             raise StreamingError(f"shard {self.raw_path(shard)} of stream {name} keeps disappearing from the "
                                  "cache; raise cache_limit")
+        return self._keep(shard, reader)
+
+    def _keep(self, shard: int, reader: ShardReader) -> ShardReader:
         self._readers[shard] = reader
         while len(self._readers) > MAX_OPEN_READERS:
             self._readers.popitem(last=False)

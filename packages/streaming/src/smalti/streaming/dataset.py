@@ -128,11 +128,46 @@ class Stream:
         return str(self.remote or self.local)
 
 
-class RawBatch(dict):
-    """A collated batch of NumPy arrays on its way from a worker; :meth:`tensors` is what the loader hands out."""
+class Bundle:
+    """Consecutive batches one DataLoader worker hands over as one item (see :meth:`StreamingDataset.iter_batches`).
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {name: torch.from_numpy(array) for name, array in self.items()}
+    ``refs``: the global sample ids of each batch of columnar shards the worker has fetched, checked and
+    opened, but not copied. :class:`StreamingDataLoader`'s main process copies those rows from its own
+    mapping of the shard files (the page cache) straight into the batches' tensors
+    (:meth:`StreamingDataset.resolve`): the data crosses no pipe and no shared-memory file and is copied
+    once, and the DataLoader's fixed cost per item is paid once per bundle. ``batches``: batches the worker
+    collated itself (shards that are not columnar).
+    """
+
+    __slots__ = ("refs", "batches")
+
+    def __init__(self, refs: list[np.ndarray] | None = None, batches: list[Any] | None = None) -> None:
+        self.refs, self.batches = refs, batches
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return Bundle, (self.refs, self.batches)
+
+
+BUNDLE_SAMPLES = 512  # a worker hands over about this many samples per item (whole batches, at least one)
+
+
+def _bundles(n_steps: int, worker_id: int, num_workers: int, cap: int) -> Iterator[tuple[int, int]]:
+    """The step ranges ``[lo, hi)`` worker ``worker_id`` makes, in order.
+
+    The steps are cut into consecutive bundles, bundle ``k`` going to worker ``k % num_workers`` (the order
+    in which the DataLoader takes the workers' items): bundles of 1 step each for each worker's first one,
+    then 2, 4, ... up to ``cap`` steps, so the first batches are not held back behind later ones.
+    """
+    if cap <= 1:
+        for step in range(worker_id, n_steps, num_workers):
+            yield step, step + 1
+        return
+    start, k = 0, 0
+    while start < n_steps:
+        size = min(cap, 1 << min(k // num_workers, 30), n_steps - start)
+        if k % num_workers == worker_id:
+            yield start, start + size
+        start, k = start + size, k + 1
 
 
 @functools.lru_cache(maxsize=64)
@@ -461,14 +496,21 @@ class StreamingDataset(IterableDataset):
 
     def _groups(self, ids: np.ndarray) -> list[tuple[int, np.ndarray, np.ndarray]]:
         """``(shard, positions in ids, offsets in the shard)`` for each shard ``ids`` touch, in first-use order."""
+        if not len(ids):
+            return []
         shards, offsets = self._locate(ids)
-        listed = shards.tolist()
-        if listed and listed[0] == listed[-1] and listed.count(listed[0]) == len(listed):
-            return [(listed[0], np.arange(len(listed)), offsets)]
-        where: dict[int, list[int]] = {}
-        for i, shard in enumerate(listed):
-            where.setdefault(shard, []).append(i)
-        return [(shard, np.array(pos), offsets[pos]) for shard, pos in where.items()]
+        first_shard = shards[0]
+        if shards[-1] == first_shard and (shards == first_shard).all():
+            return [(int(first_shard), np.arange(len(ids)), offsets)]
+        unique, first, inverse = np.unique(shards, return_index=True, return_inverse=True)
+        by_shard = np.argsort(inverse, kind="stable")  # positions grouped by shard, in order within each
+        ends = np.cumsum(np.bincount(inverse.reshape(-1), minlength=len(unique)))
+        starts = ends - np.bincount(inverse.reshape(-1), minlength=len(unique))
+        out = []
+        for k in np.argsort(first, kind="stable").tolist():
+            pos = by_shard[starts[k] : ends[k]]
+            out.append((int(unique[k]), pos, offsets[pos]))
+        return out
 
     def _gather(self, ids: np.ndarray, plan: _FetchPlan | None = None) -> list[dict[str, Any]]:
         """The samples of global ids ``ids``, in order (one reader call per shard)."""
@@ -479,36 +521,76 @@ class StreamingDataset(IterableDataset):
                 out[p] = sample
         return out
 
-    def _collate_columns(self, ids: np.ndarray, plan: _FetchPlan | None, arrays: bool = False) -> dict[str, Any] | None:
-        """The batch ``default_collate`` would make of samples ``ids``, built column by column; ``None`` when a
-        shard is not columnar (see ``ShardReader.column_views``) or the shards' columns differ.
-
-        Each column is gathered straight into one tensor (in shared memory inside a DataLoader worker, as
-        ``default_collate`` does). With ``arrays``, into NumPy arrays instead, as a :class:`RawBatch`: a
-        worker hands those to the main process through the pipe, which for batches of this size costs a
-        fraction of passing a shared-memory file per tensor; the loader turns them into tensors.
-        """
+    def _columns(self, ids: np.ndarray, plan: _FetchPlan | None, vouched: bool = False) -> tuple[Any, ...] | None:
+        """``(groups, column views per group, layout)`` of samples ``ids``; ``None`` when a shard is not
+        columnar (see ``ShardReader.column_views``), the shards' columns differ, or a column is a uint64
+        scalar (``default_collate`` refuses those: the per-sample path lets it say so)."""
         groups = self._groups(ids)
         views, layout = [], None
         for shard, _, _ in groups:
-            reader = self.cache.reader(shard, plan.defer(shard) if plan is not None else False)
+            reader = self.cache.reader(shard, plan.defer(shard) if plan is not None else False, vouched=vouched)
             v = reader.column_views()
             if v is None or (layout is not None and reader.column_layout != layout):
                 return None
             layout = reader.column_layout
             views.append(v)
         if any(dtype == np.uint64 and not shape for _, dtype, shape in layout):
-            return None  # default_collate refuses uint64 scalars: let it say so
+            return None
+        return groups, views, layout
+
+    def _bundle(self, batches: list[np.ndarray], plan: _FetchPlan | None) -> Bundle:
+        """A worker's :class:`Bundle` of ``batches`` (sample ids): references once their shards are local,
+        checked and columnar; else the batches collated here."""
+        if not batches:
+            return Bundle(refs=[])
+        if self._columns(np.concatenate(batches), plan) is not None:
+            return Bundle(refs=batches)
+        out = []
+        for ids in batches:
+            batch = self._collate_columns(ids, plan)
+            out.append(default_collate(self._gather(ids, plan)) if batch is None else batch)
+        return Bundle(batches=out)
+
+    def resolve(self, bundle: Bundle) -> list[dict[str, Any]]:
+        """The batches of a worker's :class:`Bundle`, references gathered here from this node's shard copies.
+
+        The worker that made the references has just fetched and checked those copies, so they are opened
+        without hashing them again (a copy made again since, after an eviction, is checked as usual). The
+        bundle is gathered in one pass; each batch's tensors are consecutive rows of one allocation.
+        """
+        if bundle.refs is None:
+            return bundle.batches or []
+        if not bundle.refs:
+            return []
+        ids = np.concatenate(bundle.refs)
+        batch = self._collate_columns(ids, None, vouched=True)
+        if batch is None:
+            raise StreamingError(f"a worker's batch of samples {ids[:4].tolist()}... is in shards that are not "
+                                 "columnar here: the dataset changed under the loader")
+        sizes = [len(r) for r in bundle.refs]
+        if len(sizes) == 1:
+            return [batch]
+        parts = {name: torch.split(t, sizes) for name, t in batch.items()}
+        return [{name: p[i] for name, p in parts.items()} for i in range(len(sizes))]
+
+    def _collate_columns(self, ids: np.ndarray, plan: _FetchPlan | None, vouched: bool = False) -> dict[str, Any] | None:
+        """The batch ``default_collate`` would make of samples ``ids``, built column by column; ``None`` when
+        the shards are not columnar (see :meth:`_columns`).
+
+        Each column is gathered straight into one tensor (in shared memory inside a DataLoader worker, as
+        ``default_collate`` does).
+        """
+        found = self._columns(ids, plan, vouched)
+        if found is None:
+            return None
+        groups, views, layout = found
         shared = get_worker_info() is not None
-        batch = RawBatch() if arrays else {}
+        batch = {}
         for name, dtype, shape in layout:
-            if arrays:
-                out = dst = np.empty((len(ids), *shape), dtype=dtype)
-            else:
-                out = torch.empty((len(ids), *shape), dtype=_torch_dtype(dtype))
-                if shared:
-                    out.share_memory_()
-                dst = out.numpy()
+            out = torch.empty((len(ids), *shape), dtype=_torch_dtype(dtype))
+            if shared:
+                out.share_memory_()
+            dst = out.numpy()
             if len(groups) == 1:
                 np.take(views[0][name], groups[0][2], axis=0, out=dst)
             else:
@@ -643,27 +725,31 @@ class StreamingDataset(IterableDataset):
         """Samples this rank yields per epoch (including the padding of the last global batch)."""
         return len(self.epoch_order(self.epoch)) // self.dp_world
 
-    def _steps(self) -> Iterator[tuple[_FetchPlan, np.ndarray]]:
-        """This process's share of the epoch: ``(plan, global ids of this rank's batch)`` per global batch step.
+    def _steps(self, bundled: bool = False) -> Iterator[tuple[_FetchPlan, list[np.ndarray]]]:
+        """This process's share of the epoch: ``(plan, [global ids of this rank's batch, ...])`` per bundle of
+        global batch steps (see :func:`_bundles`; one step per bundle unless ``bundled``).
 
-        A DataLoader worker takes the rank's batches of steps ``worker_id``, ``worker_id + num_workers``, ...
+        A DataLoader worker takes every ``num_workers``-th bundle, starting with its ``worker_id``-th. A
+        bundled step without samples (past a resumed epoch's end) comes as an empty array; others are left out.
         """
         worker = get_worker_info()
         worker_id, num_workers = (worker.id, worker.num_workers) if worker else (0, 1)
         epoch = self.epoch
         grid = self._remaining_grid(epoch)
         b = self.batch_size
-        steps = np.arange(worker_id, len(grid), num_workers)
-        mine = grid[steps, self.dp_rank * b : (self.dp_rank + 1) * b]
+        cols = slice(self.dp_rank * b, (self.dp_rank + 1) * b)
         plan = _FetchPlan(self, grid, worker_id, num_workers)
         if worker is None:
             self._consumed = 0
         try:
-            for step, row in zip(steps.tolist(), mine):
-                ids = row if row[-1] >= 0 else row[row >= 0]  # -1 pads only the epoch's last global batch
-                if len(ids):
-                    plan.progress = step
-                    yield plan, ids
+            for lo, hi in _bundles(len(grid), worker_id, num_workers, max(1, BUNDLE_SAMPLES // b) if bundled else 1):
+                batches = [row if row[-1] >= 0 else row[row >= 0] for row in grid[lo:hi, cols]]  # -1: padding
+                if not bundled:
+                    batches = [ids for ids in batches if len(ids)]
+                    if not batches:
+                        continue
+                plan.progress = lo
+                yield plan, batches
             plan.finish()
         finally:
             plan.stop()
@@ -671,31 +757,39 @@ class StreamingDataset(IterableDataset):
             self._end_epoch(epoch)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        for plan, ids in self._steps():
-            for item in self._gather(ids, plan):
-                if not self._counted_by_loader:
-                    self._consumed += 1
-                yield item
+        for plan, batches in self._steps():
+            for ids in batches:
+                for item in self._gather(ids, plan):
+                    if not self._counted_by_loader:
+                        self._consumed += 1
+                    yield item
 
     def iter_batches(self, collate_fn: Callable[[list[Any]], Any] | None = None,
-                     drop_last: bool = False, arrays: bool = False) -> Iterator[Any]:
+                     drop_last: bool = False, bundles: bool = False) -> Iterator[Any]:
         """This process's batches, each ``collate_fn`` (default: torch's ``default_collate``) of ``batch_size``
         samples: exactly what ``DataLoader(ds, batch_size=ds.batch_size, collate_fn=..., drop_last=...)`` yields.
 
         With the default collation and columnar shards (fixed-size numbers and arrays), each column is
         gathered into its tensor in one copy, with no per-sample objects. :class:`StreamingDataLoader` uses
         this when its ``batch_size`` is the dataset's; it also counts what it yields for :meth:`state_dict`.
-        With ``arrays``, such batches come as :class:`RawBatch` (NumPy arrays; ``.tensors()`` gives the batch).
+        With ``bundles`` (default collation only), consecutive batches come as one :class:`Bundle`, columnar
+        ones as references that :meth:`resolve` turns into the batches in any process of this node; every
+        bundle is yielded, even one left empty.
         """
-        for plan, ids in self._steps():
-            if drop_last and len(ids) < self.batch_size:
+        for plan, batches in self._steps(bundles):
+            batches = [ids for ids in batches if len(ids) == self.batch_size or (len(ids) and not drop_last)]
+            if bundles:
+                if not self._counted_by_loader:
+                    self._consumed += sum(len(ids) for ids in batches)
+                yield self._bundle(batches, plan)
                 continue
-            batch = self._collate_columns(ids, plan, arrays) if collate_fn is None else None
-            if batch is None:
-                batch = (collate_fn or default_collate)(self._gather(ids, plan))
-            if not self._counted_by_loader:
-                self._consumed += len(ids)
-            yield batch
+            for ids in batches:
+                batch = self._collate_columns(ids, plan) if collate_fn is None else None
+                if batch is None:
+                    batch = (collate_fn or default_collate)(self._gather(ids, plan))
+                if not self._counted_by_loader:
+                    self._consumed += len(ids)
+                yield batch
 
     def _end_epoch(self, epoch: int) -> None:
         self.epoch = epoch + 1

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from smalti.streaming.dataset import RawBatch, StreamingDataset
+from smalti.streaming.dataset import Bundle, StreamingDataset
 from smalti.streaming.errors import StreamingError
 
 
@@ -40,20 +40,20 @@ class _Batches(IterableDataset):
     """
 
     def __init__(self, dataset: StreamingDataset, collate_fn: Callable[[list[Any]], Any] | None,
-                 drop_last: bool, arrays: bool) -> None:
-        self.dataset, self.collate_fn, self.drop_last, self.arrays = dataset, collate_fn, drop_last, arrays
+                 drop_last: bool, bundles: bool) -> None:
+        self.dataset, self.collate_fn, self.drop_last, self.bundles = dataset, collate_fn, drop_last, bundles
 
     def __iter__(self) -> Iterator[Any]:
-        # NumPy arrays cross from a worker through the pipe far cheaper than a shared-memory file per tensor
+        # a worker hands over bundles of references; the main process copies the rows from the page cache
         return self.dataset.iter_batches(self.collate_fn, self.drop_last,
-                                         self.arrays and get_worker_info() is not None)
+                                         self.bundles and get_worker_info() is not None)
 
     def __len__(self) -> int:
         n, b = len(self.dataset), self.dataset.batch_size
         return n // b if self.drop_last else -(-n // b)
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("dataset", "collate_fn", "drop_last", "arrays"):
+        if name.startswith("__") or name in ("dataset", "collate_fn", "drop_last", "bundles"):
             raise AttributeError(name)
         return getattr(self.dataset, name)
 
@@ -72,18 +72,22 @@ def _transforms_samples(dataset: StreamingDataset) -> bool:
 
 
 _LOADER_PARAMS = inspect.signature(DataLoader.__init__)
-BATCHED_PREFETCH = 8  # batches in flight per worker when batches are made whole in the workers (torch's default: 2)
+BATCHED_PREFETCH = 8  # items (batches or bundles) in flight per worker on the whole-batch path (torch's default: 2)
 
 
 class StreamingDataLoader(DataLoader):
     """A :class:`~torch.utils.data.DataLoader` over a :class:`StreamingDataset` with ``state_dict`` support.
 
-    When ``batch_size`` is the dataset's own (the usual case) and no sampler is given, each batch is made
-    whole where the samples are read (in the worker): one read per shard and, with the default collation and
-    fixed-size columns, one copy per column straight into the batch's tensors. The batches are exactly those
-    of a plain ``DataLoader(dataset, batch_size=dataset.batch_size, ...)``. ``loader.streaming_dataset`` is
-    the dataset (``loader.dataset`` is then a batching view of it that forwards its attributes). Such a
-    loader keeps :data:`BATCHED_PREFETCH` batches in flight per worker unless ``prefetch_factor`` is given.
+    When ``batch_size`` is the dataset's own (the usual case) and no sampler is given, batches are made whole,
+    never sample by sample: with the default collation and fixed-size columns, one copy per column straight
+    into the batch's tensors. With DataLoader workers (and no ``pin_memory``) a worker fetches, decompresses
+    and checks the shards and hands over only the sample ids of several consecutive batches at once (a
+    :class:`~smalti.streaming.dataset.Bundle`); this process then copies those rows from its own mapping of
+    the shard files (the page cache) into the batches. Nothing but ids crosses the worker pipe, and the
+    DataLoader's fixed cost per item is paid once per bundle. The batches are exactly those of a plain
+    ``DataLoader(dataset, batch_size=dataset.batch_size, ...)``. ``loader.streaming_dataset`` is the dataset
+    (``loader.dataset`` is then a batching view of it that forwards its attributes). Such a loader keeps
+    :data:`BATCHED_PREFETCH` items in flight per worker unless ``prefetch_factor`` is given.
     """
 
     def __init__(self, dataset: StreamingDataset, *args: Any, **kwargs: Any) -> None:
@@ -106,9 +110,11 @@ class StreamingDataLoader(DataLoader):
                 # a batch costs a worker well under a millisecond: with torch's 2 in flight per worker, the
                 # workers idle whenever the training process is not scheduled for a moment
                 given["prefetch_factor"] = BATCHED_PREFETCH
-            # pinned batches need tensors from the worker (the pin thread runs before __iter__ sees them)
-            view = _Batches(dataset, given.pop("collate_fn", None), bool(given.pop("drop_last", False)),
-                            arrays=not given.get("pin_memory"))
+            # pinned batches need tensors from the worker (the pin thread runs before __iter__ sees them);
+            # bundles are made only with the default collation (a custom one runs in the worker)
+            collate_fn = given.pop("collate_fn", None)
+            view = _Batches(dataset, collate_fn, bool(given.pop("drop_last", False)),
+                            bundles=collate_fn is None and not given.get("pin_memory"))
             given.update(batch_size=None, collate_fn=_as_is)
             super().__init__(view, **given, **extra)
         else:
@@ -124,8 +130,13 @@ class StreamingDataLoader(DataLoader):
             ds.epoch_order(epoch)  # once here, not in every worker: forked workers inherit it
         try:
             for batch in super().__iter__():
-                if type(batch) is RawBatch:
-                    batch = batch.tensors()
+                if type(batch) is Bundle:
+                    made = ds.resolve(batch)
+                    sizes = [len(r) for r in batch.refs] if batch.refs is not None else map(batch_len, made)
+                    for one, n in zip(made, sizes):
+                        ds._consumed += n
+                        yield one
+                    continue
                 ds._consumed += batch_len(batch)
                 yield batch
         finally:
