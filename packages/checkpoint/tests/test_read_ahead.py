@@ -1,13 +1,12 @@
-"""ReadAhead: the background reader a load takes its bytes from, hashing each file once on the way in."""
+"""ReadAhead and its reader: tensors read straight from the file, each checked file hashed once, in order."""
 
 import os
-import time
 
 import pytest
 
 from smalti.checkpoint import CheckpointCorruptError
 from smalti.checkpoint.hashes import ALGORITHMS, new_hasher
-from smalti.checkpoint.read_ahead import AheadFile, ReadAhead
+from smalti.checkpoint.read_ahead import AheadFile, FileCheck, ReadAhead
 
 CHUNK = 8192
 
@@ -20,80 +19,87 @@ def write(folder, name, size, seed=0, algorithm="xxh3_128"):
     return data, AheadFile(name, size, f"{algorithm}:{digest.hexdigest()}")
 
 
-@pytest.mark.parametrize("direct", [True, False])
-def test_spans_give_back_the_bytes_of_each_file_across_chunks_and_every_hash_is_checked(tmp_path, direct):
-    a, file_a = write(tmp_path, "__0_0.distcp", 100_000, seed=1)
-    b, file_b = write(tmp_path, "__0_1.distcp", 20_001, seed=2)
-    ahead = ReadAhead(tmp_path, [file_a, file_b], window_bytes=4 * CHUNK, direct=direct, chunk_bytes=CHUNK)
-    for start, end in [(0, 10), (10, 8192), (9000, 30_000), (30_000, 30_000), (60_000, 100_000)]:
-        span = ahead.span("__0_0.distcp", start, end)
-        assert span.read() == a[start:end]
-        span.seek(3)
-        assert span.read(5) == a[start + 3 : start + 8][: max(0, end - start - 3)]
-        ahead.release_before("__0_0.distcp", end)
-    ahead.done_with("__0_0.distcp")
-    assert ahead.span("__0_1.distcp", 19_000, 20_001).read() == b[19_000:]
-    ahead.finish(timeout=30)
-
-
-def test_the_reader_stays_within_its_window_until_the_loader_takes_bytes(tmp_path):
-    data, file = write(tmp_path, "big.distcp", 40 * CHUNK, seed=None)
-    ahead = ReadAhead(tmp_path, [file], window_bytes=3 * CHUNK, chunk_bytes=CHUNK)
-    time.sleep(0.3)
-    assert ahead.bytes_read("big.distcp") == 3 * CHUNK  # it stopped at the window
-    # one item larger than the window: the reader goes past the window for the bytes the loader waits for
-    assert ahead.span("big.distcp", 5, 30 * CHUNK + 7).read() == data[5 : 30 * CHUNK + 7]
-    ahead.finish(timeout=30)
-    assert ahead.bytes_read("big.distcp") == 40 * CHUNK
+def feed_in_order(ahead, relpath, data, pieces):
+    """What the reader does: bytes it reads into tensors go to the file's digest, the gaps are read back."""
+    check = ahead.check(relpath)
+    fd = os.open(ahead.folder / relpath, os.O_RDONLY)
+    try:
+        for start, end in pieces:
+            check.cover(fd, start)
+            check.feed(start, memoryview(data[start:end]))
+    finally:
+        os.close(fd)
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_a_flipped_byte_is_reported_with_its_file_even_when_the_loader_needed_none_of_it(tmp_path, algorithm):
-    _, good = write(tmp_path, "__0_0.distcp", 30_000, seed=3, algorithm=algorithm)
+def test_every_byte_is_hashed_once_whether_fed_by_the_reader_or_read_back(tmp_path, algorithm):
+    a, file_a = write(tmp_path, "__0_0.distcp", 100_000, seed=1, algorithm=algorithm)
+    _, file_b = write(tmp_path, "__0_1.distcp", 20_001, seed=2, algorithm=algorithm)
+    ahead = ReadAhead(tmp_path, [file_a, file_b], window_bytes=4 * CHUNK)
+    hashed = []
+    real_update = type(ahead.check("__0_0.distcp").digest).update
+    check = ahead.check("__0_0.distcp")
+
+    class Counting:
+        def update(self, view):
+            hashed.append(len(view))
+            real_update(digest, view)
+
+        def hexdigest(self):
+            return digest.hexdigest()
+
+    digest, check.digest = check.digest, Counting()
+    # pieces with gaps (headers the reader does not feed), one out of order (fed again later by a read-back)
+    feed_in_order(ahead, "__0_0.distcp", a, [(10, 8192), (9000, 30_000), (20_000, 25_000), (60_000, 100_000)])
+    ahead.finish(timeout=30)  # __0_1 is read back whole, __0_0's tail checked
+    assert sum(hashed) == 100_000  # nothing hashed twice, nothing left out
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_flipped_byte_is_reported_with_its_file_fed_or_read_back(tmp_path, algorithm):
+    good_data, good = write(tmp_path, "__0_0.distcp", 30_000, seed=3, algorithm=algorithm)
     data, bad = write(tmp_path, "__1_0.distcp", 30_000, seed=4, algorithm=algorithm)
     flipped = bytearray(data)
     flipped[12_345] ^= 1
     (tmp_path / "__1_0.distcp").write_bytes(bytes(flipped))
-    ahead = ReadAhead(tmp_path, [good, bad], chunk_bytes=CHUNK)
-    ahead.done_with("__1_0.distcp")
-    with pytest.raises(CheckpointCorruptError, match=f"has {algorithm} .* but the manifest says") as caught:
-        ahead.finish(timeout=30)
-    assert caught.value.path == str(tmp_path / "__1_0.distcp")
+    for fed in (False, True):
+        ahead = ReadAhead(tmp_path, [good, bad])
+        if fed:  # the reader fed the bytes it read into the tensors (the flipped one among them)
+            feed_in_order(ahead, "__0_0.distcp", good_data, [(0, 30_000)])
+            feed_in_order(ahead, "__1_0.distcp", bytes(flipped), [(100, 20_000)])
+        with pytest.raises(CheckpointCorruptError, match=f"has {algorithm} .* but the manifest says") as caught:
+            ahead.finish(timeout=30)
+        assert caught.value.path == str(tmp_path / "__1_0.distcp")
 
 
-def test_a_file_without_an_expected_hash_is_read_but_not_judged(tmp_path):
+def test_a_file_without_an_expected_hash_is_only_measured(tmp_path):
     data, file = write(tmp_path, "__0_0.distcp", 10_000, seed=5)
     (tmp_path / "__0_0.distcp").write_bytes(bytes(b ^ 0xFF for b in data))
-    ahead = ReadAhead(tmp_path, [AheadFile(file.relpath, file.size, None)], chunk_bytes=CHUNK)
-    assert ahead.span("__0_0.distcp", 0, 4).read() == bytes(b ^ 0xFF for b in data[:4])
-    ahead.finish(timeout=30)
-
-
-def test_a_truncated_file_fails_the_span_past_its_end_and_the_check(tmp_path):
-    data, file = write(tmp_path, "__0_0.distcp", 50_000, seed=6)
-    (tmp_path / "__0_0.distcp").write_bytes(data[:20_000])
-    ahead = ReadAhead(tmp_path, [file], chunk_bytes=CHUNK)
-    assert ahead.span("__0_0.distcp", 0, 20_000).read() == data[:20_000]
-    with pytest.raises(CheckpointCorruptError, match="truncated"):
-        ahead.span("__0_0.distcp", 19_000, 21_000)
-    with pytest.raises(CheckpointCorruptError, match="20000 bytes but the manifest says 50000"):
+    ReadAhead(tmp_path, [AheadFile(file.relpath, file.size, None)]).finish(timeout=30)
+    ahead = ReadAhead(tmp_path, [AheadFile(file.relpath, file.size + 1, None)])
+    with pytest.raises(CheckpointCorruptError, match="10000 bytes but the manifest says 10001"):
         ahead.finish(timeout=30)
+
+
+@pytest.mark.parametrize("extra", [-30_000, 7])
+def test_a_truncated_or_longer_file_fails_the_check(tmp_path, extra):
+    data, file = write(tmp_path, "__0_0.distcp", 50_000, seed=6)
+    (tmp_path / "__0_0.distcp").write_bytes(data[: 50_000 + extra] if extra < 0 else data + b"x" * extra)
+    with pytest.raises(CheckpointCorruptError, match="bytes but the manifest says 50000"):
+        ReadAhead(tmp_path, [file]).finish(timeout=30)
 
 
 def test_a_missing_file_is_an_error_naming_it(tmp_path):
-    ahead = ReadAhead(tmp_path, [AheadFile("__0_0.distcp", 10, None)], chunk_bytes=CHUNK)
-    with pytest.raises(Exception, match="__0_0.distcp"):
-        ahead.span("__0_0.distcp", 0, 10)
+    ahead = ReadAhead(tmp_path, [AheadFile("__0_0.distcp", 10, None)])
     with pytest.raises(Exception, match="__0_0.distcp"):
         ahead.finish(timeout=30)
 
 
 @pytest.mark.parametrize("read_ahead", ["this-rank", "another-rank", None],
-                         ids=["read-ahead", "files-another-rank-reads-ahead", "no-read-ahead"])
+                         ids=["checked-here", "files-another-rank-checks", "no-check"])
 def test_dcp_loads_copying_contiguous_tensors_in_place_and_others_as_dcp_does(tmp_path, monkeypatch, read_ahead):
-    """Through the read-ahead's buffers, and (for files another rank reads ahead and checks, e.g. a DDP
-    replica's, or with no read-ahead at all) straight from the file: either way no ``torch.load`` of a tensor
-    whose layout allows a copy."""
+    """Straight from the file, whether this rank checks the file's digest or another rank does (e.g. a DDP
+    replica's) or nobody: no ``torch.load`` of a tensor whose layout allows reading it in place."""
     import warnings
 
     import torch
@@ -129,13 +135,27 @@ def test_dcp_loads_copying_contiguous_tensors_in_place_and_others_as_dcp_does(tm
     real_load = torch.load
     monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(1) or real_load(*a, **k))
     files = [AheadFile(p.name, p.stat().st_size) for p in sorted(tmp_path.glob("*.distcp"))]
-    ahead = None if read_ahead is None else ReadAhead(tmp_path, files if read_ahead == "this-rank" else [],
-                                                        chunk_bytes=1 << 20)
+    if read_ahead == "this-rank":  # the digest this rank checks while it loads
+        digest = new_hasher("xxh3_128")
+        digest.update((tmp_path / files[0].relpath).read_bytes())
+        files[0].hash = f"xxh3_128:{digest.hexdigest()}"
+    ahead = None if read_ahead is None else ReadAhead(tmp_path, files if read_ahead == "this-rank" else [])
+    read_back = []  # bytes the digest had to read again (everything the reader did not feed it)
+    real_cover = FileCheck.cover
+
+    def cover(check, fd, upto):
+        before = check.hashed_to
+        real_cover(check, fd, upto)
+        read_back.append(check.hashed_to - before)
+
+    monkeypatch.setattr(FileCheck, "cover", cover)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(targets, storage_reader=ReadAheadFileSystemReader(tmp_path, ahead), no_dist=True)
     if ahead is not None:
         ahead.finish(timeout=30)
+    if read_ahead == "this-rank":  # the tensors' bytes were hashed as they were read, not read twice
+        assert 0 < sum(read_back) < 1 << 20 and files[0].size > 12_000_000  # the transposed one and headers
     for key, value in saved.items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(targets[key], value), key

@@ -99,7 +99,7 @@ class LoadAndResume:
         files = [AheadFile(rel, entries[rel]["size"], tagged(*entry_digest(entries[rel])) if rel in unchecked else None)
                  for rel in share]
         if files:
-            self._read_ahead = ReadAhead(found.folder, files, self.read_ahead_mb << 20, self.direct_reads)
+            self._read_ahead = ReadAhead(found.folder, files, self.read_ahead_mb << 20)
 
     def _data_verdict(self, found: Found, load_error: Exception | None = None) -> CheckpointError | None:
         """Each rank waits for the reading and digest of its share of the data files (checked while they

@@ -1,30 +1,25 @@
-"""Reading checkpoint files ahead of the load, front to back, hashing every byte once on the way in.
+"""Loading checkpoint files straight into the tensors, and checking their digests from the same bytes.
 
-A load has work to do before DCP asks for any tensor bytes (reading ``.metadata``, building the state dict,
-creating the optimizer's state), and DCP's own reader then reads item by item through the page cache, with
-the digest check of the same files as a second pass. :class:`ReadAhead` starts reading this rank's files
-as soon as the checkpoint is chosen, in a background thread, with ``O_DIRECT`` where the file system
-allows it (no page-cache copy for the CPU to make), and feeds every chunk to the file's hash (the algorithm
-its manifest entry names) on one hash thread, so the next read is under way while a chunk is hashed. What it
-read waits in memory (up to ``window_bytes`` ahead of the loader) until :class:`ReadAheadFileSystemReader`
-hands it to DCP: the disk works while the trainer builds its state, and each byte is read from the disk
-once, for both the load and the check. Tensors are copied from those buffers straight into their targets.
+A load reads each data file front to back (its items in offset order) through the page cache, each tensor's
+bytes with ``preadv`` straight into the tensor it loads into (no staging buffer, no ``torch.load`` of the
+tensor, no second copy): :class:`ReadAheadFileSystemReader`. Buffered reads beat ``O_DIRECT`` here: the
+kernel's read-ahead keeps the disk busy while the CPU copies and hashes.
 
-Files this rank loads but another rank reads ahead (and checks) are read by :class:`ReadAheadFileSystemReader`
-the same way, item by item: each tensor's bytes go from the file straight into its target, without
-``torch.load``'s allocation and copies.
+:class:`ReadAhead` is this rank's share of the files to check. As soon as the checkpoint is chosen it asks the
+kernel to start reading them (``posix_fadvise(WILLNEED)``, up to ``window_bytes``), so the disk works while the
+trainer builds its state. Each file's digest (the algorithm its manifest entry names) is computed in file order
+from the bytes the reader has just read into the tensors (still in the CPU's cache); the bytes between them (zip
+headers, pickles, items this rank does not load) and files this rank does not load are read through the page
+cache by :meth:`ReadAhead.finish`. Every byte of a checked file is hashed once.
 """
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import dataclasses
-import errno
 import io
-import mmap
 import os
 import threading
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -36,279 +31,186 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from smalti.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from smalti.checkpoint.hashes import check_algorithm, new_hasher
-from smalti.checkpoint.hashing_file import ALIGN_BYTES, CHUNK_BYTES, leave_direct_io, open_maybe_direct
+from smalti.checkpoint.hashing_file import CHUNK_BYTES
 from smalti.checkpoint.safe_load import SafeFileSystemReader
 
-#: how far ahead of the loader the reader may get, per rank, unless told otherwise
+#: how much of this rank's files the kernel is asked to read ahead of the load, unless told otherwise
 DEFAULT_WINDOW_BYTES = 64 << 20
 
 
 @dataclasses.dataclass
 class AheadFile:
-    """One file to read ahead: its path relative to the checkpoint folder, its size from the manifest, and the
-    digest to check it against as the manifest spells it, ``"<algorithm>:<hex>"`` (``None``: read it, do not
-    hash it)."""
+    """One file to check: its path relative to the checkpoint folder, its size from the manifest, and the
+    digest to check it against as the manifest spells it, ``"<algorithm>:<hex>"`` (``None``: only its size)."""
 
     relpath: str
     size: int
     hash: str | None = None
 
 
-class _Chunk:
-    __slots__ = ("start", "buffer", "address", "length", "hashed", "taken")
-
-    def __init__(self, start: int, buffer: mmap.mmap, length: int) -> None:
-        self.start = start
-        self.buffer = buffer
-        self.address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
-        self.length = length
-        self.hashed = False
-        self.taken = False
-
-    @property
-    def end(self) -> int:
-        return self.start + self.length
+def _fadvise(fd: int, offset: int, length: int, advice: int) -> None:
+    if hasattr(os, "posix_fadvise"):
+        with contextlib.suppress(OSError):  # only a hint
+            os.posix_fadvise(fd, offset, length, advice)
 
 
-class _Held:
-    """What has been read of one file and is kept for the loader."""
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """Fill ``view`` from ``offset``; the bytes read (fewer only at the end of the file)."""
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
 
-    def __init__(self) -> None:
-        self.chunks: deque[_Chunk] = deque()
-        self.read_to = 0  # bytes read from the start of the file
-        self.finished = False  # every byte read (or reading stopped on an error)
-        self.keep = True  # False once the loader needs nothing more of this file
-        self.error: Exception | None = None
+
+class FileCheck:
+    """The running digest of one file, fed in file order (:meth:`feed`), gaps read from the file (:meth:`cover`).
+
+    With ``hasher`` (one thread), the digest of each piece runs there, beside the next read (``preadv`` runs
+    without the GIL); :meth:`wait` waits for the pieces handed over so far.
+    """
+
+    #: gaps up to this size are copied and hashed on the ``hasher``; larger ones are hashed in the caller
+    SMALL_GAP_BYTES = 1 << 20
+
+    def __init__(self, path: Path, expected: AheadFile, hasher: ThreadPoolExecutor | None = None) -> None:
+        self.path = path
+        self.expected = expected
+        self.digest = new_hasher(expected.hash.partition(":")[0]) if expected.hash is not None else None
+        self.hashed_to = 0
+        self.ended = False  # the file ended before the manifest's size
+        self._hasher = hasher
+        self._pending: list[Future[Any]] = []
+        self._scratch: bytearray | None = None
+
+    def feed(self, start: int, view: memoryview) -> None:
+        """Bytes ``[start, start + len(view))`` of the file, just read into memory that stays as it is until the
+        load ends (a tensor's): hashed if they come next in order (else :meth:`cover` reads them again later)."""
+        if start == self.hashed_to and not self.ended:
+            self._update(view)
+            self.hashed_to += len(view)
+
+    def _update(self, view: memoryview | bytes) -> None:
+        if self.digest is None:
+            return
+        if self._hasher is None:
+            self.digest.update(view)
+        else:
+            self._pending.append(self._hasher.submit(self.digest.update, view))
+
+    def wait(self) -> None:
+        """Wait until every piece handed to the hash thread is hashed (re-raising its error)."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
+
+    def cover(self, fd: int, upto: int) -> None:
+        """Read and hash the bytes from where the digest stands up to ``upto`` (through the page cache)."""
+        while self.hashed_to < upto and not self.ended:
+            n = min(upto - self.hashed_to, CHUNK_BYTES)
+            if n <= self.SMALL_GAP_BYTES:  # headers and pickles between tensors: copied, hashed beside the reads
+                view = memoryview(bytearray(n))
+            else:
+                self.wait()  # the scratch buffer is hashed in this thread
+                if self._scratch is None or len(self._scratch) < n:
+                    self._scratch = bytearray(CHUNK_BYTES)
+                view = memoryview(self._scratch)[:n]
+            got = _pread_into(fd, view, self.hashed_to)
+            if n <= self.SMALL_GAP_BYTES:
+                self._update(view[:got])
+            elif self.digest is not None:
+                self.digest.update(view[:got])
+            self.hashed_to += got
+            self.ended = got < n
+
+    def verdict(self) -> CheckpointCorruptError | None:
+        """What is wrong with the file once every byte is hashed (``None``: it matches its manifest entry)."""
+        self.wait()
+        size = self.hashed_to
+        if size != self.expected.size:
+            return CheckpointCorruptError(
+                f"checkpoint file {self.path} has {size} bytes but the manifest says {self.expected.size}", str(self.path)
+            )
+        if self.digest is not None and self.expected.hash is not None:
+            algorithm, _, hexdigest = self.expected.hash.partition(":")
+            if self.digest.hexdigest() != hexdigest:
+                return CheckpointCorruptError(
+                    f"checkpoint file {self.path} has {algorithm} {self.digest.hexdigest()[:16]}… but the manifest "
+                    f"says {hexdigest[:16]}… (corrupted)", str(self.path)
+                )
+        return None
 
 
 class ReadAhead:
-    """Reads ``files`` of ``folder`` in order, in a background thread, checking each one's digest (where given).
+    """This rank's share of the data files of ``folder`` to check (see the module docstring): the kernel is asked
+    to read the first ``window_bytes`` of them ahead; the reader feeds each :meth:`check` the bytes it loads;
+    :meth:`finish` hashes what is left and raises the first problem (in file order)."""
 
-    The loader takes byte ranges with :meth:`span` (waiting for the reader where it must) and gives files up
-    with :meth:`done_with`; :meth:`finish` stops keeping anything and waits for the last hash.
-    """
-
-    def __init__(
-        self,
-        folder: Path,
-        files: list[AheadFile],
-        window_bytes: int = DEFAULT_WINDOW_BYTES,
-        direct: bool = True,
-        chunk_bytes: int = CHUNK_BYTES,
-    ) -> None:
-        if chunk_bytes <= 0 or chunk_bytes % ALIGN_BYTES:
-            raise ValueError(f"chunk_bytes={chunk_bytes} must be a positive multiple of {ALIGN_BYTES} (direct I/O)")
+    def __init__(self, folder: Path, files: list[AheadFile], window_bytes: int = DEFAULT_WINDOW_BYTES) -> None:
         self.folder = folder
         self.files = {f.relpath: f for f in files}
         self.order = [f.relpath for f in files]
-        self.chunk_bytes = chunk_bytes
-        self.window_bytes = max(window_bytes, chunk_bytes)
-        self.direct = direct
-        self._held = {rel: _Held() for rel in self.order}
-        self._cond = threading.Condition()
-        self._bytes_held = 0
-        self._demand: tuple[str, int] | None = None  # (file, offset) the loader is waiting for
-        self._free: list[mmap.mmap] = []
+        self.window_bytes = window_bytes
         for f in files:  # an algorithm missing here fails now, in the caller's thread, naming the fix
             if f.hash is not None:
                 check_algorithm(f.hash.partition(":")[0], f"the manifest entry of {folder / f.relpath}")
         self._hasher = ThreadPoolExecutor(1, "smalti-ckpt-read-hash")
-        self._problems: dict[str, Exception] = {}
-        self.done: Future[None] = Future()
-        self._thread = threading.Thread(target=self._run, name="smalti-ckpt-read-ahead", daemon=True)
-        self._thread.start()
-
-    # -- the loader's side -------------------------------------------------------------------------------------
-    def bytes_read(self, relpath: str) -> int:
-        """How much of ``relpath`` has been read from the disk so far."""
-        return self._held[relpath].read_to
+        self._checks = {f.relpath: FileCheck(folder / f.relpath, f, self._hasher) for f in files}
+        self._hint = threading.Thread(target=self._will_need, name="smalti-ckpt-will-need", daemon=True)
+        self._hint.start()
 
     def holds(self, relpath: str) -> bool:
-        """Whether ``relpath`` is being read ahead (the loader must then take its bytes from here)."""
-        return relpath in self._held
+        """Whether ``relpath`` is in this rank's share."""
+        return relpath in self._checks
 
-    def span(self, relpath: str, start: int, end: int) -> io.RawIOBase:
-        """A read-only file over bytes ``[start, end)`` of ``relpath``, once read (blocks until then)."""
-        held = self._held[relpath]
-        with self._cond:
-            self._demand = (relpath, end)
-            self._cond.notify_all()
-            while held.read_to < end and not held.finished:
-                self._cond.wait()
-            self._demand = None
-            if held.read_to < end:
-                raise held.error or CheckpointCorruptError(
-                    f"checkpoint file {self.folder / relpath} ends at byte {held.read_to}, before the item at "
-                    f"{start}..{end} DCP's metadata points to (truncated)", str(self.folder / relpath)
-                )
-            if not held.keep:
-                raise CheckpointError(f"{relpath} was given up before bytes {start}..{end} were taken")
-            chunks = [c for c in held.chunks if c.end > start and c.start < end]
-        return _Span(chunks, start, end)
+    def check(self, relpath: str) -> FileCheck | None:
+        """The digest of ``relpath`` to feed (``None``: another rank checks it)."""
+        return self._checks.get(relpath)
 
-    def release_before(self, relpath: str, offset: int) -> None:
-        """The loader needs no byte of ``relpath`` before ``offset`` any more."""
-        with self._cond:
-            held = self._held[relpath]
-            while held.chunks and held.chunks[0].end <= offset:
-                self._take(held.chunks.popleft())
-            self._cond.notify_all()
-
-    def done_with(self, relpath: str) -> None:
-        """The loader needs nothing more of ``relpath``: what is held of it is let go, the rest only hashed."""
-        with self._cond:
-            held = self._held[relpath]
-            held.keep = False
-            while held.chunks:
-                self._take(held.chunks.popleft())
-            self._cond.notify_all()
+    def _will_need(self) -> None:
+        left = self.window_bytes
+        for relpath in self.order:
+            if left <= 0:
+                return
+            try:
+                fd = os.open(self.folder / relpath, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except OSError:
+                continue  # finish() names the file
+            try:
+                length = min(self.files[relpath].size, left)
+                _fadvise(fd, 0, length, getattr(os, "POSIX_FADV_WILLNEED", 3))
+                left -= length
+            finally:
+                os.close(fd)
 
     def finish(self, timeout: float | None = None) -> None:
-        """Let go of everything held, wait until every file is read and hashed, and raise the first problem
-        (in file order): :class:`CheckpointCorruptError` for a bad file, else the I/O error met."""
-        for relpath in self.order:
-            self.done_with(relpath)
-        self.done.result(timeout=timeout)
-        for relpath in self.order:
-            if relpath in self._problems:
-                raise self._problems[relpath]
-
-    # -- the reading side ---------------------------------------------------------------------------------------
-    def _take(self, chunk: _Chunk) -> None:
-        chunk.taken = True
-        self._maybe_free(chunk)
-
-    def _maybe_free(self, chunk: _Chunk) -> None:
-        if chunk.taken and chunk.hashed:
-            self._recycle(chunk.buffer)
-
-    def _recycle(self, buffer: mmap.mmap) -> None:
-        """Put ``buffer`` back on the free list and out of the window (the caller holds the lock)."""
-        self._bytes_held -= len(buffer)
-        self._free.append(buffer)
-        self._cond.notify_all()
-
-    def _run(self) -> None:
+        """Hash every byte not hashed yet and raise the first problem (in file order):
+        :class:`CheckpointCorruptError` for a bad file, :class:`CheckpointError` for one that cannot be read."""
+        self._hint.join(timeout=timeout)
         try:
-            for relpath in self.order:
-                self._read_file(relpath, self._hasher)
-            self._hasher.shutdown(wait=True)
-            self.done.set_result(None)
-        except BaseException as exc:  # noqa: BLE001 - a bug here must reach the loader, not die with the thread
-            self._hasher.shutdown(wait=True)
-            with self._cond:
-                for held in self._held.values():
-                    held.finished = True
-                    held.error = held.error or exc
-                self._cond.notify_all()
-            self.done.set_exception(exc)
-
-    def _buffer(self, relpath: str, held: _Held) -> mmap.mmap:
-        """A free chunk buffer, once the window has room (or the loader waits for bytes of this file)."""
-        with self._cond:
-            while True:
-                demanded = self._demand is not None and self._demand[0] == relpath and self._demand[1] > held.read_to
-                if self._bytes_held + self.chunk_bytes <= self.window_bytes or demanded or not held.keep:
-                    break
-                self._cond.wait()
-            self._bytes_held += self.chunk_bytes
-            return self._free.pop() if self._free else mmap.mmap(-1, self.chunk_bytes)
-
-    def _read_file(self, relpath: str, hasher: ThreadPoolExecutor) -> None:
-        held, expected = self._held[relpath], self.files[relpath]
-        path = self.folder / relpath
-        digest = new_hasher(expected.hash.partition(":")[0]) if expected.hash is not None else None
-        try:
-            fd, direct = open_maybe_direct(path, os.O_RDONLY, self.direct)
-        except OSError as exc:
-            self._fail(relpath, held, CheckpointError(f"cannot read checkpoint file {path}: {exc}"))
-            return
-        offset = 0
-        try:
-            while True:
-                buffer = self._buffer(relpath, held)
-                try:
-                    n, direct = _read_at(fd, buffer, offset, direct)
-                except OSError as exc:
-                    self._give_back(buffer)
-                    self._fail(relpath, held, CheckpointError(f"reading checkpoint file {path}: {exc}"))
-                    return
-                if n == 0:
-                    self._give_back(buffer)
-                    break
-                chunk = _Chunk(offset, buffer, n)
-                if digest is not None:
-                    hasher.submit(self._hash, digest, chunk)
-                else:
-                    chunk.hashed = True
-                with self._cond:
-                    held.read_to = offset + n
-                    if held.keep:
-                        held.chunks.append(chunk)
-                    else:
-                        self._take(chunk)
-                    self._cond.notify_all()
-                offset += n
+            self._finish()
         finally:
-            os.close(fd)
-            with self._cond:
-                held.finished = True
-                self._cond.notify_all()
-        # queued behind this file's last chunk: the hasher has seen every byte when it runs
-        hasher.submit(self._conclude, relpath, offset, digest)
+            self._hasher.shutdown(wait=True)
 
-    def _conclude(self, relpath: str, size: int, digest: Any) -> None:
-        path, expected = self.folder / relpath, self.files[relpath]
-        if size != expected.size:
-            self._problems[relpath] = CheckpointCorruptError(
-                f"checkpoint file {path} has {size} bytes but the manifest says {expected.size}", str(path)
-            )
-        elif digest is not None and expected.hash is not None:
-            algorithm, _, hexdigest = expected.hash.partition(":")
-            if digest.hexdigest() != hexdigest:
-                self._problems[relpath] = CheckpointCorruptError(
-                    f"checkpoint file {path} has {algorithm} {digest.hexdigest()[:16]}… but the manifest says "
-                    f"{hexdigest[:16]}… (corrupted)", str(path)
-                )
-
-    def _give_back(self, buffer: mmap.mmap) -> None:
-        with self._cond:
-            self._recycle(buffer)
-
-    def _hash(self, digest: Any, chunk: _Chunk) -> None:
-        digest.update(memoryview(chunk.buffer)[: chunk.length])
-        with self._cond:
-            chunk.hashed = True
-            self._maybe_free(chunk)
-
-    def _fail(self, relpath: str, held: _Held, error: Exception) -> None:
-        self._problems[relpath] = error
-        with self._cond:
-            held.error = error
-            held.finished = True
-            self._cond.notify_all()
-
-
-def _read_at(fd: int, buffer: mmap.mmap, offset: int, direct: bool) -> tuple[int, bool]:
-    """Fill ``buffer`` from ``offset`` (short only at the end of the file); returns bytes read and whether
-    the file is still read with ``O_DIRECT``."""
-    view = memoryview(buffer)
-    total = 0
-    while total < len(view):
-        try:
-            n = os.preadv(fd, [view[total:]], offset + total)
-        except OSError as exc:
-            if not (direct and exc.errno == errno.EINVAL):
-                raise
-            leave_direct_io(fd)
-            direct = False
-            continue
-        if n == 0:
-            break
-        total += n
-        if direct and n % ALIGN_BYTES:
-            break  # a short direct read: the end of the file
-    return total, direct
+    def _finish(self) -> None:
+        for relpath in self.order:
+            check = self._checks[relpath]
+            try:
+                fd = os.open(check.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except OSError as exc:
+                raise CheckpointError(f"cannot read checkpoint file {check.path}: {exc}") from None
+            try:
+                _fadvise(fd, check.hashed_to, 0, getattr(os, "POSIX_FADV_SEQUENTIAL", 2))
+                check.cover(fd, check.expected.size + 1)  # one byte more: a file longer than its entry shows
+            except OSError as exc:
+                raise CheckpointError(f"reading checkpoint file {check.path}: {exc}") from None
+            finally:
+                os.close(fd)
+            problem = check.verdict()
+            if problem is not None:
+                raise problem
 
 
 class _Window(io.RawIOBase):
@@ -335,62 +237,15 @@ class _Window(io.RawIOBase):
         return self.tell()
 
 
-class _Span(_Window):
-    """A window over the read-ahead chunks that hold its bytes."""
-
-    def __init__(self, chunks: list[_Chunk], start: int, end: int) -> None:
-        super().__init__(start, end)
-        self._chunks = chunks
-
-    def copy_to(self, target: torch.Tensor, offset: int) -> None:
-        """Copy ``target.numel()`` bytes from ``offset`` (within the span) into the uint8 tensor ``target``
-        (on any device), piece by piece from the chunks."""
-        begin, end = self._start + offset, self._start + offset + target.numel()
-        if end > self._end:
-            raise CheckpointError(f"bytes {offset}..{end - self._start} lie outside a span of {self._end - self._start}")
-        copied = 0
-        for chunk in self._chunks:
-            lo, hi = max(begin, chunk.start), min(end, chunk.end)
-            if lo >= hi:
-                continue
-            piece = torch.frombuffer(memoryview(chunk.buffer)[lo - chunk.start : hi - chunk.start], dtype=torch.uint8)
-            target[lo - begin : hi - begin].copy_(piece)
-            copied += hi - lo
-        if copied != end - begin:
-            raise CheckpointError(f"bytes {offset}..{end - self._start} of a span were let go before they were read")
-
-    def readinto(self, target: Any) -> int:
-        out = memoryview(target).cast("B")
-        if not len(out):
-            return 0
-        if out.readonly:
-            raise ValueError("readinto needs a writable buffer")
-        target_address = ctypes.addressof(ctypes.c_char.from_buffer(out))
-        done = 0
-        for chunk in self._chunks:
-            if self._pos >= self._end or done == len(out):
-                break
-            if chunk.end <= self._pos:
-                continue
-            at = self._pos - chunk.start
-            if at < 0:
-                raise CheckpointError(f"bytes {self._pos}..{chunk.start} were let go before they were read")
-            n = min(chunk.length - at, len(out) - done, self._end - self._pos)
-            # ctypes calls run without the GIL: the read-ahead thread keeps the disk busy during large copies
-            ctypes.memmove(target_address + done, chunk.address + at, n)
-            done += n
-            self._pos += n
-        return done
-
-
 class _FileSpan(_Window):
-    """A window over an open file, read with ``pread`` (for the files this rank loads but does not read ahead);
-    :meth:`copy_to` reads a tensor's bytes straight into it."""
+    """A window over an open file, read with ``pread``; :meth:`copy_to` reads a tensor's bytes straight into it
+    (and feeds them to the file's digest, when this rank checks the file)."""
 
-    def __init__(self, fd: int, start: int, end: int, path: Path) -> None:
+    def __init__(self, fd: int, start: int, end: int, path: Path, check: FileCheck | None = None) -> None:
         super().__init__(start, end)
         self._fd = fd
         self._path = path
+        self._check = check
 
     def copy_to(self, target: torch.Tensor, offset: int) -> None:
         """Read ``target.numel()`` bytes from ``offset`` (within the span) into the uint8 tensor ``target``."""
@@ -399,12 +254,18 @@ class _FileSpan(_Window):
             raise CheckpointError(f"bytes {offset}..{offset + target.numel()} lie outside a span of {self._end - self._start}")
         host = target if target.device.type == "cpu" else torch.empty(target.shape, dtype=torch.uint8)
         view = memoryview(host.numpy()).cast("B")
+        check = self._check
+        if check is not None:
+            check.cover(self._fd, begin)  # the bytes before this tensor's (headers, pickles), from the page cache
         done = 0
         while done < len(view):
-            n = os.preadv(self._fd, [view[done:]], begin + done)
-            if n == 0:
+            piece = view[done : done + CHUNK_BYTES]
+            n = _pread_into(self._fd, piece, begin + done)
+            if check is not None:
+                check.feed(begin + done, piece[:n])  # hashed while still in the CPU's cache
+            if n < len(piece):
                 raise CheckpointCorruptError(
-                    f"checkpoint file {self._path} ends at byte {begin + done}, before the item at "
+                    f"checkpoint file {self._path} ends at byte {begin + done + n}, before the item at "
                     f"{self._start}..{self._end} DCP's metadata points to (truncated)", str(self._path)
                 )
             done += n
@@ -421,10 +282,9 @@ class _FileSpan(_Window):
 
 
 class ReadAheadFileSystemReader(SafeFileSystemReader):
-    """DCP's file reader taking the bytes of the files a :class:`ReadAhead` holds from it (in its file order,
-    items by offset); other files are read item by item with ``pread``, tensors straight into their targets.
-    ``.metadata`` is read without running code from it (see :mod:`smalti.checkpoint.safe_load`;
-    ``trust_pickles`` lifts that)."""
+    """DCP's file reader reading each file once, front to back, tensors straight into their targets (see the
+    module docstring), feeding the digests of the files ``read_ahead`` checks. ``.metadata`` is read without
+    running code from it (see :mod:`smalti.checkpoint.safe_load`; ``trust_pickles`` lifts that)."""
 
     def __init__(self, path: str | os.PathLike[str], read_ahead: ReadAhead | None, trust_pickles: bool = False) -> None:
         super().__init__(path, trust_pickles)
@@ -442,48 +302,30 @@ class ReadAheadFileSystemReader(SafeFileSystemReader):
         self._metadata.storage_meta.load_id = self.load_id  # DCP's reset() gives each load its own id
         return self._metadata
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Any:
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        """Load ``plan``'s items: each file opened once (the checked ones first, in the order they are read
+        ahead), its items in offset order, tensors read straight into their targets where the layouts allow,
+        else as DCP's reader would."""
         ahead = self.read_ahead
-        if ahead is None:
-            return self._read_directly(plan.items, planner)
         per_file: dict[str, list[Any]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        try:
-            for relpath in ahead.order:
-                if relpath not in per_file:
-                    ahead.done_with(relpath)
-            for relpath in ahead.order:
-                for item in sorted(per_file.get(relpath, ()), key=lambda i: self.storage_data[i.storage_index].offset):
-                    info = self.storage_data[item.storage_index]
-                    span = ahead.span(relpath, info.offset, info.offset + info.length)
-                    self._load_item(item, info, span, planner)
-                    ahead.release_before(relpath, info.offset + info.length)
-                ahead.done_with(relpath)
-        finally:
-            for relpath in ahead.order:
-                ahead.done_with(relpath)
-        rest = [item for item in plan.items if not ahead.holds(self.storage_data[item.storage_index].relative_path)]
-        return self._read_directly(rest, planner)
-
-    def _read_directly(self, items: list[Any], planner: LoadPlanner) -> torch.futures.Future[None]:
-        """Load ``items`` from files no read-ahead holds (another rank reads them ahead and checks them): each
-        file opened once, its items in offset order, tensors read straight into their targets where the
-        layouts allow (as from the read-ahead's buffers), else as DCP's reader would."""
-        per_file: dict[str, list[Any]] = {}
-        for item in items:
-            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        for relpath, file_items in per_file.items():
+        order = [rel for rel in ahead.order if rel in per_file] if ahead is not None else []
+        order += [rel for rel in per_file if rel not in order]
+        for relpath in order:
             path = Path(self.path) / relpath
+            check = ahead.check(relpath) if ahead is not None else None
             with open(path, "rb", buffering=0) as f:
-                for item in sorted(file_items, key=lambda i: self.storage_data[i.storage_index].offset):
+                fd = f.fileno()
+                _fadvise(fd, 0, 0, getattr(os, "POSIX_FADV_SEQUENTIAL", 2))
+                for item in sorted(per_file[relpath], key=lambda i: self.storage_data[i.storage_index].offset):
                     info = self.storage_data[item.storage_index]
-                    self._load_item(item, info, _FileSpan(f.fileno(), info.offset, info.offset + info.length, path), planner)
+                    self._load_item(item, info, _FileSpan(fd, info.offset, info.offset + info.length, path, check), planner)
         done: torch.futures.Future[None] = torch.futures.Future()
         done.set_result(None)
         return done
 
-    def _load_item(self, item: Any, info: Any, span: _Span | _FileSpan, planner: LoadPlanner) -> None:
+    def _load_item(self, item: Any, info: Any, span: _FileSpan, planner: LoadPlanner) -> None:
         """What DCP's reader does with one item's bytes: hand them over, or load the tensor into its target."""
         stream = self.transforms.transform_load_stream(item, info.transform_descriptors or (), span)
         if item.type == LoadItemType.BYTE_IO:
@@ -504,15 +346,15 @@ class ReadAheadFileSystemReader(SafeFileSystemReader):
         planner.commit_tensor(item, target)
 
     @staticmethod
-    def _copy_in_place(item: Any, span: _Span | _FileSpan, planner: LoadPlanner) -> bool:
-        """Copy the item's tensor bytes from the read-ahead buffers straight into its target; False (nothing
+    def _copy_in_place(item: Any, span: _FileSpan, planner: LoadPlanner) -> bool:
+        """Read the item's tensor bytes from the file straight into its target; False (nothing
         done) where the layouts do not allow it, and ``torch.load`` takes over.
 
         ``torch.load`` would allocate a new tensor (fresh pages the kernel must zero and map) and copy into it,
         then DCP copies that into the target: two copies and an allocation, the largest CPU cost of a load.
         Here only the pickle is read (with its storages on the meta device, to learn dtype, shape, strides and
         offset), and when the (narrowed) saved tensor and the target are both contiguous with the same dtype
-        and shape, the bytes are copied from the buffers into the target, one copy.
+        and shape, the bytes are read into the target: one copy, the kernel's.
         """
         from torch import _weights_only_unpickler
 
