@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import tempfile
 import time
@@ -39,13 +40,20 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+# Before torch allocates anything (torch reads it once): large tensors on 2 MB-aligned transparent huge pages.
+# With 4 KB pages, where a fresh model's pages land decides how its ~10 ms step fares in the caches, and two
+# fresh copies of the same bare loop differed by up to 20% from one round to the next (A/A rounds 1.00..1.19);
+# with huge pages the rounds agree to a few percent. Both sides allocate the same way. THP_MEM_ALLOC_ENABLE=0
+# measures with 4 KB pages.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-from smalti.core import Callback, Trainer
-from smalti.core.callbacks import ProgressBar, SpeedMonitor
-from smalti.core.loggers import ConsoleLogger, JSONLLogger
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from smalti.core import Callback, Trainer  # noqa: E402
+from smalti.core.callbacks import ProgressBar, SpeedMonitor  # noqa: E402
+from smalti.core.loggers import ConsoleLogger, JSONLLogger  # noqa: E402
 
 LOG_INTERVAL = 10  # the console logger's shipped default (conf/logger/console.yaml)
 CLOCKS = {"cpu": time.thread_time, "wall": time.perf_counter}

@@ -60,6 +60,11 @@ def _slice(batch: Any, start: int, end: int, n: int) -> Any:
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
     """Move every tensor inside ``batch`` to ``device`` (non-blocking)."""
+    kind = type(batch)
+    # The common case first: the Mapping check below is an abstract-class one, a few times slower.
+    if kind is tuple or kind is list:
+        moved = [move_to_device(v, device) for v in batch]
+        return tuple(moved) if kind is tuple else moved
     if isinstance(batch, torch.Tensor):
         return batch if batch.device == device else batch.to(device, non_blocking=True)
     if isinstance(batch, Mapping):
@@ -76,6 +81,9 @@ def num_tokens_of(model: Any, batch: Any) -> int:
     counter = getattr(model, "num_tokens", None)
     if callable(counter):
         return int(counter(batch))
+    kind = type(batch)
+    if kind is tuple or kind is list:  # no input_ids to count, without the abstract-class Mapping check
+        return 0
     if isinstance(batch, Mapping) and isinstance(batch.get("input_ids"), torch.Tensor):
         return int(batch["input_ids"].numel())
     return 0

@@ -91,7 +91,8 @@ class Timestamp:
 
     def get(self, unit: TimeUnit | str) -> int:
         """The count in ``unit`` (``dur`` is not a count; ask the :class:`~smalti.core.state.State`)."""
-        unit = TimeUnit(unit)
+        if unit.__class__ is not TimeUnit:  # asked every step with a TimeUnit: no enum lookup then
+            unit = TimeUnit(unit)
         if unit is TimeUnit.EPOCH:
             return self.epoch
         if unit is TimeUnit.BATCH:

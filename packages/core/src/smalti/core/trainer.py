@@ -506,8 +506,9 @@ class Trainer:
                 self._shrink_microbatch(batch)
                 continue
             break
-        if self.hook.on_gradients_ready.get_hookimpls():  # a second pass over the batch for SAM-like algorithms
-            self.hook.on_gradients_ready(state=state, logger=self.logger, recompute=lambda: self.forward_backward(batch))
+        gradients_ready = self._decision("on_gradients_ready")
+        if gradients_ready.impls:  # a second pass over the batch for SAM-like algorithms
+            gradients_ready(state=state, logger=self.logger, recompute=lambda: self.forward_backward(batch))
         # Averaged in place over ranks: a copy, as ``loss`` may share memory with ``state.loss``.
         state.batch_loss = distributed.all_reduce_mean_(loss.clone()) if state.world_size > 1 else loss
         if state.grad_scaler is not None:
@@ -564,9 +565,10 @@ class Trainer:
         self._microbatch_settled = not agreed
         return agreed
 
-    def _microbatch_size(self, batch: Any) -> int:
+    def _microbatch_size(self, batch: Any, n: int | None = None) -> int:
         state = self.state
-        n = batch_size_of(batch)
+        if n is None:
+            n = batch_size_of(batch)
         if state.device_train_microbatch_size is None:
             state.device_train_microbatch_size = n
         return state.device_train_microbatch_size
@@ -592,11 +594,13 @@ class Trainer:
     def forward_backward(self, batch: Any) -> torch.Tensor:
         """Forward and backward over the microbatches of ``batch``; returns the batch's mean loss (detached)."""
         state = self.state
-        micro_size = self._microbatch_size(batch)
         total = batch_size_of(batch)
+        micro_size = self._microbatch_size(batch, total)
         microbatches = [batch] if micro_size >= total else split_batch(batch, micro_size)
         state.num_microbatches = len(microbatches)
         sync_context = self._sync_context
+        if not sync_context and len(microbatches) == 1 and state.grad_scaler is None and state.precision == "fp32":
+            return self._forward_backward_plain(microbatches[0])
         batch_loss: torch.Tensor | None = None
         for idx, micro in enumerate(microbatches):
             state.microbatch_idx = idx
@@ -630,6 +634,32 @@ class Trainer:
         state.outputs = None
         assert batch_loss is not None  # split_batch gives at least one microbatch
         return batch_loss
+
+    def _forward_backward_plain(self, micro: Any) -> torch.Tensor:
+        """:meth:`forward_backward` for one fp32 microbatch with no gradient-sync context (the common case on
+        one device): the same events and state, without entering the no-op contexts or weighting the loss."""
+        state = self.state
+        event = self._event
+        state.microbatch_idx = 0
+        state.microbatch = micro
+        event(Event.MICROBATCH_START)
+        event(Event.BEFORE_FORWARD)
+        state.outputs = state.model(state.microbatch)
+        event(Event.AFTER_FORWARD)
+        event(Event.BEFORE_LOSS)
+        state.loss = state.raw_model.loss(state.outputs, state.microbatch)
+        event(Event.AFTER_LOSS)
+        loss = state.loss  # what forward_backward backpropagates: the loss as it is after AFTER_LOSS
+        event(Event.BEFORE_BACKWARD)
+        loss.backward()
+        event(Event.AFTER_BACKWARD)
+        part = state.loss.detach()
+        if part.dtype != torch.float32:
+            part = part.float()
+        event(Event.MICROBATCH_END)
+        state.microbatch = None
+        state.outputs = None
+        return part
 
     # ------------------------------------------------------------------ evaluation
 

@@ -64,7 +64,8 @@ class ConsoleLogger(LoggerDestination):
         tqdm.write(line, file=self.stream or sys.stdout)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        if not self._active():
+        active = self._active_in_fit  # called every step by the speed monitor: the rank asked once per fit
+        if not (active if active is not None else self._active()):
             return
         kinds, latest = self._kind, self._latest
         evals = None
