@@ -11,10 +11,15 @@ at most 1.1e-5 (gpt_tiny) and 4.6e-5 (moe_tiny) over the 3 steps. 1e-3 leaves 20
 kernels, yet catches a loss computed or reduced in bf16 (one bf16 ulp at 7.6 is 0.03, 4e-3 relative) and
 anything that loses the fp32 master weights or overflows. The losses must also differ from fp32's: bit-equal
 losses would mean neither autocast nor the bf16 parameter policy took effect.
+
+The four runs (two experiments, two precisions) train one after another in the same 2-rank torchrun launch: each
+is composed and built as ``smalti-train`` builds it, from its own seed, so a run's losses do not depend on the
+runs before it; one launch saves three interpreter starts per rank.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -41,27 +46,35 @@ PRECISIONS = {
 }
 
 
-def _losses(tmp_path: Path, experiment: str, precision: str) -> list[float]:
-    run_dir = tmp_path / f"{experiment}-{precision}"
-    env = {**os.environ, "SMALTI_RUN_NAME": f"bf16-{experiment}-{precision}", "HF_HUB_OFFLINE": "1",
-           "OMP_NUM_THREADS": "1"}
-    cmd = [*torchrun_command(2), "-m", "smalti.core.cli.train", f"experiment={experiment}", "logger=[jsonl]",
-           f"trainer.max_duration={STEPS}ba", "trainer.eval_interval=null", "data.global_train_batch_size=8",
-           f"hydra.run.dir={run_dir}", *EXPERIMENTS[experiment], *PRECISIONS[precision]]
-    proc = run_process_group(cmd, env=env, timeout=240, cwd=tmp_path)
+@pytest.fixture(scope="module")
+def losses(tmp_path_factory) -> dict[tuple[str, str], list[float]]:
+    """Every (experiment, precision) run's losses per step, all trained one after another in one 2-rank torchrun
+    launch (tests/fixtures/train_in_sequence.py: one interpreter start and process group for the four runs)."""
+    out = tmp_path_factory.mktemp("bf16")
+    runs = {f"{experiment}-{precision}": [f"experiment={experiment}", f"trainer.max_duration={STEPS}ba",
+                                          "trainer.eval_interval=null", "data.global_train_batch_size=8",
+                                          *EXPERIMENTS[experiment], *PRECISIONS[precision]]
+            for experiment in sorted(EXPERIMENTS) for precision in PRECISIONS}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [*torchrun_command(2), str(ROOT / "tests" / "fixtures" / "train_in_sequence.py"), str(out), json.dumps(runs)]
+    proc = run_process_group(cmd, env=env, timeout=600, cwd=out)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     from smalti.core.loggers import read_jsonl
 
-    losses = {r["step"]: r["metrics"]["loss/train/total"] for r in read_jsonl(run_dir / "metrics.jsonl")
-              if "loss/train/total" in r.get("metrics", {})}
-    assert sorted(losses) == list(range(1, STEPS + 1)), losses
-    return [losses[s] for s in sorted(losses)]
+    found = {}
+    for name in runs:
+        by_step = {r["step"]: r["metrics"]["loss/train/total"] for r in read_jsonl(out / name / "metrics.jsonl")
+                   if "loss/train/total" in r.get("metrics", {})}
+        assert sorted(by_step) == list(range(1, STEPS + 1)), (name, by_step)
+        experiment, precision = name.rsplit("-", 1)
+        found[experiment, precision] = [by_step[s] for s in sorted(by_step)]
+    return found
 
 
+@pytest.mark.timeout(700)
 @pytest.mark.parametrize("experiment", sorted(EXPERIMENTS))
-def test_bf16_autocast_with_fsdp2_bf16_params_matches_fp32(tmp_path, experiment):
-    fp32 = _losses(tmp_path, experiment, "fp32")
-    bf16 = _losses(tmp_path, experiment, "bf16")
+def test_bf16_autocast_with_fsdp2_bf16_params_matches_fp32(losses, experiment):
+    fp32, bf16 = losses[experiment, "fp32"], losses[experiment, "bf16"]
     assert all(math.isfinite(x) for x in bf16), bf16
     assert bf16 == pytest.approx(fp32, rel=REL_TOL), (bf16, fp32)
     assert bf16 != fp32, "bf16 losses equal fp32's bit for bit: bf16 autocast/parameters were not applied"

@@ -1,6 +1,7 @@
 """Scale-out end to end with smalti-checkpoint: two torchrun agents on this machine act as two nodes; one rank
 is killed mid-run, torchrun restarts the workers (``--max-restarts``), autoresume loads the last checkpoint and
-the run ends with the same parameters as an uninterrupted one."""
+the run ends with the same parameters as an uninterrupted one (the session's ``restart_reference`` run on one
+node, tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -22,12 +23,8 @@ PROBE = ROOT / "packages" / "core" / "tests" / "launch_fixtures"  # ParamDigest 
 TIMEOUT = 280
 
 
-def run_cmd(ckpt_dir):
-    return ["-m", "smalti.core.cli.train", "model=mlp", "data=synthetic", "parallelism=fsdp",
-            "trainer.max_duration=6ba", "trainer.eval_interval=100ba", "callbacks=[]", "logger=[jsonl]",
-            "checkpoint=dcp", f"checkpoint.save_folder={ckpt_dir}", "checkpoint.save_interval=2ba",
-            "checkpoint.autoresume=true", "+callbacks.digest._target_=launch_probe.ParamDigest",
-            "+callbacks.digest.path=digest.json"]
+def run_cmd(run, ckpt_dir):
+    return ["-m", "smalti.core.cli.train", *run, f"checkpoint.save_folder={ckpt_dir}"]
 
 
 def run_agents(commands, cwd):
@@ -46,20 +43,15 @@ def run_agents(commands, cwd):
 
 
 @pytest.mark.slow
-def test_killed_rank_resumes_from_checkpoint_across_two_nodes(tmp_path):
-    reference = tmp_path / "reference"
-    reference.mkdir()
-    one = torchrun_command(2, extra=["--rdzv-id=reference"]) + run_cmd(reference / "ckpt")
-    codes, outs = run_agents([one], reference)
-    assert codes == [0], outs[0][-4000:]
-
+def test_killed_rank_resumes_from_checkpoint_across_two_nodes(tmp_path, restart_reference):
     faulty = tmp_path / "faulty"
     faulty.mkdir()
     marker = faulty / "killed.txt"
     agent = torchrun_command(1, port=free_port(), nnodes=2,
                              extra=["--rdzv-id=faulty", "--max-restarts=1", "--monitor-interval=0.5"])
-    cmd = agent + run_cmd(faulty / "ckpt") + ["+callbacks.kill._target_=launch_probe.KillOnce",
-                                              f"+callbacks.kill.marker={marker}", "+callbacks.kill.batch=3"]
+    kill = ["+callbacks.kill._target_=launch_probe.KillOnce", f"+callbacks.kill.marker={marker}",
+            "+callbacks.kill.batch=3"]
+    cmd = agent + run_cmd(restart_reference.overrides, faulty / "ckpt") + kill
     codes, outs = run_agents([cmd, cmd], faulty)
     assert codes == [0, 0], "\n".join(o[-3000:] for o in outs)
     assert marker.exists()
@@ -70,4 +62,4 @@ def test_killed_rank_resumes_from_checkpoint_across_two_nodes(tmp_path):
              if "loss/train/total" in r["metrics"]]
     # Batches 1-3 ran, rank 1 died after 3; the restart resumed after the batch-2 checkpoint, not from batch 0.
     assert steps.count(1) == 1 and steps[-3:] == [4, 5, 6] and 3 in steps[3:]
-    assert json.loads((faulty / "digest.json").read_text()) == json.loads((reference / "digest.json").read_text())
+    assert json.loads((faulty / "digest.json").read_text()) == restart_reference.digest
