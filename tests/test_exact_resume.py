@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -38,15 +39,19 @@ def final_state(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def kill_and_resume(tmp_path: Path, overrides: list[str], save_every: int, kill_at: int, last: str) -> None:
-    """Reference run; run killed at the end of batch ``kill_at``; resumed run; compare the ``last`` checkpoints."""
-    ref = train(tmp_path, "reference", overrides, f"checkpoint.save_folder={tmp_path / 'ref'}",
-                "checkpoint.save_interval=null")
-    assert ref.returncode == 0, ref.stderr[-4000:]
-
+    """Reference run and, at the same time, a run killed at the end of batch ``kill_at``; then the resumed run;
+    compare the ``last`` checkpoints. (The two first runs share nothing but the config: on 2 cores, each of these
+    one-thread processes gets a core of its own.)"""
     ck, marker = tmp_path / "ck", tmp_path / "killed.txt"
     common = [f"checkpoint.save_folder={ck}", f"checkpoint.save_interval={save_every}ba", "checkpoint.autoresume=true"]
-    killed = train(tmp_path, "run", overrides, *common, "+callbacks.kill._target_=launch_probe.KillOnce",
-                   f"+callbacks.kill.marker={marker}", f"+callbacks.kill.batch={kill_at}", "+callbacks.kill.rank=0")
+    with ThreadPoolExecutor(2) as pool:
+        reference_run = pool.submit(train, tmp_path, "reference", overrides, f"checkpoint.save_folder={tmp_path / 'ref'}",
+                                    "checkpoint.save_interval=null")
+        killed_run = pool.submit(train, tmp_path, "run", overrides, *common,
+                                 "+callbacks.kill._target_=launch_probe.KillOnce", f"+callbacks.kill.marker={marker}",
+                                 f"+callbacks.kill.batch={kill_at}", "+callbacks.kill.rank=0")
+        ref, killed = reference_run.result(), killed_run.result()
+    assert ref.returncode == 0, ref.stderr[-4000:]
     assert killed.returncode == -9, killed.stderr[-4000:]
     assert marker.exists() and not (ck / last).exists()
     resumed = train(tmp_path, "run", overrides, *common)
