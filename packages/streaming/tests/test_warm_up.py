@@ -39,3 +39,43 @@ def test_workers_started_during_the_warm_up_get_the_same_epoch(make_dataset, tmp
         raw.unlink()
     got = ids(StreamingDataLoader(StreamingDataset(local=str(data), **kw), batch_size=8, num_workers=2))
     assert got == expected
+
+
+def test_the_warm_up_makes_shards_in_the_order_needed_one_thread_per_core(make_dataset, tmp_path, monkeypatch):
+    import os
+
+    from smalti.streaming.cache import ShardCache
+
+    data = make_dataset(tmp_path / "d", n=300, size_limit=1000)
+    made = []
+    ensure = ShardCache.ensure
+
+    def record(self, shard, *args):
+        made.append((shard, threading.current_thread().name))
+        return ensure(self, shard, *args)
+
+    monkeypatch.setattr(ShardCache, "ensure", record)
+    started = []
+    start = threading.Thread.start
+
+    def count(thread):
+        if thread.name.startswith("smalti-streaming-warm-up-"):
+            started.append(thread)
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", count)
+    for cores, threads in ((1, 1), (8, 4)):  # one thread per core, no more than shards
+        made.clear()
+        started.clear()
+        for raw in data.glob("shard.*.mds"):
+            raw.unlink()
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, cores=cores: set(range(cores)))
+        ds = StreamingDataset(local=str(data), batch_size=8, shuffle=True, num_canonical_nodes=1)
+        for thread in started:
+            thread.join(10)
+        first = ds._first_needed_shards(WARM_UP_STEPS)[:WARM_UP_SHARDS]
+        assert len(first) == 4 and len(started) == threads
+        assert sorted(shard for shard, _ in made) == sorted(first)
+        if threads == 1:
+            assert [shard for shard, _ in made] == first  # the first batch's shards first
+        assert not list(data.glob(".*smalti-tmp-*"))  # claims released

@@ -41,7 +41,7 @@ BATCHING_METHODS = ("random", "stratified", "per_stream", "device_per_stream")
 PARTITION_ALGOS = ("orig", "relaxed")
 SCHEDULE_UNITS = ("ep", "ba", "sp")
 WARM_UP_STEPS = 2  # global batches whose shards the dataset starts fetching at construction ...
-WARM_UP_SHARDS = 4  # ... at most this many, one thread each
+WARM_UP_SHARDS = 4  # ... at most this many, in the order needed, by one thread per core this rank has
 STALE_TMP_S = 15 * 60  # a download's temporary file untouched this long belongs to a dead process
 _SEGMENT_SEED = 1_000_003  # seed offset between the segments of an epoch with a mid-epoch curriculum change
 _AT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE]\+?[0-9]+)?)\s*([a-z]+)\s*$")
@@ -339,7 +339,9 @@ class StreamingDataset(IterableDataset):
         The download and decompression then overlap whatever comes before the first batch (building the
         model, starting DataLoader workers, computing the order in them). The node's local ranks split these
         shards; a process that needs one while another is making it waits for that copy instead of making
-        its own (see ``ShardCache.ensure``). Shards already local and uncompressed need nothing.
+        its own (see ``ShardCache.ensure``). Shards already local and uncompressed need nothing. The shards
+        are made in the order the batches need them, as many at once as this rank has cores: the first
+        batch's shards are not slowed down by later ones competing for the same cores.
         """
         if self.predownload <= 0:
             return
@@ -358,18 +360,28 @@ class StreamingDataset(IterableDataset):
 
         for shard in mine:
             comp.preload(self._shards[shard][1].get("compression"))
-        for shard in mine:
-            mark = self.cache.claim(shard)  # before any DataLoader worker exists, so every worker sees it
-            threading.Thread(target=self._warm_one, args=(shard, mark), daemon=True,
-                             name=f"smalti-streaming-warm-up-{shard}").start()
+        # claimed before any DataLoader worker exists, so every worker sees the claims
+        todo = [(shard, self.cache.claim(shard)) for shard in mine]
+        todo.reverse()  # popped from the end: first needed, first made
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        for k in range(max(1, min(len(todo), cores // self.local_world))):
+            threading.Thread(target=self._warm_some, args=(todo,), daemon=True,
+                             name=f"smalti-streaming-warm-up-{k}").start()
 
-    def _warm_one(self, shard: int, mark: Path | None) -> None:
-        try:
-            self.cache.ensure(shard)
-        except Exception as exc:  # the reader meets it again, and raises it, when it needs the shard
-            log.debug("warm-up fetch of shard %d failed: %r", shard, exc)
-        finally:
-            self.cache.release(mark)
+    def _warm_some(self, todo: list[tuple[int, Path | None]]) -> None:
+        while True:
+            try:
+                shard, mark = todo.pop()  # list.pop is atomic: each shard goes to one thread
+            except IndexError:
+                return
+            try:
+                if mark is not None:
+                    mark.touch()  # starting now: peers waiting on it see progress from here
+                self.cache.ensure(shard)
+            except Exception as exc:  # the reader meets it again, and raises it, when it needs the shard
+                log.debug("warm-up fetch of shard %d failed: %r", shard, exc)
+            finally:
+                self.cache.release(mark)
 
     def _check_partition(self, ncn: int | None = None) -> None:
         ncn, nodes = ncn or self.num_canonical_nodes, self.physical_nodes

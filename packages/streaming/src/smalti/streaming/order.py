@@ -18,6 +18,7 @@ canonical nodes: its cache and its downloads stay a fraction of the dataset.
 from __future__ import annotations
 
 import numpy as np
+import numpy.random  # noqa: F401  (NumPy loads it lazily: here, on import, not while the first order is computed)
 
 from smalti.streaming.errors import StreamingError
 
