@@ -8,40 +8,51 @@ different data order) moves the loss by percents.
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from smalti.core.errors import DistributedError
-
-SINGLE_RUN = """
-import functools, json, sys, torch
-from smalti.core import Trainer, Callback
-from smalti.core.data import build_dataloader
-from smalti.core.examples import MLPRegressor, SyntheticRegression
-losses = []
-class Rec(Callback):
-    def on_batch_end(self, state):
-        losses.append(float(state.batch_loss))
-torch.manual_seed(0)
-Trainer(MLPRegressor(), build_dataloader(SyntheticRegression(256), 32, seed=5), "12ba",
-        optimizers=functools.partial(torch.optim.AdamW, lr=1e-2), callbacks=[Rec()]).fit()
-print(json.dumps(losses))
-"""
+from smalti.testing.pytest_plugin import IN_RANK_ENV
 
 
-def single_process_losses(tmp):
-    path = tmp / "single.json"
-    if dist.get_rank() == 0:
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                                                                   "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")}
-        out = subprocess.run([sys.executable, "-c", SINGLE_RUN], env=env, capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, out.stderr
-        path.write_text(out.stdout.strip().splitlines()[-1])
-    dist.barrier()
+def train_single_process(output_dir):
+    """The reference: one process, no process group, the global batch of 32 the two ranks split."""
+    import functools
+
+    from smalti.core import Callback, Trainer
+    from smalti.core.data import build_dataloader
+    from smalti.core.examples import MLPRegressor, SyntheticRegression
+
+    losses = []
+
+    class Rec(Callback):
+        def on_batch_end(self, state):
+            losses.append(float(state.batch_loss))
+
+    torch.manual_seed(0)
+    Trainer(MLPRegressor(), build_dataloader(SyntheticRegression(256), 32, seed=5), "12ba",
+            optimizers=functools.partial(torch.optim.AdamW, lr=1e-2), callbacks=[Rec()],
+            output_dir=str(output_dir)).fit()
+    return losses
+
+
+@pytest.fixture(scope="module")
+def _single_process_run(tmp_path_factory):
+    """Trained once per module, in the pytest process that launches the ranks (no process group there)."""
+    if os.environ.get(IN_RANK_ENV):
+        return None
+    return train_single_process(tmp_path_factory.mktemp("single"))
+
+
+@pytest.fixture
+def reference_losses(shared_tmp_path, _single_process_run):
+    """The single-process losses: the launching process hands them to the ranks through the shared folder."""
+    path = shared_tmp_path / "single.json"
+    if _single_process_run is not None:
+        path.write_text(json.dumps(_single_process_run))
+        return _single_process_run
     return json.loads(path.read_text())
 
 
@@ -92,38 +103,35 @@ def test_ddp_allocates_a_meta_built_model_before_wrapping():
 
 
 @pytest.mark.world_size(2)
-def test_ddp_matches_single_process(shared_tmp_path):
+def test_ddp_matches_single_process(reference_losses):
     from smalti.core.parallelism import DDP
 
-    reference = single_process_losses(shared_tmp_path)
     losses, trainer = distributed_losses(DDP(), micro=8)
     assert trainer.state.world_size == 2 and trainer.state.timestamp.sample == 12 * 32
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference_losses), rtol=1e-4, atol=1e-6)
     assert losses[-1] < 0.5 * losses[0]
 
 
 @pytest.mark.world_size(2)
-def test_fsdp_matches_single_process(shared_tmp_path):
+def test_fsdp_matches_single_process(reference_losses):
     from torch.distributed.tensor import DTensor
 
     from smalti.core.parallelism import FSDP
 
-    reference = single_process_losses(shared_tmp_path)
     losses, trainer = distributed_losses(FSDP())
     assert all(isinstance(p, DTensor) for p in trainer.state.model.parameters())
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference_losses), rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.world_size(2)
-def test_hsdp_matches_single_process(shared_tmp_path):
+def test_hsdp_matches_single_process(reference_losses):
     from smalti.core.parallelism import HSDP
 
-    reference = single_process_losses(shared_tmp_path)
     parallelism = HSDP(replicate=2, shard=1)
     losses, trainer = distributed_losses(parallelism)
     assert trainer.state.device_mesh.mesh_dim_names == ("dp_replicate", "dp_shard")
     assert tuple(trainer.state.device_mesh.shape) == (2, 1)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference_losses), rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.world_size(2)

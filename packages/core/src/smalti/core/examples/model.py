@@ -7,15 +7,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchmetrics import MeanMetric, MeanSquaredError
+
+# torchmetrics (which imports scipy.signal and, when installed, transformers: seconds per process) is imported
+# only where a metric is built or checked, not at import: training without evaluation never needs it.
 
 
-class LanguageCrossEntropy(MeanMetric):
-    """Token-weighted mean cross-entropy of next-byte prediction."""
+def __getattr__(name: str) -> Any:
+    if name in ("LanguageCrossEntropy", "TokenAccuracy"):
+        from smalti.core.examples import metrics
 
-
-class TokenAccuracy(MeanMetric):
-    """Token-weighted fraction of next bytes predicted exactly."""
+        return getattr(metrics, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class MLPRegressor(nn.Module):
@@ -51,6 +53,8 @@ class MLPRegressor(nn.Module):
         return F.mse_loss(outputs.float(), batch[1])
 
     def metrics(self, train: bool = False) -> dict[str, Any]:
+        from torchmetrics import MeanSquaredError
+
         return {"MSE": MeanSquaredError()}
 
     def flops_per_batch(self, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
@@ -104,9 +108,13 @@ class TinyLM(nn.Module):
         return F.cross_entropy(outputs.float().reshape(-1, outputs.shape[-1]), targets.reshape(-1))
 
     def metrics(self, train: bool = False) -> dict[str, Any]:
+        from smalti.core.examples.metrics import LanguageCrossEntropy, TokenAccuracy
+
         return {"CrossEntropy": LanguageCrossEntropy(), "Accuracy": TokenAccuracy()}
 
     def update_metric(self, batch: dict[str, torch.Tensor], outputs: torch.Tensor, metric: Any) -> None:
+        from smalti.core.examples.metrics import TokenAccuracy
+
         targets = batch["input_ids"][:, 1:]
         if isinstance(metric, TokenAccuracy):
             metric.update((outputs.argmax(-1) == targets).float().mean(), weight=targets.numel())
