@@ -11,6 +11,7 @@ re-read whenever it changes, so plugins registered or unregistered mid-run are s
 
 from __future__ import annotations
 
+from operator import itemgetter
 from typing import Any
 
 import pluggy
@@ -32,7 +33,7 @@ class FastHook:
         self.impls: list[Any] = self._caller._hookimpls
         self._pm = pm
         self._seen: list[Any] | None = None
-        self._calls: list[tuple[Any, tuple[str, ...]]] | None = None
+        self._calls: list[tuple[Any, Any, int, Any]] | None = None
         spec = self._caller.spec
         self._first = bool(spec is not None and spec.opts.get("firstresult"))
 
@@ -47,21 +48,29 @@ class FastHook:
         if impls != self._seen:
             self._seen = list(impls)
             plain = not any(impl.hookwrapper or impl.wrapper for impl in impls)
-            self._calls = [(impl, impl.function, tuple(impl.argnames)) for impl in reversed(impls)] if plain else None
+            self._calls = [_plan(impl) for impl in reversed(impls)] if plain else None
         if self._calls is None or self._pm._inner_hookexec is not _PLAIN_HOOKEXEC:
             return self._caller(**kwargs)
         # Named as in pluggy's _multicall: smalti-health's watchdog reads them from a hung rank's live stack to
         # say which hook and which plugin it is stuck in.
         hook_name, hook_impls = self._name, impls  # noqa: F841
+        # Arguments picked without building a list per call: one name is a key, more an itemgetter.
         if self._first:
-            for hook_impl, function, names in self._calls:  # noqa: B007
-                result = function(*[kwargs[n] for n in names])
+            for hook_impl, function, n, pick in self._calls:  # noqa: B007
+                result = function(kwargs[pick]) if n == 1 else function(*pick(kwargs)) if n else function()
                 if result is not None:
                     return result
             return None
         results = []
-        for hook_impl, function, names in self._calls:  # noqa: B007
-            result = function(*[kwargs[n] for n in names])
+        for hook_impl, function, n, pick in self._calls:  # noqa: B007
+            result = function(kwargs[pick]) if n == 1 else function(*pick(kwargs)) if n else function()
             if result is not None:
                 results.append(result)
         return results
+
+
+def _plan(impl: Any) -> tuple[Any, Any, int, Any]:
+    """``(impl, its function, how many arguments it names, how to pick them from the call's kwargs)``."""
+    names = tuple(impl.argnames)
+    pick = names[0] if len(names) == 1 else itemgetter(*names) if names else None
+    return impl, impl.function, len(names), pick

@@ -186,6 +186,7 @@ class Trainer:
         # The loop's hooks, called without pluggy's per-call machinery (smalti.core.dispatch).
         self._callers: dict[Event, FastHook] = {}
         self._decisions: dict[str, FastHook] = {}
+        self._step_hooks = _StepHooks(self.pm)
         # A parallelism that keeps the base class's no-op gradient_sync needs no context around each microbatch.
         self._sync_context = type(self.parallelism).gradient_sync is not Parallelism.gradient_sync
         self._log_intervals = self._loss_intervals(log_interval)
@@ -391,10 +392,12 @@ class Trainer:
         self._replay = 0
         produced = False
         epoch_len = state.dataloader_len
+        hooks, logger = self._step_hooks, self.logger
         while not self._done():
             if epoch_len is not None and state.timestamp.batch_in_epoch >= epoch_len:
                 break
-            self._event(Event.BEFORE_DATALOADER)
+            if hooks.before_dataloader.impls:
+                hooks.before_dataloader(state=state, logger=logger)
             try:
                 batch = next(iterator)
             except StopIteration:
@@ -404,7 +407,8 @@ class Trainer:
             samples, tokens = batch_size_of(batch), self._num_tokens(batch)
             state.batch = move_to_device(batch, state.device)
             self._host_counts = (state.batch, samples, tokens)
-            self._event(Event.AFTER_DATALOADER)
+            if hooks.after_dataloader.impls:
+                hooks.after_dataloader(state=state, logger=logger)
             self.train_step(state.batch)
             self._after_batch()
         else:
@@ -447,24 +451,30 @@ class Trainer:
 
     def _after_batch(self) -> None:
         state = self.state
+        hooks, logger = self._step_hooks, self.logger
         if state.batch_loss is not None:
             self._pending_losses.append((state.timestamp.batch, state.batch_loss))
             every = self._log_every
             if every is not None:
                 batch = state.timestamp.batch
-                fires = any(batch % n == 0 for n in every)
+                fires = batch % every[0] == 0 if len(every) == 1 else any(batch % n == 0 for n in every)
             else:
                 fires = any(interval_fires(i, state, "batch_end") for i in self._log_intervals)
             if fires:
                 self._flush_losses()
-        self._event(Event.BATCH_END)
-        if self._decision("should_eval")(state=state, event=Event.BATCH_END):
+        if hooks.batch_end.impls:
+            hooks.batch_end(state=state, logger=logger)
+        if hooks.should_eval(state=state, event=Event.BATCH_END):
             self.eval()
-        state.checkpoint_requested = bool(self._decision("should_checkpoint")(state=state, event=Event.BATCH_END))
+        should_checkpoint = hooks.should_checkpoint
+        state.checkpoint_requested = bool(
+            should_checkpoint.impls and should_checkpoint(state=state, event=Event.BATCH_END)
+        )
         if state.checkpoint_requested:
             self._flush_losses()  # a resumed run restarts after the checkpoint: the steps before it are logged
-        self._event(Event.BATCH_CHECKPOINT)
-        if self._decision("should_stop")(state=state):
+        if hooks.batch_checkpoint.impls:
+            hooks.batch_checkpoint(state=state, logger=logger)
+        if hooks.should_stop.impls and hooks.should_stop(state=state):
             state.stop_requested = True
 
     def _flush_losses(self) -> None:
@@ -480,8 +490,10 @@ class Trainer:
     def train_step(self, batch: Any) -> torch.Tensor:
         """One optimizer step on ``batch``: microbatches, backward, optimizer and scheduler step, time advance."""
         state = self.state
+        hooks, logger = self._step_hooks, self.logger
         start = time.perf_counter()
-        self._event(Event.BATCH_START)
+        if hooks.batch_start.impls:
+            hooks.batch_start(state=state, logger=logger)
         # Ranks of one sequence- or tensor-parallel group read the same samples: count them once. A model
         # under sequence parallelism counts only its own chunk's tokens, so tokens sum over every rank.
         counted, self._host_counts = self._host_counts, None
@@ -494,7 +506,8 @@ class Trainer:
         while True:
             for opt in state.optimizers:
                 opt.zero_grad(set_to_none=True)
-            self._event(Event.BEFORE_TRAIN_BATCH)
+            if hooks.before_train_batch.impls:
+                hooks.before_train_batch(state=state, logger=logger)
             oom = False
             try:
                 loss = self.forward_backward(batch)
@@ -506,17 +519,18 @@ class Trainer:
                 self._shrink_microbatch(batch)
                 continue
             break
-        gradients_ready = self._decision("on_gradients_ready")
-        if gradients_ready.impls:  # a second pass over the batch for SAM-like algorithms
-            gradients_ready(state=state, logger=self.logger, recompute=lambda: self.forward_backward(batch))
+        if hooks.on_gradients_ready.impls:  # a second pass over the batch for SAM-like algorithms
+            hooks.on_gradients_ready(state=state, logger=self.logger, recompute=lambda: self.forward_backward(batch))
         # Averaged in place over ranks: a copy, as ``loss`` may share memory with ``state.loss``.
         state.batch_loss = distributed.all_reduce_mean_(loss.clone()) if state.world_size > 1 else loss
         if state.grad_scaler is not None:
             for opt in state.optimizers:
                 state.grad_scaler.unscale_(opt)
-        self._event(Event.AFTER_TRAIN_BATCH)
+        if hooks.after_train_batch.impls:
+            hooks.after_train_batch(state=state, logger=logger)
         state.skip_optimizer_step = False
-        self._event(Event.BEFORE_OPTIMIZER_STEP)
+        if hooks.before_optimizer_step.impls:
+            hooks.before_optimizer_step(state=state, logger=logger)
         if not state.skip_optimizer_step:
             for opt in state.optimizers:
                 if state.grad_scaler is not None:
@@ -528,7 +542,8 @@ class Trainer:
             state.grad_scaler.update()
         for sched in state.schedulers:
             sched.step()
-        self._event(Event.AFTER_OPTIMIZER_STEP)
+        if hooks.after_optimizer_step.impls:
+            hooks.after_optimizer_step(state=state, logger=logger)
         state.timestamp.advance_batch(state.batch_num_samples, state.batch_num_tokens, time.perf_counter() - start)
         return state.batch_loss
 
@@ -639,24 +654,32 @@ class Trainer:
         """:meth:`forward_backward` for one fp32 microbatch with no gradient-sync context (the common case on
         one device): the same events and state, without entering the no-op contexts or weighting the loss."""
         state = self.state
-        event = self._event
+        hooks, logger = self._step_hooks, self.logger
         state.microbatch_idx = 0
         state.microbatch = micro
-        event(Event.MICROBATCH_START)
-        event(Event.BEFORE_FORWARD)
+        if hooks.microbatch_start.impls:
+            hooks.microbatch_start(state=state, logger=logger)
+        if hooks.before_forward.impls:
+            hooks.before_forward(state=state, logger=logger)
         state.outputs = state.model(state.microbatch)
-        event(Event.AFTER_FORWARD)
-        event(Event.BEFORE_LOSS)
+        if hooks.after_forward.impls:
+            hooks.after_forward(state=state, logger=logger)
+        if hooks.before_loss.impls:
+            hooks.before_loss(state=state, logger=logger)
         state.loss = state.raw_model.loss(state.outputs, state.microbatch)
-        event(Event.AFTER_LOSS)
+        if hooks.after_loss.impls:
+            hooks.after_loss(state=state, logger=logger)
         loss = state.loss  # what forward_backward backpropagates: the loss as it is after AFTER_LOSS
-        event(Event.BEFORE_BACKWARD)
+        if hooks.before_backward.impls:
+            hooks.before_backward(state=state, logger=logger)
         loss.backward()
-        event(Event.AFTER_BACKWARD)
+        if hooks.after_backward.impls:
+            hooks.after_backward(state=state, logger=logger)
         part = state.loss.detach()
         if part.dtype != torch.float32:
             part = part.float()
-        event(Event.MICROBATCH_END)
+        if hooks.microbatch_end.impls:
+            hooks.microbatch_end(state=state, logger=logger)
         state.microbatch = None
         state.outputs = None
         return part
@@ -749,6 +772,32 @@ class Trainer:
 
 
 _NO_CONTEXT = contextlib.nullcontext()
+
+#: The events the loop fires every batch; with the decision hooks it asks every batch, :class:`_StepHooks`.
+_STEP_EVENTS = (
+    Event.BEFORE_DATALOADER, Event.AFTER_DATALOADER, Event.BATCH_START, Event.BEFORE_TRAIN_BATCH,
+    Event.MICROBATCH_START, Event.BEFORE_FORWARD, Event.AFTER_FORWARD, Event.BEFORE_LOSS, Event.AFTER_LOSS,
+    Event.BEFORE_BACKWARD, Event.AFTER_BACKWARD, Event.MICROBATCH_END, Event.AFTER_TRAIN_BATCH,
+    Event.BEFORE_OPTIMIZER_STEP, Event.AFTER_OPTIMIZER_STEP, Event.BATCH_END, Event.BATCH_CHECKPOINT,
+)
+_STEP_DECISIONS = ("should_eval", "should_checkpoint", "should_stop", "on_gradients_ready")
+
+
+class _StepHooks:
+    """The hooks of one batch as attributes (``hooks.batch_end``), looked up once per trainer.
+
+    The loop checks ``hooks.<event>.impls`` before calling, so an event no plugin implements costs an
+    attribute read and no call. Each :class:`FastHook` reads its implementations live: plugins registered
+    or unregistered mid-run are seen at the next batch.
+    """
+
+    __slots__ = tuple(e.value for e in _STEP_EVENTS) + _STEP_DECISIONS
+
+    def __init__(self, pm: SmaltiPluginManager) -> None:
+        for event in _STEP_EVENTS:
+            setattr(self, event.value, FastHook(pm, event.hook_name))
+        for name in _STEP_DECISIONS:
+            setattr(self, name, FastHook(pm, name))
 
 
 @dataclass(frozen=True)
