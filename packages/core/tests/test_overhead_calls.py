@@ -79,8 +79,11 @@ def _trainer_calls_per_step() -> float:
         optimizers=lambda params: torch.optim.AdamW(params, lr=1e-3, foreach=True),
         # Registered first so that its on_batch_end runs last (pluggy calls the last registered first): the
         # other plugins' batch-end work is counted.
-        callbacks={"count": _CountSteps(counter), "speed_monitor": SpeedMonitor(),
-                   "progress_bar": ProgressBar(force=True)},
+        callbacks={
+            "count": _CountSteps(counter),
+            "speed_monitor": SpeedMonitor(),
+            "progress_bar": ProgressBar(force=True),
+        },
         loggers={"console": ConsoleLogger(log_interval="10ba")},
         eval_interval=None,
     )
