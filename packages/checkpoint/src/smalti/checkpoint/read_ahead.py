@@ -86,8 +86,9 @@ class FileCheck:
         self._scratch: bytearray | None = None
 
     def feed(self, start: int, view: memoryview) -> None:
-        """Bytes ``[start, start + len(view))`` of the file, just read into memory that stays as it is until the
-        load ends (a tensor's): hashed if they come next in order (else :meth:`cover` reads them again later)."""
+        """Bytes ``[start, start + len(view))`` of the file, just read into memory that must stay as it is until
+        :meth:`wait` returns (a tensor's): hashed if they come next in order (else :meth:`cover` reads them again
+        later)."""
         if start == self.hashed_to and not self.ended:
             self._update(view)
             self.hashed_to += len(view)
@@ -321,6 +322,10 @@ class ReadAheadFileSystemReader(SafeFileSystemReader):
                 for item in sorted(per_file[relpath], key=lambda i: self.storage_data[i.storage_index].offset):
                     info = self.storage_data[item.storage_index]
                     self._load_item(item, info, _FileSpan(fd, info.offset, info.offset + info.length, path, check), planner)
+            if check is not None:
+                # the digest has seen the tensors before DCP hands them on: once loaded, their owner may move or
+                # free their memory (FSDP resets its sharded parameters in a load_state_dict hook)
+                check.wait()
         done: torch.futures.Future[None] = torch.futures.Future()
         done.set_result(None)
         return done
