@@ -13,8 +13,9 @@ Prints samples/s, MB/s, the ratios and the time to the first batch (counted from
 construction, so index download and set-up are included for every library).
 
 The limit: the same MDS shards read and zstd-decompressed in one process with no dataset machinery (read the
-file, decompress, cut the samples into batches of 32): an upper bound for one core, in samples/s and MB/s.
-``of_limit`` is smalti's local epoch (2 workers) over that bound.
+file, decompress, cut the samples into batches of 32): an upper bound for one core, in samples/s and MB/s,
+measured at the start of each round of local runs (the median is reported). ``of_limit`` is smalti's local
+epoch (2 workers) over that bound.
 
     python bench/streaming_read.py [--samples 200000] [--skip-s3] [--repeats 1]
     python bench/streaming_read.py --remote gs://bench/ds   # or az://bench/ds, s3://bench/ds
@@ -41,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -196,14 +198,18 @@ def run_once(python: str, kind: str, remote: str | None, local: Path, env: dict[
 
 
 def compare(pythons: dict[str, str], remotes: dict[str, str | None], work: Path, tag: str, env: dict[str, str],
-            repeats: int, sources: dict[str, Path] | None = None) -> dict[str, dict[str, float]]:
+            repeats: int, sources: dict[str, Path] | None = None,
+            each_round: Callable[[], None] | None = None) -> dict[str, dict[str, float]]:
     """``repeats`` epochs per library, alternating (so load changes hit all alike); the medians of each.
 
     ``pythons``, ``remotes`` and ``sources`` are per library: its interpreter, its remote URL (``None``:
-    local) and the folder each run starts from a fresh copy of (``None``: an empty cache).
+    local) and the folder each run starts from a fresh copy of (``None``: an empty cache). ``each_round``
+    runs at the start of every round (the limit's measurement, so it shares each round's load).
     """
     runs: dict[str, list[dict[str, float]]] = {kind: [] for kind in pythons}
     for _ in range(repeats):
+        if each_round is not None:
+            each_round()
         for kind, python in pythons.items():
             source = (sources or {}).get(kind)
             runs[kind].append(run_once(python, kind, remotes[kind], work / f"{tag}-{kind}", env, source))
@@ -326,16 +332,19 @@ def main() -> None:
         mb_per_sample = SEQ * 2 / 1e6
         print(f"dataset: {args.samples} samples x {SEQ} uint16 tokens, {size / 1e6:.0f} MB zstd MDS, "
               f"{lsize / 1e6:.0f} MB zstd LitData, in {work}")
-        bound = limit(data, args.repeats)
-        print(f"\nlimit: read + zstd-decompress + cut into batches, one process: {bound:10.0f} samples/s "
-              f"{bound * mb_per_sample:8.1f} MB/s")
         # Local: each run starts from a fresh copy of the zipped shards (the MDS readers decompress them
         # beside the zips on first read; LitData reads its chunks where they are).
         # smalti_plain: the same dataset through torch's DataLoader (sample by sample, collated by the
         # loader) instead of StreamingDataLoader's whole batches: what the batched path is worth.
         local_pythons = {**pythons, "smalti_plain": sys.executable}
         sources = {"smalti": data, "mosaic": data, "litdata": ldata, "smalti_plain": data}
-        med = compare(local_pythons, dict.fromkeys(local_pythons), work, "local", {}, args.repeats, sources)
+        bounds: list[float] = []  # measured at the start of each round of local runs
+        med = compare(local_pythons, dict.fromkeys(local_pythons), work, "local", {}, args.repeats, sources,
+                      each_round=lambda: bounds.append(limit(data, 1)))
+        bound = float(np.median(bounds))
+        print("  limit runs: " + ", ".join(f"{b:.0f} samples/s" for b in bounds))
+        print(f"\nlimit: read + zstd-decompress + cut into batches, one process: {bound:10.0f} samples/s "
+              f"{bound * mb_per_sample:8.1f} MB/s")
         local = report("local disk, full shuffled epoch (batch 32, 2 workers)", med, mb_per_sample)
         ratios.update({f"{k}_local": v for k, v in local.items()})
         of_limit = med["smalti"]["samples"] / med["smalti"]["seconds"] / bound

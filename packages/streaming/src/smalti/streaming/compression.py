@@ -59,7 +59,7 @@ def compress(compression: str, data: bytes) -> bytes:
     return snappy.compress(data)
 
 
-CHUNK = 4 << 20  # bytes read and written per step while decompressing (each step takes the GIL)
+CHUNK = 1 << 20  # bytes read and written per step while decompressing
 
 
 class OutputLimitError(Exception):
