@@ -109,9 +109,15 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
             offset = sp.rank * t if sp is not None else 0  # this chunk's first position in the sequence
-            cos, sin = self.rotary.tables(t, offset, q.device, q.dtype)
+            # Under autocast the projections come out in bf16: rotate in fp32 with fp32 tables and round once
+            # (as transformers' Llama under autocast does), not with bf16 tables and bf16 products.
+            amp = torch.is_autocast_enabled(q.device.type) and q.dtype != torch.float32
+            cos, sin = self.rotary.tables(t, offset, q.device, torch.float32 if amp else q.dtype)
             cos, sin = cos[:, None], sin[:, None]  # broadcast over heads: [T, 1, D]
+            dtype = q.dtype
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            if amp:
+                q, k = q.to(dtype), k.to(dtype)
         if sp is not None:
             if self.n_kv_heads % sp.size:
                 # Too few key/value heads to split: give every query head its own copy.
