@@ -194,8 +194,8 @@ def main() -> None:
     parser.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="DCP writer threads")
-    parser.add_argument("--direct-io", default="false", choices=["read", "true", "false"],
-                        help="checkpoint.direct_io (false, the default: page-cache saves; true: O_DIRECT saves)")
+    parser.add_argument("--direct-io", default="true", choices=["read", "true", "false"],
+                        help="checkpoint.direct_io (true, the default: O_DIRECT saves; false: page-cache saves)")
     parser.add_argument("--hash", default="xxh3_128", help="checkpoint.hash: xxh3_128, blake3 or sha256")
     args = parser.parse_args()
 

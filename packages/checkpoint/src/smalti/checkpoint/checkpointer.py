@@ -99,12 +99,12 @@ class Checkpointer(SaveSchedule, LoadAndResume, CommitProtocol, Callback):
             before smalti-checkpoint stored its rank-local state without pickled NumPy arrays.
         local_cache_dir: where remote checkpoints are staged and downloaded (default: a temp dir per folder).
         thread_count: DCP writer threads per rank (one file each).
-        direct_io: ``false`` (default): saves write through the page cache straight from the tensors' memory,
-            with the kernel's writeback started behind every 16 MiB (no copy of ours; the fastest way on the
-            disks measured, see the README). ``true``: saves write with ``O_DIRECT`` where the file system
-            allows it (bytes hashed and copied into aligned buffers, a helper thread writes them; no page-cache
-            pressure). ``read``: as ``false`` (it used to make loads read with ``O_DIRECT``; loads now always read
-            through the page cache, straight into the tensors, which measured faster).
+        direct_io: ``true`` (default): saves write with ``O_DIRECT`` where the file system allows it (bytes
+            hashed and copied into aligned buffers, a helper thread writes them; no page-cache pressure: the
+            robust choice on a busy machine, see the README). ``false``: saves write through the page cache
+            straight from the tensors' memory, with the kernel's writeback started behind every 16 MiB (no copy
+            of ours). ``read``: as ``false`` (it used to make loads read with ``O_DIRECT``; loads now always
+            read through the page cache, straight into the tensors, which measured faster).
         read_ahead_mb: how much of its data files (MiB per rank) the load asks the kernel to read ahead while the
             trainer builds the state to load into (``posix_fadvise(WILLNEED)``: page cache, no buffers of ours).
         retry_budget_s: seconds each object-store call may keep retrying through a brown-out (smalti-storage's
@@ -131,7 +131,7 @@ class Checkpointer(SaveSchedule, LoadAndResume, CommitProtocol, Callback):
         verify: str = "manifest",
         local_cache_dir: str | None = None,
         thread_count: int = 1,
-        direct_io: bool | str = False,
+        direct_io: bool | str = True,
         read_ahead_mb: int = 64,
         s3_retries: int | None = None,
         s3_multipart_mb: int = 64,
