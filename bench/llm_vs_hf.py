@@ -6,8 +6,9 @@ temporary folder with random token data, and trains it for ``--steps`` steps wit
   (a) ``transformers.LlamaForCausalLM.from_pretrained`` (its defaults: SDPA attention, its own loss with
       ``labels=input_ids``) and ``torch.optim.AdamW``;
   (b) ``smalti.llm.hf.import_hf`` of the same folder through ``smalti.core.Trainer`` with smalti's defaults
-      (fused chunked linear + cross-entropy, fp32 as ``experiment=finetune_hf``; ``--precision amp_bf16``:
-      fp32 weights, gradients and AdamW state, matrix products under bf16 autocast) and ``torch.optim.AdamW``
+      (fused chunked linear + cross-entropy, ``amp_bf16`` as ``experiment=finetune_hf``: fp32 weights,
+      gradients and AdamW state, matrix products under bf16 autocast, attention in fp32 on CPU;
+      ``--precision fp32`` runs it all in fp32) and ``torch.optim.AdamW``
       with the same hyper-parameters (``fused=True``, the default of smalti's ``optimizer=adamw``; ``--adamw`` picks
       another).
 
@@ -50,7 +51,7 @@ import torch
 LR = 1e-4
 BETAS = (0.9, 0.95)
 #: smalti's side by default runs at the precision of ``experiment=finetune_hf``.
-DEFAULT_PRECISION = "fp32"
+DEFAULT_PRECISION = "amp_bf16"
 
 
 def _peak_memory_mb(device: torch.device) -> dict[str, float]:

@@ -113,7 +113,8 @@ def test_finetune_hf_in_process_exports_the_trained_model(tmp_path, monkeypatch,
 
 def test_finetune_hf_sequence_parallel_two_ranks_matches_one_process(tmp_path):
     source = write_tiny_hf_model(tmp_path / "mistral", "mistral", sliding_window=24)
-    overrides = [f"model.pretrained={source}"]
+    # fp32: sequence parallelism is exact there; under bf16 autocast the split sequence rounds differently.
+    overrides = [f"model.pretrained={source}", "precision=fp32"]
     _train_cli(tmp_path / "one", "ft-one", overrides)
     _train_cli(tmp_path / "sp", "ft-sp", [*overrides, "parallelism=fsdp_sp", "parallelism.sp=2"], nproc=2)
     single, parallel = _losses(tmp_path / "one" / "metrics.jsonl"), _losses(tmp_path / "sp" / "metrics.jsonl")

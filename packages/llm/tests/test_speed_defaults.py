@@ -35,10 +35,9 @@ def test_recipes_train_with_fused_adamw_and_the_fused_loss(experiment):
     assert cfg.model.get("fused_loss", True) is True, f"experiment={experiment} materialises the logits"
 
 
-@pytest.mark.parametrize("experiment", ["mpt_125m", "mpt_1b", "mpt_7b", "llama3_8b"])
+@pytest.mark.parametrize("experiment", ["finetune_hf", "mpt_125m", "mpt_1b", "mpt_7b", "llama3_8b"])
 def test_recipes_run_the_matrix_products_in_bf16_with_fp32_weights(experiment):
-    """amp_bf16 (fp32 master weights and AdamW state, bf16 autocast), as LLM Foundry's recipes. Not
-    ``finetune_hf``: at bench/llm_vs_hf.py's default shape its first loss is 1.4e-4 from transformers' fp32 one."""
+    """amp_bf16 (fp32 master weights and AdamW state, bf16 autocast), as LLM Foundry's recipes."""
     assert _compose([f"experiment={experiment}"]).trainer.precision == "amp_bf16"
 
 
@@ -93,3 +92,24 @@ def test_default_optimizer_under_fsdp2_trains_like_one_process():
     for name, value in model.state_dict().items():
         full = value.full_tensor() if hasattr(value, "full_tensor") else value
         torch.testing.assert_close(full, ref.state_dict()[name], rtol=1e-4, atol=1e-4)
+
+
+def test_attention_runs_in_fp32_under_cpu_autocast(monkeypatch):
+    """Under CPU bf16 autocast the projections are bf16 but attention itself gets fp32 inputs: PyTorch's CPU bf16
+    attention kernel alone moved a Llama's first loss 1.4e-4 from transformers' fp32 one (bench/llm_vs_hf.py)."""
+    import smalti.llm.model.attention as attention
+
+    seen: list[torch.dtype] = []
+    real = attention.attend
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append(q.dtype)
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "attend", spy)
+    model = _model()
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model({"input_ids": ids})["logits"]
+    assert seen and set(seen) == {torch.float32}
+    assert logits.dtype == torch.bfloat16  # the head's matrix product still ran in bf16
