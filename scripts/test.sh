@@ -14,6 +14,12 @@ failed=()
 root=$PWD
 # One package's suite runs from inside its folder (cd packages/<pkg> && pytest), the others from the root.
 from_inside=${SMALTI_TEST_FROM_INSIDE:-health}
+# Two pytest workers (pytest-xdist, a dependency of smalti-testing) keep both cores busy while one test waits on
+# its child processes; --dist loadfile keeps a file on one worker, so module-scoped reference runs happen once.
+# SMALTI_TEST_WORKERS=0 runs each suite in one process.
+workers=${SMALTI_TEST_WORKERS:-2}
+xdist=()
+if [ "$workers" != 0 ]; then xdist=(-n "$workers" --dist loadfile); fi
 for pkg in $(.venv/bin/python scripts/packages.py all); do
   [ -d "packages/$pkg/tests" ] || continue
   venv=".venvs/$pkg"
@@ -28,9 +34,9 @@ for pkg in $(.venv/bin/python scripts/packages.py all); do
     # As a user who checked out only this package runs its tests: from inside its folder (spawned children,
     # relative paths and the rootdir must work from there too).
     echo "    (run from inside packages/$pkg)"
-    (cd "packages/$pkg" && "$root/$venv/bin/python" -m pytest -q -p no:randomly --durations=8) || failed+=("$pkg")
+    (cd "packages/$pkg" && "$root/$venv/bin/python" -m pytest -q -p no:randomly --durations=8 "${xdist[@]}") || failed+=("$pkg")
   else
-    "$venv/bin/python" -m pytest "packages/$pkg" -q -p no:randomly --durations=8 || failed+=("$pkg")
+    "$venv/bin/python" -m pytest "packages/$pkg" -q -p no:randomly --durations=8 "${xdist[@]}" || failed+=("$pkg")
   fi
   # In CI (a fresh clone) a package's venv is not needed again: free its disk before the next one is built, so the
   # run needs room for two environments at a time rather than nine. SMALTI_KEEP_VENVS=1 keeps them.
@@ -40,7 +46,7 @@ for pkg in $(.venv/bin/python scripts/packages.py all); do
 done
 if compgen -G "tests/test_*.py" > /dev/null; then
   echo "=== tests/ (all packages) ==="
-  .venv/bin/python -m pytest tests -q --durations=8 || failed+=("tests")
+  .venv/bin/python -m pytest tests -q --durations=8 "${xdist[@]}" || failed+=("tests")
 fi
 if [ ${#failed[@]} -gt 0 ]; then
   echo "FAILED: ${failed[*]}"
