@@ -9,7 +9,6 @@ in tiles whose memory is linear in the sequence (:func:`~smalti.llm.model.attent
 from __future__ import annotations
 
 import contextlib
-
 from typing import Any
 
 import torch
