@@ -25,6 +25,7 @@ PACKAGES = Path(__file__).resolve().parents[1] / "packages"
 USED_WITHOUT_IMPORT: dict[tuple[str, str], str] = {
     ("smalti-core", "hydra-submitit-launcher"): "a Hydra launcher plugin, found by Hydra under hydra_plugins",
     ("smalti-testing", "pytest-timeout"): "a pytest plugin the fixtures' time limits rely on",
+    ("smalti-testing", "pytest-xdist"): "a pytest plugin: scripts/test.sh runs the suites on two workers",
     ("smalti-llm", "transformers"): "extra hf: what users load the exported Hugging Face folders with",
     ("smalti-core", "tensorboard"): "extra tensorboard: torch.utils.tensorboard's SummaryWriter imports it",
 }
