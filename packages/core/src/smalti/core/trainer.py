@@ -184,9 +184,10 @@ class Trainer:
         self._closed = False
         self._replay = 0
         # The loop's hooks, called without pluggy's per-call machinery (smalti.core.dispatch).
-        self._callers: dict[Event, FastHook] = {}
-        self._decisions: dict[str, FastHook] = {}
         self._step_hooks = _StepHooks(self.pm)
+        # One FastHook per hook: the step's own (above) are shared with _event/_decision, the rest made on first use.
+        self._callers: dict[Event, FastHook] = {e: getattr(self._step_hooks, e.value) for e in _STEP_EVENTS}
+        self._decisions: dict[str, FastHook] = {n: getattr(self._step_hooks, n) for n in _STEP_DECISIONS}
         # A parallelism that keeps the base class's no-op gradient_sync needs no context around each microbatch.
         self._sync_context = type(self.parallelism).gradient_sync is not Parallelism.gradient_sync
         self._log_intervals = self._loss_intervals(log_interval)
