@@ -7,9 +7,13 @@ Two ways to write, picked by :func:`open_hashing_file`:
   starting the kernel's writeback behind each 16 MiB, so the disk works while the next bytes come; the
   digest of each large write runs on a helper thread alongside its write. Small writes (zip headers, pickles)
   are gathered into one buffer first.
-* :class:`DirectHashingFile` (``direct=True`` where the file system allows it): ``O_DIRECT`` needs aligned
-  memory, so the caller copies into page-aligned 16 MiB buffers (hashing the bytes on the way) and a helper
-  thread writes each full buffer while the next one fills.
+* :class:`DirectHashingFile` (``direct=True`` where the file system allows it): ``O_DIRECT`` needs the memory
+  address, the file offset and the length of every write to be multiples of the disk's block size. A large
+  write (a tensor's bytes) whose memory address is congruent to its file offset modulo :data:`ALIGN_BYTES`
+  (the save lays each tensor out so: :meth:`DirectHashingFile.align_to`) is written with ``O_DIRECT``
+  straight from the caller's memory, every whole block of it; only the partial blocks at its two ends go
+  through a page-aligned 16 MiB bounce buffer, with the small writes between (zip headers, pickles). Other
+  writes are copied into the bounce buffers, which a helper thread writes while the next one fills.
 
 ``close`` calls ``fsync``: when it returns the file is durable and :attr:`digest` covers every byte, in order.
 """
@@ -82,6 +86,13 @@ def leave_direct_io(fd: int) -> None:
 
 #: writes smaller than this are gathered into one buffer (zip headers and pickles between the tensors' bytes)
 _SMALL_BYTES = 256 << 10
+
+
+def buffer_address(view: memoryview) -> int:
+    """The memory address of the first byte of ``view`` (read-only views too)."""
+    import numpy
+
+    return int(numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data)
 
 
 class _HashingFileBase:
@@ -205,7 +216,11 @@ class BufferedHashingFile(_HashingFileBase):
 
 
 class DirectHashingFile(_HashingFileBase):
-    """``O_DIRECT`` writes: the caller hashes and copies into aligned buffers, a helper thread writes them."""
+    """``O_DIRECT`` writes: whole blocks of suitably placed large writes straight from the caller's memory,
+    everything else copied into aligned bounce buffers that a helper thread writes (see the module docstring).
+
+    :attr:`copied` counts the bytes that went through the bounce buffers.
+    """
 
     def __init__(self, path: str, fd: int, algorithm: str = DEFAULT_ALGORITHM) -> None:
         super().__init__(path, fd, algorithm)
@@ -216,23 +231,54 @@ class DirectHashingFile(_HashingFileBase):
         self._in_flight: deque[tuple[int, Future[Any]]] = deque()
         self._current = self._free.popleft()
         self._filled = 0
-        self._submitted = 0  # file offset of the current buffer's first byte
+        self._submitted = 0  # file offset of the current buffer's first byte (a multiple of ALIGN_BYTES)
+        self.copied = 0
+
+    def align_to(self, address: int) -> None:
+        """Pad the file with zeros up to the next offset congruent to ``address`` modulo :data:`ALIGN_BYTES`,
+        so that bytes at ``address`` written next go out straight from memory (at most 4095 bytes)."""
+        pad = (address - self.size) % ALIGN_BYTES
+        if pad:
+            self.write(bytes(pad))
 
     def write(self, data: Any) -> int:
-        """Hash ``data`` and copy it into the buffers (each full one goes to the write thread)."""
+        """Hash ``data`` and write it: whole blocks straight from ``data`` where its address allows, the rest
+        copied into the bounce buffers (each full one goes to the write thread)."""
         self._check_open()
         view = memoryview(data).cast("B")
         total = len(view)
-        self._hash.update(view)
+        head = (-self.size) % ALIGN_BYTES  # bytes up to the next block boundary of the file
+        body = (total - head) // ALIGN_BYTES * ALIGN_BYTES
+        if total >= _SMALL_BYTES and body > 0 and (buffer_address(view) - self.size) % ALIGN_BYTES == 0:
+            self._write_in_place(view, head, body)
+        else:
+            self._hash.update(view)
+            self._copy_in(view)
+        self.size += total
+        return total
+
+    def _write_in_place(self, view: memoryview, head: int, body: int) -> None:
+        self._copy_in(view[:head])
+        if self._filled:  # the bounce buffer now ends on a block boundary: out it goes
+            self._hand_over()
+        offset = self._submitted
+        written = self._io.submit(self._write_at, view[head : head + body], offset)
+        try:
+            self._hash.update(view)  # in file order: the bytes before these were hashed as they were copied
+        finally:
+            written.result()  # the caller may change its memory once write returns
+        self._submitted = offset + body
+        self._copy_in(view[head + body :])
+
+    def _copy_in(self, view: memoryview) -> None:
         while view:
             n = min(CHUNK_BYTES - self._filled, len(view))
             self._buffers[self._current][self._filled : self._filled + n] = view[:n]
             self._filled += n
+            self.copied += n
             view = view[n:]
             if self._filled == CHUNK_BYTES:
                 self._hand_over()
-        self.size += total
-        return total
 
     def close(self) -> None:
         """Write what is left, wait for the writes, ``fsync`` and close; idempotent."""
@@ -250,9 +296,10 @@ class DirectHashingFile(_HashingFileBase):
             os.close(self._fd)
 
     def _hand_over(self) -> None:
-        chunk = memoryview(self._buffers[self._current])
+        """Give the current bounce buffer (full, or ending on a block boundary) to the write thread."""
+        chunk = memoryview(self._buffers[self._current])[: self._filled]
         self._in_flight.append((self._current, self._io.submit(self._write_at, chunk, self._submitted)))
-        self._submitted += CHUNK_BYTES
+        self._submitted += self._filled
         if not self._free:
             self._retire_oldest()
         self._current = self._free.popleft()
