@@ -1,0 +1,79 @@
+"""Plugin discovery stays cheap: loading every installed ``smalti`` entry point imports no torch.
+
+Every smalti-train start and every test subprocess loads all entry points (``discover_entry_points``); an
+entry-point module that imports its package's heavy names (``Checkpointer`` brings torch's FSDP and DCP
+modules) costs seconds in each of them. Each check runs in a fresh interpreter, since this one has torch.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+#: Modules no entry point may import: torch itself, and what ``Checkpointer`` pulls in.
+HEAVY = ["torch", "torch.distributed.checkpoint", "torch.distributed.fsdp"]
+
+DISCOVER = r"""
+import json, sys
+import importlib.metadata as md
+heavy = json.loads(sys.argv[1])
+pulled = {}
+for ep in sorted(md.entry_points(group="smalti"), key=lambda e: e.name):
+    before = {m for m in heavy if m in sys.modules}
+    ep.load()
+    new = sorted(m for m in heavy if m in sys.modules and m not in before)
+    if new:
+        pulled[f"{ep.name} ({ep.value})"] = new
+from smalti.core.plugins.manager import discover_entry_points
+names = [name for name, _, _ in discover_entry_points()]
+print(json.dumps({"names": names, "pulled": pulled, "heavy": [m for m in heavy if m in sys.modules]}))
+"""
+
+
+def run_python(code: str, *args: str) -> str:
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_loading_every_entry_point_imports_no_torch():
+    result = json.loads(run_python(DISCOVER, json.dumps(HEAVY)))
+    # The plugins this check is about are installed (tests/ runs with every package).
+    assert {"checkpoint", "core", "health", "llm", "moe", "streaming"} <= set(result["names"]), result["names"]
+    assert result["pulled"] == {}, f"entry points that import heavy modules: {result['pulled']}"
+    assert result["heavy"] == []
+
+
+LAZY_EXPORTS = r"""
+import sys
+import smalti.checkpoint as ck
+assert "torch.distributed.checkpoint" not in sys.modules, "import smalti.checkpoint imported DCP"
+public = sorted(ck.__all__)
+assert set(public) <= set(dir(ck)), sorted(set(public) - set(dir(ck)))
+from smalti.checkpoint import CheckpointCorruptError, CheckpointError
+assert issubclass(CheckpointCorruptError, CheckpointError)
+assert "torch.distributed.checkpoint" not in sys.modules, "an error class imported DCP"
+from smalti.checkpoint import Checkpointer
+from smalti.checkpoint.checkpointer import Checkpointer as Direct
+assert Checkpointer is Direct
+assert "torch.distributed.checkpoint" in sys.modules
+namespace = {}
+exec("from smalti.checkpoint import *", namespace)
+assert sorted(n for n in namespace if not n.startswith("__")) == public, sorted(namespace)
+try:
+    ck.NoSuchName
+except AttributeError as exc:
+    assert "NoSuchName" in str(exc)
+else:
+    raise AssertionError("smalti.checkpoint.NoSuchName did not raise AttributeError")
+print(" ".join(public))
+"""
+
+
+def test_checkpoint_names_import_on_first_use():
+    """``from smalti.checkpoint import Checkpointer`` and ``import *`` work as before, DCP only when asked."""
+    assert run_python(LAZY_EXPORTS).split() == [
+        "CheckpointCorruptError", "CheckpointError", "CheckpointUploadError", "Checkpointer", "ReshardError",
+        "UnsafeCheckpointError", "UnsafePathError",
+    ]
