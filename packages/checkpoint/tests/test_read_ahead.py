@@ -168,3 +168,39 @@ def test_dcp_loads_copying_contiguous_tensors_in_place_and_others_as_dcp_does(tm
     assert dict(in_place) == {"big": True, "view_of_part": True, "transposed": False, "half": True, "scalar": True,
                               "into_a_view": False}
     assert len(loads) == 3  # the two tensors not copied in place, and the blob (a pickle)
+
+
+@pytest.mark.parametrize("head_bytes", [None, 100], ids=["from-the-start", "head-too-short"])
+@pytest.mark.parametrize("direct", [True, False], ids=["direct-io", "buffered"])
+def test_tensors_are_located_from_the_items_start_or_else_by_the_zip_directory(tmp_path, monkeypatch, direct,
+                                                                                head_bytes):
+    """Each item's tensor record is found by walking its archive from the start (so the file is read front to
+    back, never the zip directory at an item's end before its data); where that walk cannot finish (here: a
+    head too short to hold the pickle) the directory is read, with the same result."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from smalti.checkpoint import read_ahead as module
+    from smalti.checkpoint.read_ahead import ReadAheadFileSystemReader
+    from smalti.checkpoint.writer import HashingFileSystemWriter
+
+    torch.manual_seed(0)
+    base = torch.randn(300, 200)
+    saved = {"big": torch.randn(3_000_000), "view_of_part": base[10:20], "half": torch.randn(64, 3).to(torch.bfloat16),
+             "scalar": torch.tensor(3.5), "n": 4}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(saved, storage_writer=HashingFileSystemWriter(tmp_path, direct_io=direct), no_dist=True)
+    if head_bytes is not None:
+        monkeypatch.setattr(module, "HEAD_BYTES", head_bytes)
+    by_directory = []
+    real = module._locate_by_directory
+    monkeypatch.setattr(module, "_locate_by_directory", lambda span: by_directory.append(1) or real(span))
+    targets = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in saved.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(targets, storage_reader=ReadAheadFileSystemReader(tmp_path, None), no_dist=True)
+    assert all(torch.equal(targets[k], v) for k, v in saved.items() if k != "n") and targets["n"] == 4
+    assert len(by_directory) == (0 if head_bytes is None else 4)

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import io
 import os
+import struct
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -273,6 +274,11 @@ class _FileSpan(_Window):
         if host is not target:
             target.copy_(host)
 
+    def read_at(self, offset: int, n: int) -> bytes:
+        """Up to ``n`` bytes from ``offset`` within the span (fewer at its end)."""
+        n = max(min(n, self._end - self._start - offset), 0)
+        return os.pread(self._fd, n, self._start + offset) if n else b""
+
     def readinto(self, target: Any) -> int:
         out = memoryview(target).cast("B")[: self._end - self._pos]
         if not len(out):
@@ -360,41 +366,140 @@ class ReadAheadFileSystemReader(SafeFileSystemReader):
         Here only the pickle is read (with its storages on the meta device, to learn dtype, shape, strides and
         offset), and when the (narrowed) saved tensor and the target are both contiguous with the same dtype
         and shape, the bytes are read into the target: one copy, the kernel's.
+
+        Where the tensor's record lies is learnt from the archive's start (:func:`_locate_from_start`), so the
+        file is read front to back; only where that fails is the zip directory at the item's end read first.
         """
-        from torch import _weights_only_unpickler
-
-        try:
-            archive = torch._C.PyTorchFileReader(span)
-            if archive.has_record("byteorder") and archive.get_record("byteorder") != b"little":
-                return False
-            keys: list[str] = []
-
-            def storage_on_meta(saved_id: Any) -> Any:
-                _, storage_type, key, _, numel = saved_id
-                keys.append(key)
-                dtype = storage_type.dtype
-                untyped = torch.UntypedStorage(numel * torch._utils._element_size(dtype), device="meta")
-                return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
-
-            unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(archive.get_record("data.pkl")), encoding="utf-8")
-            unpickler.persistent_load = storage_on_meta
-            saved = unpickler.load()
-            if not isinstance(saved, torch.Tensor) or len(keys) != 1:
-                return False
-            saved = narrow_tensor_by_index(saved, item.storage_offsets, item.lengths)
-            target = planner.resolve_tensor(item).detach()
-            if not (saved.is_contiguous() and target.is_contiguous() and saved.dtype == target.dtype
-                    and saved.size() == target.size()):
-                return False
-            record = f"data/{keys[0]}"
-            record_start = archive.get_record_offset(record)
-            start = record_start + saved.storage_offset() * saved.element_size()
-            nbytes = saved.numel() * saved.element_size()
-            if start + nbytes > record_start + archive.get_record_size(record):
-                return False
-        except Exception:  # noqa: BLE001 - anything unexpected: torch.load reads the item as DCP would
+        located = _locate_from_start(span)
+        from_start = located is not None
+        if located is None:
+            located = _locate_by_directory(span)
+        if located is None:
+            return False
+        saved, record_start, record_size = located
+        saved = narrow_tensor_by_index(saved, item.storage_offsets, item.lengths)
+        target = planner.resolve_tensor(item).detach()
+        if not (saved.is_contiguous() and target.is_contiguous() and saved.dtype == target.dtype
+                and saved.size() == target.size()):
+            return False
+        start = record_start + saved.storage_offset() * saved.element_size()
+        nbytes = saved.numel() * saved.element_size()
+        if start + nbytes > record_start + record_size:
             return False
         if nbytes:
             span.copy_to(target.reshape(-1).view(torch.uint8), start)
+        if from_start and not _record_ends_at(span, record_start + record_size, record_size):
+            return False  # not the layout it seemed: torch.load reads the item (over the bytes just read)
         planner.commit_tensor(item, target)
         return True
+
+
+def _saved_on_meta(pickle: Any) -> tuple[torch.Tensor, str] | None:
+    """The tensor a ``data.pkl`` describes, its storage on the meta device, and its storage's record key
+    (``None``: not one tensor over one storage). Unpickled with torch's weights-only unpickler."""
+    from torch import _weights_only_unpickler
+
+    keys: list[str] = []
+
+    def storage_on_meta(saved_id: Any) -> Any:
+        _, storage_type, key, _, numel = saved_id
+        keys.append(key)
+        dtype = storage_type.dtype
+        untyped = torch.UntypedStorage(numel * torch._utils._element_size(dtype), device="meta")
+        return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+
+    unpickler = _weights_only_unpickler.Unpickler(pickle, encoding="utf-8")
+    unpickler.persistent_load = storage_on_meta
+    saved = unpickler.load()
+    if not isinstance(saved, torch.Tensor) or len(keys) != 1:
+        return None
+    return saved, keys[0]
+
+
+def _locate_by_directory(span: _FileSpan) -> tuple[torch.Tensor, int, int] | None:
+    """``(saved tensor on meta, its record's offset in the span, the record's size)`` from the zip directory at
+    the end of the item's archive (``None``: not a single little-endian tensor)."""
+    try:
+        archive = torch._C.PyTorchFileReader(span)
+        if archive.has_record("byteorder") and archive.get_record("byteorder") != b"little":
+            return None
+        found = _saved_on_meta(io.BytesIO(archive.get_record("data.pkl")))
+        if found is None:
+            return None
+        saved, key = found
+        record = f"data/{key}"
+        return saved, archive.get_record_offset(record), archive.get_record_size(record)
+    except Exception:  # noqa: BLE001 - anything unexpected: torch.load reads the item as DCP would
+        return None
+
+
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # a zip local file header, before its name and extra field
+_LOCAL_SIGNATURE = 0x04034B50
+_DESCRIPTOR_SIGNATURE = b"PK\x07\x08"
+#: how much of an item's start is read to find its tensor's record (the pickle and the small records before it)
+HEAD_BYTES = 64 << 10
+
+
+def _after_descriptor(data: bytes, at: int, size: int) -> int | None:
+    """Where the zip data descriptor at ``at`` (of a record of ``size`` bytes, 32- or 64-bit sizes) ends;
+    ``None`` if there is none that says ``size``."""
+    if data[at : at + 4] != _DESCRIPTOR_SIGNATURE:
+        return None
+    if len(data) >= at + 16 and struct.unpack_from("<II", data, at + 8) == (size, size):
+        return at + 16
+    if len(data) >= at + 24 and struct.unpack_from("<QQ", data, at + 8) == (size, size):
+        return at + 24
+    return None
+
+
+def _locate_from_start(span: _FileSpan) -> tuple[torch.Tensor, int, int] | None:
+    """What :func:`_locate_by_directory` finds, learnt by walking the archive from its start instead: the
+    local headers of ``data.pkl`` and the small records torch.save writes before the tensor's (each checked
+    against the data descriptor after it). ``None`` where the item does not look exactly like that (the
+    caller then reads the directory); the descriptor after the tensor's record is checked once its bytes
+    are read (:func:`_record_ends_at`)."""
+    try:
+        head = span.read_at(0, HEAD_BYTES)
+
+        def local_header(at: int) -> tuple[str, int] | None:
+            if at + _LOCAL_HEADER.size > len(head):
+                return None
+            fields = _LOCAL_HEADER.unpack_from(head, at)
+            if fields[0] != _LOCAL_SIGNATURE or fields[3] != 0:  # not a local header, or compressed
+                return None
+            name_len, extra_len = fields[9], fields[10]
+            name = head[at + 30 : at + 30 + name_len].decode("utf-8")
+            return name, at + 30 + name_len + extra_len
+
+        first = local_header(0)
+        if first is None or not first[0].endswith("/data.pkl"):
+            return None
+        prefix, pickle_start = first[0].removesuffix("data.pkl"), first[1]
+        pickle = io.BytesIO(head)
+        pickle.seek(pickle_start)
+        found = _saved_on_meta(pickle)
+        if found is None:
+            return None
+        saved, key = found
+        at = _after_descriptor(head, pickle.tell(), pickle.tell() - pickle_start)
+        for _ in range(8):  # .format_version, .storage_alignment, byteorder, ... then data/<key>
+            if at is None:
+                return None
+            record = local_header(at)
+            if record is None:
+                return None
+            name, data_start = record
+            if name == f"{prefix}data/{key}":
+                return saved, data_start, saved.untyped_storage().nbytes()
+            end = head.find(_DESCRIPTOR_SIGNATURE, data_start)
+            if end < 0 or (name == f"{prefix}byteorder" and head[data_start:end] != b"little"):
+                return None
+            at = _after_descriptor(head, end, end - data_start)
+    except Exception:  # noqa: BLE001 - anything unexpected: the directory is read instead
+        return None
+    return None
+
+
+def _record_ends_at(span: _FileSpan, at: int, size: int) -> bool:
+    """Whether a data descriptor saying ``size`` follows a record at ``at`` in the span."""
+    return _after_descriptor(span.read_at(at, 24), 0, size) is not None
