@@ -118,7 +118,7 @@ class ShardCache:
         with self._lock:
             lock = self._shard_locks.setdefault(shard, threading.Lock())
         with lock:
-            if not raw.exists() and (defer_to_peer or self._peer_busy(shard)):
+            if not raw.exists() and (defer_to_peer or self.peer_busy(shard)):
                 self._wait_for_peer(shard)
             self._fetch(shard)
         self._evict()
@@ -142,7 +142,7 @@ class ShardCache:
 
     def claim(self, shard: int) -> Path | None:
         """Mark shard ``shard`` as about to be fetched by this process (by a thread started next), so other
-        processes that need it wait for this copy (see :meth:`_peer_busy`); :meth:`release` removes the mark."""
+        processes that need it wait for this copy (see :meth:`peer_busy`); :meth:`release` removes the mark."""
         raw = self.raw_path(shard)
         mark = raw.parent / f".{raw.name}{TEMP_MARKER}claim-{os.getpid()}"
         try:
@@ -158,7 +158,7 @@ class ShardCache:
         if mark is not None:
             mark.unlink(missing_ok=True)
 
-    def _peer_busy(self, shard: int) -> bool:
+    def peer_busy(self, shard: int) -> bool:
         """Whether another process is making this shard now: a temporary file or claim of it changed within
         ``peer_grace_s`` (a download, a decompression, or the warm-up a dataset starts at construction)."""
         raw = self.raw_path(shard)

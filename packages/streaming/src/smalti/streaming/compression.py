@@ -7,7 +7,7 @@ import contextlib
 import gzip
 import importlib
 from collections.abc import Callable
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from smalti.streaming.errors import StreamingError
 
@@ -73,11 +73,11 @@ class OutputLimitError(Exception):
 class _BoundedSink:
     """Writes to ``dst``, refusing any write that would take the output past ``limit`` bytes."""
 
-    def __init__(self, dst: BinaryIO, limit: int | None, on_write: Callable[[bytes], None] | None) -> None:
+    def __init__(self, dst: BinaryIO, limit: int | None, on_write: Callable[[Any], None] | None) -> None:
         self.dst, self.limit, self.on_write = dst, limit, on_write
         self.written = 0
 
-    def write(self, data: bytes) -> int:
+    def write(self, data: Any) -> int:
         n = memoryview(data).nbytes
         if self.limit is not None and self.written + n > self.limit:
             raise OutputLimitError(self.written + n)
@@ -116,9 +116,40 @@ def _brotli_stream(src: BinaryIO, sink: _BoundedSink) -> None:
         raise ValueError("brotli stream is truncated")
 
 
-def decompress_stream(compression: str, src: BinaryIO, dst: BinaryIO, limit: int | None = None,
-                      on_write: Callable[[bytes], None] | None = None) -> int:
-    """Decompress the file ``src`` into the file ``dst`` in chunks of about :data:`CHUNK` bytes.
+def _zstd_stream(src: Any, sink: _BoundedSink) -> None:
+    """Every zstd frame of ``src`` (a file, or a buffer read in place) into ``sink``, through one reused
+    buffer: no new object per chunk (fresh megabyte objects cost page faults that took longer than
+    decompressing the raw blocks of incompressible tokens)."""
+    import zstandard
+
+    buf = memoryview(bytearray(CHUNK))
+    reader = zstandard.ZstdDecompressor().stream_reader(src, read_size=CHUNK, read_across_frames=True,
+                                                        closefd=False)
+    with reader:
+        while n := reader.readinto(buf):
+            sink.write(buf[:n])
+
+
+class _BufferReader:
+    """A bytes-like object read as a file, a chunk (a copy) at a time."""
+
+    def __init__(self, data: Any) -> None:
+        self.view, self.pos = memoryview(data).cast("B"), 0
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self.view) if n is None or n < 0 else min(len(self.view), self.pos + n)
+        chunk = bytes(self.view[self.pos : end])
+        self.pos = end
+        return chunk
+
+    def readable(self) -> bool:
+        return True
+
+
+def decompress_stream(compression: str, src: Any, dst: BinaryIO, limit: int | None = None,
+                      on_write: Callable[[Any], None] | None = None) -> int:
+    """Decompress ``src`` (a file, or a bytes-like object such as a mapped file) into the file ``dst`` in
+    chunks of about :data:`CHUNK` bytes.
 
     Nothing past ``limit`` output bytes is ever written: :class:`OutputLimitError` is raised before a write
     would pass it, having decompressed at most about two chunks beyond the limit in memory (a snappy block is
@@ -128,10 +159,11 @@ def decompress_stream(compression: str, src: BinaryIO, dst: BinaryIO, limit: int
     family, _ = parse(compression)  # type: ignore[misc]
     sink = _BoundedSink(dst, limit, on_write)
     if family == "zstd":
-        import zstandard
-
-        zstandard.ZstdDecompressor().copy_stream(src, sink, read_size=CHUNK, write_size=CHUNK)
-    elif family in ("gz", "bz2"):
+        _zstd_stream(src, sink)
+        return sink.written
+    if not hasattr(src, "read"):
+        src = _BufferReader(src)
+    if family in ("gz", "bz2"):
         opener = gzip.GzipFile(fileobj=src, mode="rb") if family == "gz" else bz2.BZ2File(src, mode="rb")
         with opener as f:
             while chunk := f.read(CHUNK):

@@ -40,8 +40,8 @@ log = logging.getLogger(__name__)
 BATCHING_METHODS = ("random", "stratified", "per_stream", "device_per_stream")
 PARTITION_ALGOS = ("orig", "relaxed")
 SCHEDULE_UNITS = ("ep", "ba", "sp")
-WARM_UP_STEPS = 2  # global batches whose shards the dataset starts fetching at construction ...
-WARM_UP_SHARDS = 4  # ... at most this many, in the order needed, by one thread per core this rank has
+WARM_UP_STEPS = 2  # global batches whose shards the dataset starts fetching at construction: all of the
+WARM_UP_SHARDS = 4  # first's, the next's up to this many in all; in the order needed, one thread per core
 STALE_TMP_S = 15 * 60  # a download's temporary file untouched this long belongs to a dead process
 _SEGMENT_SEED = 1_000_003  # seed offset between the segments of an epoch with a mid-epoch curriculum change
 _AT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE]\+?[0-9]+)?)\s*([a-z]+)\s*$")
@@ -333,6 +333,23 @@ class StreamingDataset(IterableDataset):
         shards, _ = self._locate(flat[flat >= 0])
         return list(dict.fromkeys(shards.tolist()))
 
+    def _warm_up_shards(self) -> list[int]:
+        """The shards the warm-up makes, in the order needed: every shard this node's first global batch reads
+        (the first batch waits for all of them: a shuffle over blocks of many shards spreads it over all of
+        them), then the next batches' up to :data:`WARM_UP_SHARDS` in all; no more than half ``cache_limit``."""
+        first = self._first_needed_shards(1)
+        shards = self._first_needed_shards(WARM_UP_STEPS)[: max(len(first), WARM_UP_SHARDS)]
+        if self.cache_limit is None:
+            return shards
+        room, kept = self.cache_limit // 2, []
+        for shard in shards:
+            entry = self._shards[shard][1]
+            room -= entry["raw_data"]["bytes"] + ((entry.get("zip_data") or {}).get("bytes") or 0)
+            if kept and room < 0:
+                break
+            kept.append(shard)
+        return kept
+
     def _warm_up(self) -> None:
         """Start fetching the shards the first batches need now, in background threads of this process.
 
@@ -346,7 +363,7 @@ class StreamingDataset(IterableDataset):
         if self.predownload <= 0:
             return
         try:
-            shards = self._first_needed_shards(WARM_UP_STEPS)[:WARM_UP_SHARDS]
+            shards = self._warm_up_shards()
         except Exception as exc:  # the iteration meets (and reports) any problem with the order itself
             log.debug("no warm-up: %r", exc)
             return
@@ -915,8 +932,11 @@ class _FetchPlan:
                     return
             if self._stop.is_set():
                 return
+            cache = self.ds.cache
+            if not cache.is_local(shard) and cache.peer_busy(shard):
+                continue  # another process (the warm-up, a peer rank) is making it: make the next one meanwhile
             try:
-                self.ds.cache.ensure(shard)
+                cache.ensure(shard)
             except Exception as exc:  # the reader meets it again, and raises it, when it needs the shard
                 log.debug("prefetch of shard %d failed: %r", shard, exc)
 

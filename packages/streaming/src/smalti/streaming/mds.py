@@ -348,24 +348,31 @@ def verify_file(path: Path, info: dict[str, Any], stream: str = "", shown_as: Pa
 
     ``shown_as`` is the name to report when ``path`` is a temporary copy of that shard.
     """
-    name = shown_as or path
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size != info["bytes"]:
-            raise ShardCorruptError(f"shard {name} of stream {stream or name.parent} is {size} bytes, the index "
-                                    f"says {info['bytes']}: truncated or replaced")
-        if not info.get("hashes"):
-            return
-        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        data = _map(f)
     try:
-        for algo, expected in info["hashes"].items():
-            got = digest(algo, data)
-            if got != expected:
-                raise ShardCorruptError(f"shard {name} of stream {stream or name.parent}: {algo} is {got}, the "
-                                        f"index says {expected}")
+        verify_buffer(data, info, shown_as or path, stream)
     finally:
         if isinstance(data, mmap.mmap):
             data.close()
+
+
+def _map(f: Any) -> mmap.mmap | bytes:
+    """A read-only mapping of the open file ``f`` (``b""`` when it is empty: an empty file cannot be mapped)."""
+    return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(f.fileno()).st_size else b""
+
+
+def verify_buffer(data: Any, info: dict[str, Any], name: Path, stream: str = "") -> None:
+    """Check the contents ``data`` of shard file ``name`` against the size and hashes ``info`` lists."""
+    size = len(data)
+    if size != info["bytes"]:
+        raise ShardCorruptError(f"shard {name} of stream {stream or name.parent} is {size} bytes, the index "
+                                f"says {info['bytes']}: truncated or replaced")
+    for algo, expected in (info.get("hashes") or {}).items():
+        got = digest(algo, data)
+        if got != expected:
+            raise ShardCorruptError(f"shard {name} of stream {stream or name.parent}: {algo} is {got}, the "
+                                    f"index says {expected}")
 
 
 _COPY_XATTR = f"user.smalti.{COPY_HASH}"
@@ -468,31 +475,44 @@ def decompress_shard(root: Path, entry: dict[str, Any], stream: str = "", valida
                                     "it and fetch the dataset again")
     elif not zip_info:
         raise StreamingError(f"shard {raw} of stream {stream or root} is missing")
-    if validate_hash:
-        verify_file(packed, zip_info, stream)
+    with open(packed, "rb") as f:
+        # one mapping of the zip serves the hash check and the decompression (zstd reads it in place)
+        packed_data = _map(f)
+    try:
+        if validate_hash:
+            verify_buffer(packed_data, zip_info, packed, stream)
+        _decompress_to(raw, packed, packed_data, entry, stream or str(root))
+    finally:
+        if isinstance(packed_data, mmap.mmap):
+            packed_data.close()
+    return raw
+
+
+def _decompress_to(raw: Path, packed: Path, packed_data: Any, entry: dict[str, Any], stream: str) -> None:
+    """Decompress ``packed_data`` (the contents of ``packed``) into ``raw``, recording the copy's hash."""
     declared = entry["raw_data"]["bytes"]
-    with open(packed, "rb") as src, atomic_write(raw, "wb", fsync=False) as dst:
+    with atomic_write(raw, "wb", fsync=False) as dst:
         # no fsync: a copy a crash damaged fails its recorded hash and is made again from the zip or remote
         import xxhash
 
         hasher = getattr(xxhash, COPY_HASH)()
         try:
-            size = comp.decompress_stream(entry["compression"], src, dst, limit=declared, on_write=hasher.update)
+            size = comp.decompress_stream(entry["compression"], packed_data, dst, limit=declared,
+                                          on_write=hasher.update)
         except comp.OutputLimitError as exc:
             raise ShardCorruptError(
-                f"shard {packed} of stream {stream or root} decompresses to more than the {declared} bytes "
+                f"shard {packed} of stream {stream} decompresses to more than the {declared} bytes "
                 f"its index declares (raw_data.bytes; stopped at {exc.produced}): refused as damaged or "
                 "hostile; write the dataset again"
             ) from None
         except Exception as exc:  # zstd/zlib/bz2/brotli/snappy errors on damaged data
-            raise ShardCorruptError(f"shard {packed} of stream {stream or root} does not decompress: "
+            raise ShardCorruptError(f"shard {packed} of stream {stream} does not decompress: "
                                     f"{exc}") from exc
         if size != declared:
-            raise ShardCorruptError(f"shard {packed} of stream {stream or root} decompresses to {size} bytes, the "
+            raise ShardCorruptError(f"shard {packed} of stream {stream} decompresses to {size} bytes, the "
                                     f"index says {declared}: truncated or replaced")
         dst.flush()
         record_copy(Path(dst.name), hasher.hexdigest(), final=raw)
-    return raw
 
 
 def read_shard_samples(root: str | os.PathLike[str], validate_hash: bool = True,
