@@ -16,11 +16,10 @@ root=$PWD
 from_inside=${SMALTI_TEST_FROM_INSIDE:-health}
 # Two pytest workers (pytest-xdist, a dependency of smalti-testing) keep both cores busy while one test waits on
 # its child processes; --dist loadfile keeps a file on one worker, so module-scoped reference runs happen once.
-# SMALTI_TEST_WORKERS=0 runs each suite in one process.
-# streaming runs in one process: its hygiene test starts a `pytest -n 2` of its own, whose DataLoader workers hang
-# when that pytest is itself started from an xdist worker (cause not found yet; both pass on their own).
+# SMALTI_TEST_WORKERS=0 runs each suite in one process; SMALTI_TEST_SERIAL="pkg ..." runs those packages' suites
+# in one process (none by default).
 workers=${SMALTI_TEST_WORKERS:-2}
-serial_pkgs=" ${SMALTI_TEST_SERIAL:-streaming} "
+serial_pkgs=" ${SMALTI_TEST_SERIAL:-} "
 xdist_all=()
 if [ "$workers" != 0 ]; then xdist_all=(-n "$workers" --dist loadfile); fi
 for pkg in $(.venv/bin/python scripts/packages.py all); do

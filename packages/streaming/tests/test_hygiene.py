@@ -4,8 +4,11 @@ import glob
 import json
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -128,17 +131,28 @@ def test_datasets_under_pytest_xdist_leave_nothing_behind(make_dataset, tmp_path
         for i in range(300):
             w.write({"id": i})
 
-    # A private temporary directory: other users of the machine create and remove files in the shared one.
-    private_tmp = tmp_path / "tmp"
-    private_tmp.mkdir()
-    (tmp_path / "test_xdist_epochs.py").write_text(XDIST_TESTS)
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
-                           "--basetemp", str(tmp_path / "base"), str(tmp_path / "test_xdist_epochs.py")],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                          env={**os.environ, "SHARED_DATA": str(shared), "TMPDIR": str(private_tmp)})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    assert "4 passed" in proc.stdout
-    assert not list(private_tmp.rglob("*")), "files left in the temporary directory"
+    # A private temporary directory: other users of the machine create and remove files in the shared one. It
+    # must be short: multiprocessing puts the AF_UNIX socket through which torch passes a batch's shared-memory
+    # file descriptor from a DataLoader worker at $TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX, and a socket path
+    # over 107 bytes fails in the worker's queue feeder thread, which only logs the error and drops the batch,
+    # so the DataLoader waits forever. Under tmp_path this path was 108 bytes when this test itself ran in an
+    # xdist worker (basetemp/popen-gw0/...), 98 otherwise: that, not xdist, hung the inner run.
+    private_tmp = Path(tempfile.mkdtemp(prefix="smalti-xdist-"))
+    socket_path = private_tmp / "pymp-12345678" / "listener-12345678"
+    assert len(os.fsencode(socket_path)) <= 107, f"TMPDIR {private_tmp} too long for AF_UNIX sockets"
+    try:
+        (tmp_path / "test_xdist_epochs.py").write_text(XDIST_TESTS)
+        # The inner run's own time-out turns a hang into a failure with the stacks of every thread.
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
+                               "--timeout", "120", "--basetemp", str(tmp_path / "base"),
+                               str(tmp_path / "test_xdist_epochs.py")],
+                              capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                              env={**os.environ, "SHARED_DATA": str(shared), "TMPDIR": str(private_tmp)})
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+        assert "4 passed" in proc.stdout
+        assert not list(private_tmp.rglob("*")), "files left in the temporary directory"
+    finally:
+        shutil.rmtree(private_tmp, ignore_errors=True)
     assert not glob.glob(f"{tmp_path}/base/**/*lock*", recursive=True)
     assert not [p for p in shared.rglob("*") if p.name.startswith(".") or p.suffix == ".tmp"]
     assert json.loads((shared / "index.json").read_text())["version"] == 2
