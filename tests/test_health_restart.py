@@ -21,6 +21,8 @@ from smalti.testing.torchrun import torchrun_command  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 PROBES = [ROOT / "packages" / "core" / "tests" / "launch_fixtures", ROOT / "tests" / "fixtures"]
 TIMEOUT = 240
+#: the watchdog's configured time-out, which no legitimate step reaches, and the one armed at the hang
+UNREACHED_S, ARMED_S = 120.0, 4.0
 
 
 def train_cmd(run: tuple[str, ...], ckpt_dir: Path) -> list[str]:
@@ -49,17 +51,24 @@ def test_a_hung_rank_is_ended_by_the_watchdog_and_the_restart_resumes_from_the_c
     faulty.mkdir()
     marker, reports = faulty / "hung.txt", faulty / "hang-reports"
     agent = torchrun_command(2, extra=["--rdzv-id=faulty", "--max-restarts=1", "--monitor-interval=0.5"])
+    # The hang is deterministic, not a race against a short time-out: the watchdog runs with a time-out no
+    # legitimate step reaches (checkpoint saves and the restart's resume included, on a loaded machine), and
+    # HangOnce narrows it to ARMED_S on every rank at the end of batch 3 of attempt 0, as rank 1 starts to hang
+    # there. A 4 s time-out for the whole run used to fire at a slow step under load.
     cmd = agent + train_cmd(restart_reference.overrides, faulty / "ckpt") + [
-        "health=[watchdog]", "health.watchdog.timeout_s=4", "health.watchdog.first_batch_timeout_s=60",
-        "health.watchdog.poll_s=0.2", "health.watchdog.grace_s=2", f"health.watchdog.report_dir={reports}",
+        "health=[watchdog]", f"health.watchdog.timeout_s={UNREACHED_S}", "health.watchdog.poll_s=0.2",
+        "health.watchdog.grace_s=5", f"health.watchdog.report_dir={reports}",
         "+callbacks.hang._target_=health_probe.HangOnce", f"+callbacks.hang.marker={marker}",
-        "+callbacks.hang.batch=3"]
+        "+callbacks.hang.batch=3", f"+callbacks.hang.arm_watchdog_s={ARMED_S}"]
     code, out = run(cmd, faulty)
     assert code == 0, out[-4000:]
     assert marker.exists()
     # the hang was in attempt 0; the restarted attempt 1 finished without one, so it wrote no report
     assert not list(reports.glob("*attempt1*"))
     report = json.loads((reports / "hang-report-attempt0.json").read_text())
+    # both ranks fired on the armed time-out (not the unreachable one), and both wrote their part
+    assert {e["rank"]: e["timeout_s"] for e in report["ranks"]} == {0: ARMED_S, 1: ARMED_S}, report
+    assert all(ARMED_S < e["seconds_without_progress"] < UNREACHED_S for e in report["ranks"]), report
     assert report["stuck_ranks"] == [1], report
     assert report["stuck_hooks"] == {"1": "on_batch_end"}
     assert report["stuck_plugins"] == {"1": "hang: HangOnce.on_batch_end"}

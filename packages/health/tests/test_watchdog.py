@@ -1,8 +1,10 @@
 """The hang watchdog on 2 gloo ranks: a rank asleep in a step is found, reported with stacks, and ended."""
 
 import json
+import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -104,3 +106,27 @@ def test_report_with_every_rank_at_the_same_place_blames_none(tmp_path):
 def test_bad_settings_name_the_key():
     with pytest.raises(ConfigError, match="health.watchdog.timeout_s=0"):
         HangWatchdog(timeout_s=0)
+    with pytest.raises(ConfigError, match="set_timeout: timeout_s=-1"):
+        HangWatchdog().set_timeout(-1)
+
+
+def test_set_timeout_applies_from_the_call_on(monkeypatch):
+    # In process: the watching thread on a stand-in state, _fire recording instead of ending the process.
+    fired = []
+    done = threading.Event()
+    watchdog = HangWatchdog(timeout_s=60, poll_s=0.02)
+    monkeypatch.setattr(watchdog, "_fire", lambda idle: (fired.append((time.monotonic(), idle)), done.set()))
+    state = SimpleNamespace(rank=0, world_size=1, run_name="r", timestamp=SimpleNamespace(batch=1))
+    try:
+        watchdog.on_fit_start(state, logger=None)
+        watchdog.on_batch_end(state)
+        time.sleep(0.5)  # idle under the 60 s time-out: nothing fires
+        assert not fired
+        called = time.monotonic()
+        watchdog.set_timeout(0.3)
+        # Counted from the call, not from the batch end 0.5 s ago (which would fire at the next poll).
+        assert done.wait(30), "the narrowed time-out never fired"
+        assert fired[0][0] - called >= 0.3 and fired[0][1] > 0.3
+        assert watchdog.timeout_s == watchdog.first_batch_timeout_s == 0.3
+    finally:
+        watchdog.on_close()

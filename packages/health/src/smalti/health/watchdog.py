@@ -166,6 +166,18 @@ class HangWatchdog(Callback):
     def on_exception(self) -> None:
         self._stop.set()
 
+    def set_timeout(self, timeout_s: float) -> None:
+        """Use ``timeout_s`` from now on (for the first batch too), counting the time without progress from now.
+
+        For a callback that knows what comes next: widen the time-out before a long pause it is about to make
+        (a synchronous export, say) and narrow it again after. Counting from the call means a narrower time-out
+        never fires at once for a pause that began under the old one.
+        """
+        if timeout_s <= 0:
+            raise ConfigError(f"HangWatchdog.set_timeout: timeout_s={timeout_s} must be positive")
+        self._last_progress = time.monotonic()  # first: _watch reads the limit first, so never new limit + old clock
+        self.timeout_s = self.first_batch_timeout_s = float(timeout_s)
+
     def _progress(self, event: str, batch: int) -> None:
         self._last_event = event
         self._batch = batch
@@ -179,8 +191,9 @@ class HangWatchdog(Callback):
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
+            limit = self._limit()  # before the clock: set_timeout writes them in the other order
             idle = time.monotonic() - self._last_progress
-            if idle > self._limit():
+            if idle > limit:
                 self._fire(idle)
                 return
 
