@@ -5,7 +5,8 @@ one real optimizer step) on the disk that holds ``--dir`` (its file system type 
 
 * raw write bandwidth: one file written in 16 MiB chunks then fsynced, three ways (buffered; buffered with
   the kernel's writeback started behind each chunk; ``O_DIRECT`` straight from page-aligned memory, no
-  copy); the fastest counts;
+  copy); the fastest counts; beside it (not a baseline) an ``O_DIRECT`` write straight from the model's
+  parameters, the most a save without a copy could do with the tensors' own pages;
 * smalti-checkpoint's synchronous save (DCP write + a digest of every file + manifest, every file fsynced),
   as a ratio of the raw write (``save ratio``);
 * raw read bandwidth (64 MiB reads into one reused, mapped buffer, buffered and ``O_DIRECT``; the faster counts) and the verified load
@@ -148,6 +149,27 @@ def raw_write(path: Path, data: memoryview, how: str) -> float:
     return time.perf_counter() - start
 
 
+def raw_write_from_tensors(path: Path, tensors: list[torch.Tensor]) -> tuple[float, int]:
+    """``O_DIRECT``-write the whole pages inside each tensor straight from its memory, one after the other, then
+    fsync: the seconds taken and the bytes written. Not a baseline: it shows what the disk does with the
+    tensors' own pages (a save without a copy can go no faster than this)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+    start = time.perf_counter()
+    offset = 0
+    try:
+        for tensor in tensors:
+            address = tensor.data_ptr()
+            first = -(-address // 4096) * 4096
+            length = (address + tensor.numel() * tensor.element_size() - first) // 4096 * 4096
+            if length > 0:
+                view = memoryview(tensor.detach().numpy()).cast("B")[first - address : first - address + length]
+                offset += os.pwrite(fd, view, offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - start, offset
+
+
 def hash_rate(algorithm: str, data: memoryview) -> float:
     """GB/s of one thread's ``algorithm`` over (up to 256 MiB of) ``data``."""
     from smalti.checkpoint.hashes import new_hasher
@@ -262,6 +284,10 @@ def main() -> None:
             times.append(raw_write(raw_file, raw_data, how))
             results[f"raw_write_{how}"].append(times[-1])
         results["raw_write"].append(min(times))
+        tensors_file = root / f"raw-tensors-{rep}.bin"
+        seconds, written = raw_write_from_tensors(tensors_file, list(model.parameters()))
+        results["raw_write_tensors"].append(written / seconds / 1e9)
+        tensors_file.unlink()
         times = []
         for how in RAW_READ_WAYS:
             drop_caches(root)
@@ -333,6 +359,8 @@ def main() -> None:
           f"{args.threads} writer thread(s)")
     print(f"raw write (best of 3 ways, + fsync)   {gb / med['raw_write']:6.2f} GB/s  ({med['raw_write']:.3f} s); each way: "
           + ", ".join(f"{how} {gb / med[f'raw_write_{how}']:.2f}" for how in RAW_WRITE_WAYS))
+    print(f"  O_DIRECT from the parameters' own memory (whole pages, not a baseline) "
+          f"{med['raw_write_tensors']:.2f} GB/s")
     print(f"save (DCP + {args.hash} + manifest)   {gb / med['save']:6.2f} GB/s  ({med['save']:.3f} s); "
           f"best of each {best['raw_write'] / best['save']:.2f}")
     print(f"save ratio {save_ratio:.2f}  (goal >= 0.90)")
