@@ -256,3 +256,31 @@ def test_workers_hand_over_sample_ids_and_any_process_makes_the_batches(tmp_path
     for a, b in zip(got, plain):
         same_batch(a, b)
     assert main.resolve(Bundle(refs=[])) == []
+
+
+def test_the_first_batch_is_made_here_while_the_workers_start(tmp_path, monkeypatch):
+    """With workers handing over bundles, the loader's process makes the first batch itself from the shards its
+    dataset's warm-up makes, and passes over worker 0's first bundle (those same ids): nothing is made twice."""
+    from torch.utils.data import get_worker_info
+
+    data = write_columnar(tmp_path / "d")
+    plain = list(DataLoader(StreamingDataset(local=str(data), batch_size=8, shuffle=True), batch_size=8))
+    for raw in data.glob("shard.*.mds"):
+        raw.unlink()  # back to zips only: the warm-up has work to do
+    made = []
+    collate = StreamingDataset._collate_columns
+
+    def record(self, ids, plan, vouched=False):
+        if get_worker_info() is None:
+            made.append((ids.tolist(), vouched))
+        return collate(self, ids, plan, vouched)
+
+    monkeypatch.setattr(StreamingDataset, "_collate_columns", record)
+    got = list(StreamingDataLoader(StreamingDataset(local=str(data), batch_size=8, shuffle=True), batch_size=8,
+                                   num_workers=2))
+    assert len(got) == len(plain) > 5
+    for a, b in zip(got, plain, strict=True):
+        same_batch(a, b)
+    assert made[0] == (plain[0]["id"].tolist(), False)  # here, from this process's own copies
+    assert all(vouched for _, vouched in made[1:])  # then from the workers' bundles
+    assert sum(len(ids) for ids, _ in made) == sum(len(b["id"]) for b in plain)  # each batch made once

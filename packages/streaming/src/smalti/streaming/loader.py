@@ -12,6 +12,7 @@ import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
@@ -121,6 +122,22 @@ class StreamingDataLoader(DataLoader):
             super().__init__(dataset, *args, **kwargs)
         self.batched = batched
 
+    def _first_ids(self) -> np.ndarray | None:
+        """The sample ids of this process's first batch when this process may make it itself (see
+        :meth:`__iter__`): workers hand over bundles and the dataset warms its first shards up."""
+        view = self.dataset
+        if not (self.batched and self.num_workers and view.bundles and self.streaming_dataset.predownload > 0):
+            return None
+        ds = self.streaming_dataset
+        grid = ds._remaining_grid(ds.epoch)
+        if not len(grid):
+            return None
+        row = grid[0, ds.dp_rank * ds.batch_size : (ds.dp_rank + 1) * ds.batch_size]
+        ids = row[row >= 0]  # -1: padding of a resumed epoch's last batch, as StreamingDataset._steps drops it
+        if not len(ids) or (len(ids) < ds.batch_size and view.drop_last):
+            return None
+        return ids
+
     def __iter__(self) -> Iterator[Any]:
         ds = self.streaming_dataset
         epoch = ds.epoch
@@ -129,7 +146,25 @@ class StreamingDataLoader(DataLoader):
         if self.num_workers:
             ds.epoch_order(epoch)  # once here, not in every worker: forked workers inherit it
         try:
-            for batch in super().__iter__():
+            first = self._first_ids()
+            items = super().__iter__()  # starts the workers
+            if first is not None:
+                # The first batch is made here from the shards this process's warm-up is making, while the
+                # workers start; worker 0's first item, a bundle of just these ids, is then passed over.
+                batch = ds._collate_columns(first, None)
+                if batch is None:  # not columnar: the workers make every batch
+                    first = None
+                else:
+                    ds._consumed += len(first)
+                    yield batch
+            for batch in items:
+                if first is not None:
+                    if type(batch) is not Bundle or batch.refs is None or len(batch.refs) != 1 or \
+                            not np.array_equal(batch.refs[0], first):
+                        raise StreamingError("the DataLoader's first item is not the first batch this process "
+                                             "made: the dataset changed under the loader")
+                    first = None
+                    continue
                 if type(batch) is Bundle:
                     made = ds.resolve(batch)
                     sizes = [len(r) for r in batch.refs] if batch.refs is not None else map(batch_len, made)
