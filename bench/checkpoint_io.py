@@ -27,6 +27,7 @@ Goals (issue 16): save >= 0.90 x raw write, verified load >= 0.90 x raw read, bl
 
     python bench/checkpoint_io.py --size 1G --repeats 5
     python bench/checkpoint_io.py --size 128M --repeats 3      # a quick run
+    python bench/checkpoint_io.py --size 1G --repeats 5 --thp  # tensors on 2 MiB pages (torch's THP_MEM_ALLOC_ENABLE)
 """
 
 from __future__ import annotations
@@ -219,7 +220,12 @@ def main() -> None:
     parser.add_argument("--direct-io", default="true", choices=["read", "true", "false"],
                         help="checkpoint.direct_io (true, the default: O_DIRECT saves; false: page-cache saves)")
     parser.add_argument("--hash", default="xxh3_128", help="checkpoint.hash: xxh3_128, blake3 or sha256")
+    parser.add_argument("--thp", action="store_true",
+                        help="THP_MEM_ALLOC_ENABLE=1: torch backs tensors of 2 MiB or more with transparent huge "
+                             "pages (set before the state is allocated)")
     args = parser.parse_args()
+    if args.thp:  # torch reads it once, at its first allocation of 2 MiB or more: none has happened yet
+        os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
 
     import smalti.checkpoint.state_io as state_io
     from smalti.checkpoint import Checkpointer
@@ -356,7 +362,7 @@ def main() -> None:
     print(f"page cache emptied before every read by {cache_note}; median of {args.repeats} (raw first in even "
           f"repetitions, ours first in odd)")
     print(f"hash {args.hash}: {hash_rate(args.hash, raw_data):.2f} GB/s on one thread; direct_io={args.direct_io}; "
-          f"{args.threads} writer thread(s)")
+          f"{args.threads} writer thread(s); THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}")
     print(f"raw write (best of 3 ways, + fsync)   {gb / med['raw_write']:6.2f} GB/s  ({med['raw_write']:.3f} s); each way: "
           + ", ".join(f"{how} {gb / med[f'raw_write_{how}']:.2f}" for how in RAW_WRITE_WAYS))
     print(f"  O_DIRECT from the parameters' own memory (whole pages, not a baseline) "
