@@ -14,8 +14,9 @@ construction, so index download and set-up are included for every library).
 
 The limit: the same MDS shards read and zstd-decompressed in one process with no dataset machinery (read the
 file, decompress, cut the samples into batches of 32): an upper bound for one core, in samples/s and MB/s,
-measured at the start of each round of local runs (the median is reported). ``of_limit`` is smalti's local
-epoch (2 workers) over that bound.
+measured right before and right after every local smalti run. ``of_limit`` is the median over the smalti
+runs of each run's throughput over the better of the two limit runs around it (so a load change between the
+two measurements does not count for smalti).
 
     python bench/streaming_read.py [--samples 200000] [--skip-s3] [--repeats 1]
     python bench/streaming_read.py --remote gs://bench/ds   # or az://bench/ds, s3://bench/ds
@@ -198,21 +199,25 @@ def run_once(python: str, kind: str, remote: str | None, local: Path, env: dict[
 
 
 def compare(pythons: dict[str, str], remotes: dict[str, str | None], work: Path, tag: str, env: dict[str, str],
-            repeats: int, sources: dict[str, Path] | None = None,
-            each_round: Callable[[], None] | None = None) -> dict[str, dict[str, float]]:
+            repeats: int, sources: dict[str, Path] | None = None, around_smalti: Callable[[], None] | None = None,
+            runs: dict[str, list[dict[str, float]]] | None = None) -> dict[str, dict[str, float]]:
     """``repeats`` epochs per library, alternating (so load changes hit all alike); the medians of each.
 
     ``pythons``, ``remotes`` and ``sources`` are per library: its interpreter, its remote URL (``None``:
-    local) and the folder each run starts from a fresh copy of (``None``: an empty cache). ``each_round``
-    runs at the start of every round (the limit's measurement, so it shares each round's load).
+    local) and the folder each run starts from a fresh copy of (``None``: an empty cache). ``around_smalti``
+    runs right before and right after every smalti run (the limit's measurement, so that each smalti run is
+    compared with the limit at the same load). ``runs`` (if given) receives every run, per library.
     """
-    runs: dict[str, list[dict[str, float]]] = {kind: [] for kind in pythons}
+    runs = {} if runs is None else runs
+    runs.update({kind: [] for kind in pythons})
     for _ in range(repeats):
-        if each_round is not None:
-            each_round()
         for kind, python in pythons.items():
             source = (sources or {}).get(kind)
+            if kind == "smalti" and around_smalti is not None:
+                around_smalti()
             runs[kind].append(run_once(python, kind, remotes[kind], work / f"{tag}-{kind}", env, source))
+            if kind == "smalti" and around_smalti is not None:
+                around_smalti()
     for kind, rs in runs.items():
         print(f"  {kind} runs: " + ", ".join(f"{r['seconds']:.2f} s (first batch {r['first_batch']:.2f} s)"
                                              for r in rs))
@@ -338,17 +343,23 @@ def main() -> None:
         # loader) instead of StreamingDataLoader's whole batches: what the batched path is worth.
         local_pythons = {**pythons, "smalti_plain": sys.executable}
         sources = {"smalti": data, "mosaic": data, "litdata": ldata, "smalti_plain": data}
-        bounds: list[float] = []  # measured at the start of each round of local runs
+        bounds: list[float] = []  # measured right before and right after each smalti run
+        runs: dict[str, list[dict[str, float]]] = {}
         med = compare(local_pythons, dict.fromkeys(local_pythons), work, "local", {}, args.repeats, sources,
-                      each_round=lambda: bounds.append(limit(data, 1)))
-        bound = float(np.median(bounds))
-        print("  limit runs: " + ", ".join(f"{b:.0f} samples/s" for b in bounds))
+                      around_smalti=lambda: bounds.append(limit(data, 1)), runs=runs)
+        # each smalti run against the better of the two limit runs around it (the bound at that moment's load)
+        pair_bounds = [max(bounds[2 * i], bounds[2 * i + 1]) for i in range(len(runs["smalti"]))]
+        per_run = [r["samples"] / r["seconds"] / b for r, b in zip(runs["smalti"], pair_bounds)]
+        bound = float(np.median(pair_bounds))
+        print("  limit runs (before, after each smalti run): "
+              + ", ".join(f"{a:.0f}/{b:.0f}" for a, b in zip(bounds[::2], bounds[1::2])) + " samples/s")
         print(f"\nlimit: read + zstd-decompress + cut into batches, one process: {bound:10.0f} samples/s "
-              f"{bound * mb_per_sample:8.1f} MB/s")
+              f"{bound * mb_per_sample:8.1f} MB/s (median of the better of each pair)")
         local = report("local disk, full shuffled epoch (batch 32, 2 workers)", med, mb_per_sample)
         ratios.update({f"{k}_local": v for k, v in local.items()})
-        of_limit = med["smalti"]["samples"] / med["smalti"]["seconds"] / bound
-        print(f"  smalti local / limit = {of_limit:.2f}")
+        of_limit = float(np.median(per_run))
+        print(f"  smalti local / limit = {of_limit:.2f} (median of each run over the limit around it: "
+              + ", ".join(f"{x:.2f}" for x in per_run) + ")")
         if not args.skip_s3:
             from smalti.testing.servers import start_s3_server
 

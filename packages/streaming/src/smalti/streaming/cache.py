@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_OPEN_READERS = 64
+STALE_CHECK_S = 0.05  # how often a process looks for open readers of shards another process evicted
 _CACHES: weakref.WeakSet[ShardCache] = weakref.WeakSet()
 
 
@@ -74,6 +75,7 @@ class ShardCache:
         self._readers: OrderedDict[int, ShardReader] = OrderedDict()
         self._access: dict[int, int] = {}
         self._clock = 0
+        self._swept = 0.0
         _CACHES.add(self)
 
     def __getstate__(self) -> dict[str, Any]:  # DataLoader workers get a fresh cache state, not our locks
@@ -270,6 +272,10 @@ class ShardCache:
         ``vouched``: another process of this node has just fetched and checked the local copy (it handed
         over a batch of it), so an existing copy is opened without being hashed again here.
         """
+        now = time.monotonic()
+        if now - self._swept > STALE_CHECK_S and self._readers:
+            self._swept = now
+            self._drop_stale_readers()
         reader = self._readers.get(shard)
         if reader is not None:
             self._readers.move_to_end(shard)
@@ -297,6 +303,20 @@ class ShardCache:
             raise StreamingError(f"shard {self.raw_path(shard)} of stream {name} keeps disappearing from the "
                                  "cache; raise cache_limit")
         return self._keep(shard, reader)
+
+    def _drop_stale_readers(self) -> None:
+        """Forget open readers whose file is gone or was replaced (evicted, or evicted and fetched again, by
+        another process of the node): their mappings close, so the disk space of an evicted shard is not
+        held past ``cache_limit`` by a process that had it open (samples handed out are copies)."""
+        for shard, reader in list(self._readers.items()):
+            try:
+                st = os.stat(reader.path)
+                stale = (st.st_dev, st.st_ino) != reader.identity
+            except FileNotFoundError:
+                stale = True
+            if stale:
+                self._readers.pop(shard, None)
+                self._checked.discard(shard)
 
     def _keep(self, shard: int, reader: ShardReader) -> ShardReader:
         self._readers[shard] = reader

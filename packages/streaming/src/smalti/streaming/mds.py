@@ -241,7 +241,9 @@ class ShardReader:
         check_columns(entry, allow_unsafe_types, f"shard {path} of stream {stream or path.parent}")
         self.path, self.entry, self.stream = path, entry, stream
         with open(path, "rb") as f:  # mapped, not read: opening a shard costs nothing until samples are touched
-            self.data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.path.getsize(path) else b""
+            st = os.fstat(f.fileno())
+            self.identity = (st.st_dev, st.st_ino)  # tells a replaced file from this one
+            self.data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if st.st_size else b""
         n = entry["samples"]
         if len(self.data) != entry["raw_data"]["bytes"]:
             raise ShardCorruptError(
