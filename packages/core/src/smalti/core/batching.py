@@ -12,11 +12,11 @@ from smalti.core.errors import TrainingError
 
 def batch_size_of(batch: Any) -> int:
     """Number of samples in ``batch``: the leading dimension of its first tensor."""
-    if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0])
     kind = type(batch)
     if (kind is tuple or kind is list) and batch and isinstance(batch[0], torch.Tensor):
         return int(batch[0].shape[0])  # the common case, without the slower abstract-class checks below
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0])
     if isinstance(batch, Mapping):
         for value in batch.values():
             try:
@@ -63,7 +63,8 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
     kind = type(batch)
     # The common case first: the Mapping check below is an abstract-class one, a few times slower.
     if kind is tuple or kind is list:
-        moved = [move_to_device(v, device) for v in batch]
+        # A plain tensor already on the device (every tensor, on CPU) is kept without a call per element.
+        moved = [v if v.__class__ is torch.Tensor and v.device == device else move_to_device(v, device) for v in batch]
         return tuple(moved) if kind is tuple else moved
     if isinstance(batch, torch.Tensor):
         return batch if batch.device == device else batch.to(device, non_blocking=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from smalti.core.intervals import interval_fires
 from smalti.core.plugins import hookimpl
 
 if TYPE_CHECKING:
@@ -18,8 +19,6 @@ if TYPE_CHECKING:
 @hookimpl(trylast=True)
 def should_eval(state: State, event: Event) -> bool | None:
     """Evaluate when ``state.eval_interval`` fires at this event, and once at fit end if the last batch was not evaluated."""
-    from smalti.core.intervals import interval_fires
-
     if state.eval_interval is None or not state.evaluators:
         return False
     if event == "fit_end":

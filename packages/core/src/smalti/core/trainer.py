@@ -6,7 +6,6 @@ the hooks in :mod:`smalti.core.plugins.hookspecs`; the trainer calls them in the
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
@@ -30,6 +29,7 @@ from smalti.core.intervals import interval_fires
 from smalti.core.logger import Logger
 from smalti.core.optim import DecoupledAdamW, Schedule
 from smalti.core.parallelism import DDP, Parallelism, SingleDevice
+from smalti.core.plugin import should_eval as default_should_eval
 from smalti.core.plugins.manager import SmaltiPluginManager, new_plugin_manager
 from smalti.core.precision import autocast, check_precision, make_grad_scaler
 from smalti.core.seed import configure_determinism, seed_all
@@ -380,7 +380,13 @@ class Trainer:
         return FitResult(metrics=dict(self.logger.latest), state=state)
 
     def _done(self) -> bool:
-        return self.state.stop_requested or self.state.reached(self.state.max_duration)
+        state = self.state
+        if state.stop_requested:
+            return True
+        limit = state.max_duration
+        if limit.unit is TimeUnit.BATCH:  # the common case, asked every step: a comparison, no call
+            return state.timestamp.batch >= limit.value
+        return state.reached(limit)
 
     def _run_epoch(self) -> None:
         state = self.state
@@ -465,7 +471,10 @@ class Trainer:
                 self._flush_losses()
         if hooks.batch_end.impls:
             hooks.batch_end(state=state, logger=logger)
-        if hooks.should_eval(state=state, event=Event.BATCH_END):
+        should_eval = hooks.should_eval
+        if (state.evaluators or not _only_default_should_eval(should_eval.impls)) and should_eval(
+            state=state, event=Event.BATCH_END
+        ):
             self.eval()
         should_checkpoint = hooks.should_checkpoint
         state.checkpoint_requested = bool(
@@ -483,7 +492,16 @@ class Trainer:
         pending, self._pending_losses = self._pending_losses, []
         if not pending:
             return
-        values = torch.stack([loss.reshape(()).float() for _, loss in pending]).tolist()
+        losses = [loss for _, loss in pending]
+        try:  # the common case: every loss a 0-d fp32 tensor, stacked as they are
+            stacked = torch.stack(losses)
+        except RuntimeError:  # shapes differ (a model returned a 1-element loss)
+            stacked = torch.stack([loss.reshape(()) for loss in losses])
+        if stacked.dim() != 1:
+            stacked = stacked.reshape(len(losses))
+        if stacked.dtype != torch.float32:
+            stacked = stacked.float()
+        values = stacked.tolist()
         self.state.remember_batch_loss_value(pending[-1][1], values[-1])
         for (step, _), value in zip(pending, values):
             self.logger.log_metrics({"loss/train/total": value}, step=step)
@@ -554,10 +572,12 @@ class Trainer:
         cached, counter = self._token_counter
         if cached is not model:
             counter = getattr(model, "num_tokens", None)
-            self._token_counter = (model, counter)
-        if callable(counter):
+            self._token_counter = (model, counter if callable(counter) else None)
+            counter = self._token_counter[1]
+        if counter is not None:
             return int(counter(batch))
-        return num_tokens_of(None, batch)
+        kind = type(batch)
+        return 0 if kind is tuple or kind is list else num_tokens_of(None, batch)
 
     def _some_rank_out_of_memory(self, oom: bool) -> bool:
         """Whether any rank ran out of memory in this try of the batch.
@@ -610,80 +630,70 @@ class Trainer:
     def forward_backward(self, batch: Any) -> torch.Tensor:
         """Forward and backward over the microbatches of ``batch``; returns the batch's mean loss (detached)."""
         state = self.state
+        hooks, logger = self._step_hooks, self.logger
         total = batch_size_of(batch)
-        micro_size = self._microbatch_size(batch, total)
-        microbatches = [batch] if micro_size >= total else split_batch(batch, micro_size)
-        state.num_microbatches = len(microbatches)
-        sync_context = self._sync_context
-        if not sync_context and len(microbatches) == 1 and state.grad_scaler is None and state.precision == "fp32":
-            return self._forward_backward_plain(microbatches[0])
+        micro_size = state.device_train_microbatch_size or self._microbatch_size(batch, total)
+        microbatches = (batch,) if micro_size >= total else split_batch(batch, micro_size)
+        count = state.num_microbatches = len(microbatches)
         batch_loss: torch.Tensor | None = None
         for idx, micro in enumerate(microbatches):
             state.microbatch_idx = idx
             state.microbatch = micro
-            last = idx == len(microbatches) - 1
-            self._event(Event.MICROBATCH_START)
-            with self.parallelism.gradient_sync(state.model, enabled=last) if sync_context else _NO_CONTEXT:
-                self._event(Event.BEFORE_FORWARD)
-                with autocast(state.precision, state.device):
-                    state.outputs = state.model(state.microbatch)
-                    self._event(Event.AFTER_FORWARD)
-                    self._event(Event.BEFORE_LOSS)
-                    state.loss = state.raw_model.loss(state.outputs, state.microbatch)
-                self._event(Event.AFTER_LOSS)
-                # One microbatch (the common case) needs no weighting: no extra op in the graph or after it.
-                weight = 1.0 if len(microbatches) == 1 else batch_size_of(state.microbatch) / total
-                scaled = state.loss if weight == 1.0 else state.loss * weight
-                if state.grad_scaler is not None:
-                    scaled = state.grad_scaler.scale(scaled)
-                self._event(Event.BEFORE_BACKWARD)
-                scaled.backward()
-                self._event(Event.AFTER_BACKWARD)
-            part = state.loss.detach()
-            if part.dtype != torch.float32:
-                part = part.float()
-            if weight != 1.0:
-                part = part * weight
+            if hooks.microbatch_start.impls:
+                hooks.microbatch_start(state=state, logger=logger)
+            # Only a parallelism with its own gradient_sync needs a context around each microbatch.
+            if self._sync_context:
+                with self.parallelism.gradient_sync(state.model, enabled=idx == count - 1):
+                    part = self._microbatch_forward_backward(total, count)
+            else:
+                part = self._microbatch_forward_backward(total, count)
             batch_loss = part if batch_loss is None else batch_loss + part
-            self._event(Event.MICROBATCH_END)
+            if hooks.microbatch_end.impls:
+                hooks.microbatch_end(state=state, logger=logger)
         state.microbatch = None
         state.outputs = None
         assert batch_loss is not None  # split_batch gives at least one microbatch
         return batch_loss
 
-    def _forward_backward_plain(self, micro: Any) -> torch.Tensor:
-        """:meth:`forward_backward` for one fp32 microbatch with no gradient-sync context (the common case on
-        one device): the same events and state, without entering the no-op contexts or weighting the loss."""
+    def _microbatch_forward_backward(self, total: int, count: int) -> torch.Tensor:
+        """Forward, loss and backward of ``state.microbatch``, one of ``count`` microbatches of a ``total``-sample
+        batch; returns its detached fp32 loss, weighted by its share of the batch."""
         state = self.state
         hooks, logger = self._step_hooks, self.logger
-        state.microbatch_idx = 0
-        state.microbatch = micro
-        if hooks.microbatch_start.impls:
-            hooks.microbatch_start(state=state, logger=logger)
         if hooks.before_forward.impls:
             hooks.before_forward(state=state, logger=logger)
+        if state.precision == "fp32":  # no autocast region to enter
+            self._forward_and_loss()
+        else:
+            with autocast(state.precision, state.device):
+                self._forward_and_loss()
+        if hooks.after_loss.impls:
+            hooks.after_loss(state=state, logger=logger)
+        # One microbatch (the common case) needs no weighting: no extra op in the graph or after it.
+        weight = 1.0 if count == 1 else batch_size_of(state.microbatch) / total
+        scaled = state.loss if weight == 1.0 else state.loss * weight
+        if state.grad_scaler is not None:
+            scaled = state.grad_scaler.scale(scaled)
+        if hooks.before_backward.impls:
+            hooks.before_backward(state=state, logger=logger)
+        scaled.backward()
+        if hooks.after_backward.impls:
+            hooks.after_backward(state=state, logger=logger)
+        part = state.loss.detach()
+        if part.dtype != torch.float32:
+            part = part.float()
+        return part if weight == 1.0 else part * weight
+
+    def _forward_and_loss(self) -> None:
+        """``state.outputs`` and ``state.loss`` of ``state.microbatch``: the region autocast covers."""
+        state = self.state
+        hooks, logger = self._step_hooks, self.logger
         state.outputs = state.model(state.microbatch)
         if hooks.after_forward.impls:
             hooks.after_forward(state=state, logger=logger)
         if hooks.before_loss.impls:
             hooks.before_loss(state=state, logger=logger)
         state.loss = state.raw_model.loss(state.outputs, state.microbatch)
-        if hooks.after_loss.impls:
-            hooks.after_loss(state=state, logger=logger)
-        loss = state.loss  # what forward_backward backpropagates: the loss as it is after AFTER_LOSS
-        if hooks.before_backward.impls:
-            hooks.before_backward(state=state, logger=logger)
-        loss.backward()
-        if hooks.after_backward.impls:
-            hooks.after_backward(state=state, logger=logger)
-        part = state.loss.detach()
-        if part.dtype != torch.float32:
-            part = part.float()
-        if hooks.microbatch_end.impls:
-            hooks.microbatch_end(state=state, logger=logger)
-        state.microbatch = None
-        state.outputs = None
-        return part
 
     # ------------------------------------------------------------------ evaluation
 
@@ -772,8 +782,6 @@ class Trainer:
         self.close()
 
 
-_NO_CONTEXT = contextlib.nullcontext()
-
 #: The events the loop fires every batch; with the decision hooks it asks every batch, :class:`_StepHooks`.
 _STEP_EVENTS = (
     Event.BEFORE_DATALOADER, Event.AFTER_DATALOADER, Event.BATCH_START, Event.BEFORE_TRAIN_BATCH,
@@ -782,6 +790,11 @@ _STEP_EVENTS = (
     Event.BEFORE_OPTIMIZER_STEP, Event.AFTER_OPTIMIZER_STEP, Event.BATCH_END, Event.BATCH_CHECKPOINT,
 )
 _STEP_DECISIONS = ("should_eval", "should_checkpoint", "should_stop", "on_gradients_ready")
+
+
+def _only_default_should_eval(impls: list[Any]) -> bool:
+    """Whether core's interval rule is the only ``should_eval``: it says no when there is nothing to evaluate."""
+    return len(impls) == 1 and impls[0].function is default_should_eval
 
 
 class _StepHooks:

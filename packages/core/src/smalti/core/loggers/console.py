@@ -38,6 +38,9 @@ class ConsoleLogger(LoggerDestination):
         self._latest: dict[str, float] = {}
         # Per metric name: 0 not printed, 1 printed at the interval, 2 an eval metric printed at once.
         self._kind: dict[str, int] = {}
+        # The keys of kinds 0 and 1: a metrics dict of only these is kept whole, and the printed ones picked at the
+        # interval (the speed monitor logs every step; the console prints every tenth).
+        self._interval_keys: set[str] = set()
         self._every = int(self.interval.value) if self.interval.unit is TimeUnit.BATCH else None
         self._active_in_fit: bool | None = None
 
@@ -55,6 +58,7 @@ class ConsoleLogger(LoggerDestination):
             kind = 2
         else:
             kind = 1 if self.keys == ("*",) or key.startswith(self.keys) else 0
+            self._interval_keys.add(key)
         self._kind[key] = kind
         return kind
 
@@ -67,17 +71,20 @@ class ConsoleLogger(LoggerDestination):
         active = self._active_in_fit  # called every step by the speed monitor: the rank asked once per fit
         if not (active if active is not None else self._active()):
             return
+        if metrics.keys() <= self._interval_keys:  # every key seen before, none an eval metric: one C-level update
+            self._latest.update(metrics)
+            return
         kinds, latest = self._kind, self._latest
         evals = None
         for key, value in metrics.items():
             kind = kinds.get(key)
             if kind is None:
                 kind = self._classify(key)
-            if kind == 1:
-                latest[key] = value
-            elif kind == 2:
+            if kind == 2:
                 evals = evals or {}
                 evals[key] = value
+            else:
+                latest[key] = value
         if evals:
             self._write(f"[eval  {step}] " + "  ".join(f"{k.removeprefix('metrics/')}: {_fmt(v)}" for k, v in evals.items()))
 
@@ -99,8 +106,12 @@ class ConsoleLogger(LoggerDestination):
     def _print(self, state: Any) -> None:
         if not self._active():
             return
+        kinds = self._kind
+        printed = [(k, v) for k, v in self._latest.items() if kinds[k] == 1]
+        self._latest.clear()
+        if not printed:  # only metrics this logger does not print were logged since the last line
+            return
         total = state.max_duration
         progress = f"{state.timestamp.get(total.unit)}/{total}" if total.unit.value != "dur" else ""
-        body = "  ".join(f"{k}: {_fmt(v)}" for k, v in self._latest.items())
+        body = "  ".join(f"{k}: {_fmt(v)}" for k, v in printed)
         self._write(f"[batch {state.timestamp.batch} {progress}] {body}")
-        self._latest.clear()
