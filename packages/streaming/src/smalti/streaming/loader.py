@@ -147,16 +147,16 @@ class StreamingDataLoader(DataLoader):
             ds.epoch_order(epoch)  # once here, not in every worker: forked workers inherit it
         try:
             first = self._first_ids()
+            # The first batch is made here from the shards this process's warm-up is making, before the
+            # workers start (their start-up would take cores from it); worker 0's first item, a bundle of
+            # just these ids, is then passed over.
+            made = ds._collate_columns(first, None) if first is not None else None
+            if made is None:  # not columnar: the workers make every batch
+                first = None
             items = super().__iter__()  # starts the workers
-            if first is not None:
-                # The first batch is made here from the shards this process's warm-up is making, while the
-                # workers start; worker 0's first item, a bundle of just these ids, is then passed over.
-                batch = ds._collate_columns(first, None)
-                if batch is None:  # not columnar: the workers make every batch
-                    first = None
-                else:
-                    ds._consumed += len(first)
-                    yield batch
+            if made is not None:
+                ds._consumed += len(first)
+                yield made
             for batch in items:
                 if first is not None:
                     if type(batch) is not Bundle or batch.refs is None or len(batch.refs) != 1 or \
