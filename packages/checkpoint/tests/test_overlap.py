@@ -5,6 +5,7 @@ import ctypes
 import functools
 import sys
 import threading
+import warnings
 
 import pytest
 import torch
@@ -83,3 +84,18 @@ def test_a_load_maps_the_pages_of_the_optimizer_state_it_creates(tmp_path, monke
     state = resumed.state.optimizers[0].state
     made = {id(t) for per_param in state.values() for key, t in per_param.items() if key != "step"}
     assert len(given) == 1 and made and made <= {id(t) for t in given[0]}
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_single_process_save_does_not_warn_about_torch_distributed(tmp_path, async_save):
+    """DCP warns "assuming the intent is to save in a single process" on each save without a process group;
+    an async save's warning comes from DCP's background thread, outside the save call."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checkpointer = Checkpointer(str(tmp_path), save_interval="2ba", async_save=async_save)
+        trainer = make_trainer("4ba", checkpointer)
+        trainer.fit()
+        checkpointer.wait()
+        trainer.close()
+    assert len(checkpointer.committed) == 2
+    assert not [w for w in caught if "single process" in str(w.message)], [str(w.message) for w in caught]

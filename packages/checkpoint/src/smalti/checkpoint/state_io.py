@@ -136,6 +136,11 @@ def save_dcp(
     return writer.fs.records
 
 
+_SINGLE_PROCESS_SAVE = (
+    r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to save in a single process"
+)
+
+
 def async_save_dcp(
     state_dict: dict[str, Any],
     folder: Path,
@@ -150,6 +155,11 @@ def async_save_dcp(
     Returns the write's future and the dict that receives ``{file name: {"size", "hash"}}`` as files finish.
     """
     writer = HashingFileSystemWriter(folder, thread_count, direct_io, algorithm)
+    if group is None:
+        # DCP's background thread calls dcp.save, which warns there, outside any catch_warnings of ours, on every
+        # save; only that exact warning, from DCP's own modules, is silenced
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_SAVE, category=UserWarning,
+                                module=r"torch\.distributed\.checkpoint\.")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
         response = dcp.async_save(
