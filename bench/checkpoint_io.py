@@ -42,7 +42,6 @@ import shutil
 import statistics
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -213,9 +212,9 @@ class Recorder(LoggerDestination):
 
 
 def main() -> None:
-    # DCP warns on every save and load made without a process group (the bench's single process means it)
-    warnings.filterwarnings("ignore", category=UserWarning, message=r"torch\.distributed is (disabled, )?unavailable or "
-                            r"uninitialized, assuming the intent is to (save|load) in a single process")
+    from smalti.checkpoint.state_io import silence_single_process_warning
+
+    silence_single_process_warning()  # the bench's single process, also where it calls DCP itself
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="1G", help="state size: 1G, 256M, ... (default 1 GiB)")
     parser.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")

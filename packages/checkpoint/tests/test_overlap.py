@@ -87,9 +87,9 @@ def test_a_load_maps_the_pages_of_the_optimizer_state_it_creates(tmp_path, monke
 
 
 @pytest.mark.parametrize("async_save", [False, True])
-def test_a_single_process_save_does_not_warn_about_torch_distributed(tmp_path, async_save):
-    """DCP warns "assuming the intent is to save in a single process" on each save without a process group;
-    an async save's warning comes from DCP's background thread, outside the save call."""
+def test_single_process_saves_and_loads_do_not_warn_about_torch_distributed(tmp_path, async_save):
+    """DCP warns "assuming the intent is to save (load) in a single process" on each save and load without a
+    process group; an async save's warning comes from DCP's background thread, outside the save call."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         checkpointer = Checkpointer(str(tmp_path), save_interval="2ba", async_save=async_save)
@@ -97,5 +97,9 @@ def test_a_single_process_save_does_not_warn_about_torch_distributed(tmp_path, a
         trainer.fit()
         checkpointer.wait()
         trainer.close()
+    with warnings.catch_warnings(record=True) as caught_loading:  # the filters as they were before the saves
+        warnings.simplefilter("always")
+        make_trainer("4ba", Checkpointer(load_path=str(tmp_path), save_interval=None, save_on_fit_end=False)).close()
+    caught += caught_loading
     assert len(checkpointer.committed) == 2
     assert not [w for w in caught if "single process" in str(w.message)], [str(w.message) for w in caught]

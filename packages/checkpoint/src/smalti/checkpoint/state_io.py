@@ -130,15 +130,26 @@ def save_dcp(
     Returns ``{file name: {"size", "hash"}}`` of the files this rank wrote, hashed as they were written.
     """
     writer = HashingFileSystemWriter(folder, thread_count, direct_io, algorithm)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
-        dcp.save(state_dict, storage_writer=writer, process_group=group, no_dist=group is None)
+    if group is None:
+        silence_single_process_warning()
+    dcp.save(state_dict, storage_writer=writer, process_group=group, no_dist=group is None)
     return writer.fs.records
 
 
-_SINGLE_PROCESS_SAVE = (
-    r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to save in a single process"
+#: what DCP warns on every save and load made without a process group
+SINGLE_PROCESS_WARNING = (
+    r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent is to (save|load) in a "
+    r"single process"
 )
+
+
+def silence_single_process_warning() -> None:
+    """Ignore DCP's warning that a save or load without a process group is a single process's: our single-process
+    calls mean it. A filter that stays (re-adding it is a no-op), not a ``catch_warnings`` around the call: an
+    async save's warning comes from DCP's background thread after the call has returned, and ``catch_warnings``
+    is not thread-safe. Only that message, from DCP's own modules, is matched."""
+    warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING, category=UserWarning,
+                            module=r"torch\.distributed\.checkpoint\.")
 
 
 def async_save_dcp(
@@ -156,15 +167,10 @@ def async_save_dcp(
     """
     writer = HashingFileSystemWriter(folder, thread_count, direct_io, algorithm)
     if group is None:
-        # DCP's background thread calls dcp.save, which warns there, outside any catch_warnings of ours, on every
-        # save; only that exact warning, from DCP's own modules, is silenced
-        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS_SAVE, category=UserWarning,
-                                module=r"torch\.distributed\.checkpoint\.")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
-        response = dcp.async_save(
-            state_dict, storage_writer=writer, process_group=group, no_dist=group is None, async_stager=stager
-        )
+        silence_single_process_warning()
+    response = dcp.async_save(
+        state_dict, storage_writer=writer, process_group=group, no_dist=group is None, async_stager=stager
+    )
     # a stager that copies in the background makes DCP answer with (staging, upload) futures
     return getattr(response, "upload_completion", response), writer.fs.records
 
@@ -283,17 +289,17 @@ def load_checkpoint(
     planner = SafeLoadPlanner(allow_partial_load=True, trust_pickles=trust_pickles)
     # the new optimizer state's pages are mapped while DCP plans and the disk reads the weights ahead of them
     prefaulter = Prefaulter(created)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
-        try:
-            dcp.load(to_load, storage_reader=reader, planner=planner, process_group=group, no_dist=group is None)
-        except BaseException as exc:
-            unsafe = unwrap_unsafe(exc)
-            if unsafe is None:
-                raise
-            raise unsafe from None
-        finally:
-            prefaulter.join()
+    if group is None:
+        silence_single_process_warning()
+    try:
+        dcp.load(to_load, storage_reader=reader, planner=planner, process_group=group, no_dist=group is None)
+    except BaseException as exc:
+        unsafe = unwrap_unsafe(exc)
+        if unsafe is None:
+            raise
+        raise unsafe from None
+    finally:
+        prefaulter.join()
     partial = len(wanted) != len(model_sd)
     options = StateDictOptions(strict=not partial)
     if load_optim:
