@@ -1,0 +1,47 @@
+"""Page-aligned host buffers backed by transparent huge pages, for ``O_DIRECT`` reads and writes.
+
+The disk's DMA moves a buffer in as many pieces as the buffer has physically separate runs of memory. A
+tensor's pages, allocated 4 KiB at a time, are almost all apart, and on the development machine (a virtual
+machine on a shared disk) ``O_DIRECT`` from them runs at 1.5-2.2 GB/s; from 2 MiB huge pages the same disk
+takes 2.8-3.8 GB/s. A copy into such a buffer costs far less (about 10 GB/s on one core) than the difference,
+and runs beside the disk on another core.
+
+:func:`huge_page_buffer` maps a private anonymous region aligned to :data:`HUGE_PAGE_BYTES`, asks the kernel to
+back it with huge pages (``madvise(MADV_HUGEPAGE)``: honoured under the common ``madvise`` setting of
+``/sys/kernel/mm/transparent_hugepage/enabled``), and touches every page once so that its first use pays no
+page fault. Where huge pages are unavailable the buffer is still page-aligned and works, only slower.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+
+HUGE_PAGE_BYTES = 2 << 20
+
+
+def huge_page_buffer(nbytes: int) -> memoryview:
+    """A writable, zero-filled ``memoryview`` of ``nbytes`` (rounded up to whole huge pages), starting on a
+    :data:`HUGE_PAGE_BYTES` boundary and backed by huge pages where the kernel allows. The view keeps its
+    mapping alive; the mapping is unmapped when the last view of it is gone."""
+    if nbytes <= 0:
+        raise ValueError(f"huge_page_buffer needs a positive size, got {nbytes}")
+    length = -(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    region = mmap.mmap(-1, length + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = memoryview(region)
+    address = _address(whole)
+    skip = -address % HUGE_PAGE_BYTES  # the mapping is page-aligned: skip up to the next huge page boundary
+    madvise = getattr(region, "madvise", None)
+    if madvise is not None and hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):  # a kernel without transparent huge pages: 4 KiB pages it is
+            madvise(mmap.MADV_HUGEPAGE, skip, length)
+    view = whole[skip : skip + length]
+    zeros = bytes(HUGE_PAGE_BYTES)
+    for start in range(0, length, HUGE_PAGE_BYTES):  # map every page now, not on the first real use
+        view[start : start + HUGE_PAGE_BYTES] = zeros
+    return view[:nbytes]
+
+
+def _address(view: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
