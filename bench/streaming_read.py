@@ -1,7 +1,8 @@
 """Epoch read throughput of smalti-streaming against mosaicml-streaming 0.13.0 and LitData, same data, same run,
 and against the limit of the disk and the decompressor.
 
-Writes one tokenized dataset (``--samples`` samples of 2048 uint16 tokens, zstd) in MDS and, with
+Writes one tokenized dataset (``--samples`` samples of 2048 uint16 tokens, zstd shards in frames of 1 MiB with
+a seek table, MDSWriter's default; ``--zstd-frame-size none``: one frame per shard) in MDS and, with
 ``litdata.optimize``, in LitData's own format (zstd, the same 32 MB chunks), then iterates one full shuffled
 epoch (batch 32, one rank, 2 DataLoader workers: py1e for the MDS readers, LitData's own shuffle) with each
 library: from local disk, then from a loopback S3 endpoint (moto) with an empty cache. Each library uses its
@@ -139,11 +140,13 @@ def ensure_litdata_venv() -> Path:
     return python
 
 
-def write_data(path: Path, samples: int) -> int:
+def write_data(path: Path, samples: int, frame_size: str | None = "default") -> int:
+    """The MDS dataset (zstd shards of ``frame_size`` frames with a seek table; ``None``: one frame each)."""
     from smalti.streaming import MDSWriter
 
+    frames = {} if frame_size == "default" else {"zstd_frame_size": frame_size}
     with MDSWriter(path, {"tokens": f"ndarray:uint16:{SEQ}"}, compression="zstd", hashes=["xxh64"],
-                   size_limit=CHUNK) as writer:
+                   size_limit=CHUNK, **frames) as writer:
         for i in range(samples):
             writer.write({"tokens": tokens(i)})
     return sum(p.stat().st_size for p in path.iterdir())
@@ -161,7 +164,8 @@ def write_litdata(python: str, path: Path, samples: int) -> int:
 
 
 def limit(data: Path, repeats: int) -> float:
-    """Samples/s of the bare work: read each zstd shard, decompress it, cut its samples into batches of 32."""
+    """Samples/s of the bare work: read each zstd shard, decompress it (all its frames, into one buffer), cut
+    its samples into batches of 32."""
     import zstandard
 
     from smalti.streaming import load_index
@@ -172,7 +176,11 @@ def limit(data: Path, repeats: int) -> float:
         start, n = time.perf_counter(), 0
         for entry in entries:
             packed = (data / entry["zip_data"]["basename"]).read_bytes()
-            raw = zstandard.ZstdDecompressor().decompress(packed, max_output_size=entry["raw_data"]["bytes"])
+            raw = bytearray(entry["raw_data"]["bytes"])
+            reader = zstandard.ZstdDecompressor().stream_reader(packed, read_across_frames=True)
+            view, got = memoryview(raw), 0
+            while n := reader.readinto(view[got:]):
+                got += n
             count = entry["samples"]
             offsets = np.frombuffer(raw, np.uint32, count + 1, 4)
             rows = np.frombuffer(raw, np.uint16, count * SEQ, int(offsets[0])).reshape(count, SEQ)
@@ -311,16 +319,20 @@ def main() -> None:
     parser.add_argument("--skip-s3", action="store_true")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs per library and source, alternating; the medians are reported")
+    parser.add_argument("--zstd-frame-size", default="default",
+                        help="raw bytes per zstd frame of the MDS shards (e.g. 256kb; 'none': one frame per "
+                        "shard, as mosaicml-streaming writes them); default: MDSWriter's")
     parser.add_argument("--remote", help="gs://bucket/ds, az://container/ds or s3://bucket/ds: a cold epoch from "
                         "that scheme's loopback server against loopback S3, smalti-streaming only")
     args = parser.parse_args()
+    frame_size = None if args.zstd_frame_size.lower() in ("none", "0") else args.zstd_frame_size
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's request log
     sys.path.insert(0, str(ROOT / "packages" / "testing" / "src"))
     if args.remote:
         work = Path(tempfile.mkdtemp(prefix="bench-streaming-"))
         try:
             data = work / "data"
-            size = write_data(data, args.samples)
+            size = write_data(data, args.samples, frame_size)
             print(f"dataset: {args.samples} samples x {SEQ} uint16 tokens, {size / 1e6:.0f} MB zstd")
             print(f"\ncold epoch from {args.remote} vs loopback S3 (py1e, batch 32, 2 workers, empty cache)")
             compare_remote(args.remote, work, data, args.repeats, SEQ * 2 / 1e6)
@@ -332,7 +344,7 @@ def main() -> None:
     ratios: dict[str, float] = {}
     try:
         data, ldata = work / "data", work / "litdata"
-        size = write_data(data, args.samples)
+        size = write_data(data, args.samples, frame_size)
         lsize = write_litdata(pythons["litdata"], ldata, args.samples)
         mb_per_sample = SEQ * 2 / 1e6
         print(f"dataset: {args.samples} samples x {SEQ} uint16 tokens, {size / 1e6:.0f} MB zstd MDS, "

@@ -270,10 +270,10 @@ def test_the_first_batch_is_made_here_while_the_workers_start(tmp_path, monkeypa
     made = []
     collate = StreamingDataset._collate_columns
 
-    def record(self, ids, plan, vouched=False):
+    def record(self, ids, plan, vouched=False, readers=None):
         if get_worker_info() is None:
             made.append((ids.tolist(), vouched))
-        return collate(self, ids, plan, vouched)
+        return collate(self, ids, plan, vouched, readers)
 
     monkeypatch.setattr(StreamingDataset, "_collate_columns", record)
     got = list(StreamingDataLoader(StreamingDataset(local=str(data), batch_size=8, shuffle=True), batch_size=8,

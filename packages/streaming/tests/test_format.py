@@ -54,12 +54,15 @@ def test_reader_decodes_golden_samples(golden, name):
 
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_writer_is_byte_identical(golden, name, tmp_path):
+    """With single-frame zstd shards (``zstd_frame_size=None``), every file is mosaicml-streaming's, byte for
+    byte (the default, seekable zstd shards hold the same raw bytes: test_seekable.py)."""
     src = golden(name)
     entries = load_index(src / "index.json")
     compression, hashes = SETTINGS[name]
     out = tmp_path / "out"
     with MDSWriter(out, dict(zip(entries[0]["column_names"], entries[0]["column_encodings"])),
-                   compression=compression, hashes=hashes, size_limit=entries[0]["size_limit"]) as writer:
+                   compression=compression, hashes=hashes, size_limit=entries[0]["size_limit"],
+                   zstd_frame_size=None) as writer:
         for sample in read_shard_samples(src):
             writer.write(sample)
     shards = sorted(p.name for p in (FIXTURES / name).glob("shard.*"))

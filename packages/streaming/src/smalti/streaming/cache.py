@@ -72,6 +72,7 @@ class ShardCache:
         self._lock = threading.Lock()
         self._shard_locks: dict[int, threading.Lock] = {}
         self._checked: set[int] = set()
+        self._zips_checked: set[int] = set()  # zips checked by this process and not decompressed yet
         self._readers: OrderedDict[int, ShardReader] = OrderedDict()
         self._access: dict[int, int] = {}
         self._clock = 0
@@ -80,7 +81,8 @@ class ShardCache:
 
     def __getstate__(self) -> dict[str, Any]:  # DataLoader workers get a fresh cache state, not our locks
         state = self.__dict__.copy()
-        state.update(_lock=None, _shard_locks={}, _readers=OrderedDict(), _checked=set())  # each process checks
+        state.update(_lock=None, _shard_locks={}, _readers=OrderedDict(), _checked=set(),  # each process checks
+                     _zips_checked=set())
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -94,6 +96,7 @@ class ShardCache:
         self._shard_locks = {}
         self._readers = OrderedDict()
         self._checked = set()
+        self._zips_checked = set()
         self.fetcher._new_process()
 
     def raw_path(self, shard: int) -> Path:
@@ -125,6 +128,56 @@ class ShardCache:
             self._fetch(shard)
         self._evict()
         return raw
+
+    def local_zip(self, shard: int, download: bool = False) -> tuple[Path, bool] | None:
+        """Shard ``shard``'s zip on local disk while its raw copy is not made yet: ``(path, checked)``, where
+        ``checked`` says it was downloaded here and checked against the index on the way in. ``None`` when
+        the shard is not compressed, its raw copy exists, or the zip is only remote and ``download`` is false
+        (or another process is fetching the shard: its copy is awaited as usual)."""
+        si, entry = self.shards[shard]
+        zip_info = entry.get("zip_data")
+        raw = self.raw_path(shard)
+        if not zip_info or raw.exists():
+            return None
+        stream = self.streams[si]
+        packed = stream.local_dir() / zip_info["basename"]
+        if packed.exists():
+            return packed, shard in self._zips_checked
+        if not download or stream.remote_root() is None:
+            return None
+        with self._lock:
+            lock = self._shard_locks.setdefault(shard, threading.Lock())
+        with lock:
+            if raw.exists():
+                return None
+            if not packed.exists():
+                if self.peer_busy(shard):
+                    return None
+                self._download(shard, zip_info, packed)
+                self._zips_checked.add(shard)
+        return packed, shard in self._zips_checked
+
+    def zip_checked(self, shard: int) -> None:
+        """Shard ``shard``'s local zip was just checked against the index in this process: its decompression
+        (next, by this process) need not check it again."""
+        self._zips_checked.add(shard)
+
+    def _download(self, shard: int, info: dict[str, Any], fetched: Path) -> None:
+        """Download the file ``info`` describes (the shard's zip, or its raw file when uncompressed) to
+        ``fetched``, checked (and, a raw file, recorded) before it appears under its name."""
+        si, entry = self.shards[shard]
+        stream = self.streams[si]
+        remote = stream.remote_root()
+        if remote is None:
+            raise StreamingError(f"shard {fetched} of stream {stream.name} is missing and there is no remote")
+
+        def check(tmp: Path) -> None:  # before the file becomes visible under its real name
+            if self.validate_hash:
+                verify_file(tmp, info, stream.name, shown_as=fetched)
+            if not entry.get("zip_data"):  # the downloaded file is the copy samples are read from: record it
+                record_copy(tmp, file_digest(tmp), final=fetched)
+
+        self.fetcher.get(remote, info["basename"], fetched, check)
 
     def _activity(self, shard: int) -> float | None:
         """When a peer last showed progress on ``shard``: the newest mtime of its temporary or zip files."""
@@ -217,20 +270,11 @@ class ShardCache:
         if raw.exists():
             self._checked.add(shard)
             return
-        downloaded = False
+        downloaded = shard in self._zips_checked  # checked on the way in, or by a read of a few rows
         if not fetched.exists():
-            remote = stream.remote_root()
-            if remote is None:
-                raise StreamingError(f"shard {fetched} of stream {stream.name} is missing and there is no remote")
-
-            def check(tmp: Path) -> None:  # before the file becomes visible under its real name
-                if self.validate_hash:
-                    verify_file(tmp, info, stream.name, shown_as=fetched)
-                if not zip_info:  # the downloaded file is the copy samples are read from: record it
-                    record_copy(tmp, file_digest(tmp), final=fetched)
-
-            self.fetcher.get(remote, info["basename"], fetched, check)
+            self._download(shard, info, fetched)
             downloaded = True
+        self._zips_checked.discard(shard)
         if zip_info:
             try:
                 decompress_shard(root, entry, stream.name, self.validate_hash and not downloaded)

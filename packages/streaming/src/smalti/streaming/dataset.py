@@ -10,6 +10,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from smalti.streaming.order import (
     split_selection,
     stream_counts,
 )
+from smalti.streaming.partial import read_rows
 from smalti.streaming.storage import Fetcher
 
 log = logging.getLogger(__name__)
@@ -295,6 +297,8 @@ class StreamingDataset(IterableDataset):
         self._consumed = 0  # samples this process handed out in the current epoch (this rank's share)
         self._counted_by_loader = False
         self._order_cache: dict[tuple[Any, ...], np.ndarray] = {}
+        self._first_rows: dict[int, Future] = {}  # shard -> rows of the first batch read ahead (see _warm_up)
+        self._first_rows_ids: np.ndarray | None = None
         shards: list[tuple[int, dict[str, Any]]] = []  # (stream index, index entry)
         self._stream_shards: list[list[int]] = []
         for si, stream in enumerate(streams):
@@ -359,6 +363,10 @@ class StreamingDataset(IterableDataset):
         its own (see ``ShardCache.ensure``). Shards already local and uncompressed need nothing. The shards
         are made in the order the batches need them, as many at once as this rank has cores: the first
         batch's shards are not slowed down by later ones competing for the same cores.
+
+        Before any whole shard, the threads read this rank's first batch from the shards' seekable zstd zips
+        (see :meth:`_plan_first_rows`), for :class:`~smalti.streaming.StreamingDataLoader` to make that batch
+        without waiting for whole shards.
         """
         if self.predownload <= 0:
             return
@@ -377,20 +385,50 @@ class StreamingDataset(IterableDataset):
 
         for shard in mine:
             comp.preload(self._shards[shard][1].get("compression"))
+        rows = self._plan_first_rows(set(mine))
         # claimed before any DataLoader worker exists, so every worker sees the claims
-        todo = [(shard, self.cache.claim(shard)) for shard in mine]
+        todo: list[tuple[str, int, Any]] = [("whole", shard, self.cache.claim(shard)) for shard in mine]
+        todo = [("rows", shard, task) for shard, task in rows] + todo
         todo.reverse()  # popped from the end: first needed, first made
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        for k in range(max(1, min(len(todo), cores // self.local_world))):
+        for k in range(max(1, min(max(len(mine), len(rows)), cores // self.local_world))):
             threading.Thread(target=self._warm_some, args=(todo,), daemon=True,
                              name=f"smalti-streaming-warm-up-{k}").start()
 
-    def _warm_some(self, todo: list[tuple[int, Path | None]]) -> None:
+    def _plan_first_rows(self, mine: set[int]) -> list[tuple[int, tuple[np.ndarray, bool, Future]]]:
+        """``(shard, (rows, download, future))`` for each shard of this rank's first batch whose rows the
+        warm-up reads from the zip: zstd shards not local yet, whose zip is here or is this process's to
+        download. The futures (in ``self._first_rows``) receive a ``PartialShardReader``, or ``None`` when
+        the zip has no seek table or anything fails (the batch is then made from whole shards, which meets
+        and reports the failure)."""
+        self._first_rows, self._first_rows_ids = {}, None
+        grid = self._remaining_grid(self.epoch)
+        if not len(grid):
+            return []
+        row = grid[0, self.dp_rank * self.batch_size : (self.dp_rank + 1) * self.batch_size]
+        ids = row[row >= 0]
+        plan = []
+        for shard, _, offs in self._groups(ids):
+            si, entry = self._shards[shard]
+            if (comp.parse(entry.get("compression")) or ("",))[0] != "zstd" or self.cache.is_local(shard):
+                continue
+            local = (self.streams[si].local_dir() / entry["zip_data"]["basename"]).exists()
+            if local or shard in mine:
+                self._first_rows[shard] = Future()
+                plan.append((shard, (offs, not local, self._first_rows[shard])))
+        self._first_rows_ids = ids
+        return plan
+
+    def _warm_some(self, todo: list[tuple[str, int, Any]]) -> None:
         while True:
             try:
-                shard, mark = todo.pop()  # list.pop is atomic: each shard goes to one thread
+                kind, shard, task = todo.pop()  # list.pop is atomic: each task goes to one thread
             except IndexError:
                 return
+            if kind == "rows":
+                self._read_first_rows(shard, *task)
+                continue
+            mark = task
             try:
                 if mark is not None:
                     mark.touch()  # starting now: peers waiting on it see progress from here
@@ -399,6 +437,46 @@ class StreamingDataset(IterableDataset):
                 log.debug("warm-up fetch of shard %d failed: %r", shard, exc)
             finally:
                 self.cache.release(mark)
+                self._first_rows.pop(shard, None)  # the whole copy is there: rows read ahead are not needed
+
+    def _read_first_rows(self, shard: int, rows: np.ndarray, download: bool, future: Future) -> None:
+        reader = None
+        try:
+            found = self.cache.local_zip(shard, download)
+            if found is not None:
+                si, entry = self._shards[shard]
+                check = self.validate_hash and not found[1]
+                reader = read_rows(found[0], entry, rows, self.streams[si].name, check, self.allow_unsafe_types)
+                if reader is not None and check:
+                    self.cache.zip_checked(shard)
+        except Exception as exc:  # the whole shard's fetch meets it again and reports it
+            log.debug("reading the first batch's rows of shard %d ahead failed: %r", shard, exc)
+        finally:
+            future.set_result(reader)
+
+    def _rows_ahead(self, ids: np.ndarray) -> bool:
+        """Whether the warm-up is reading the rows of batch ``ids`` from seekable zips (see :meth:`_first_batch`)."""
+        return bool(self._first_rows) and self._first_rows_ids is not None and \
+            np.array_equal(ids, self._first_rows_ids)
+
+    def _first_batch(self, ids: np.ndarray) -> dict[str, Any] | None:
+        """The batch of samples ``ids`` (this process's first of the epoch) made here, column by column, from
+        the rows the warm-up read ahead where it did and from whole shards elsewhere; ``None`` when the
+        shards are not columnar. The rows read ahead are used once, then dropped."""
+        use = self._rows_ahead(ids)
+        ahead, self._first_rows = self._first_rows, {}
+        readers = {}
+        if use:
+            for shard, future in ahead.items():
+                reader = future.result()
+                if reader is not None:
+                    readers[shard] = reader
+        return self._collate_columns(ids, None, readers=readers)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_first_rows"] = {}  # futures and readers of this process (a spawned DataLoader worker)
+        return state
 
     def _check_partition(self, ncn: int | None = None) -> None:
         ncn, nodes = ncn or self.num_canonical_nodes, self.physical_nodes
@@ -550,14 +628,21 @@ class StreamingDataset(IterableDataset):
                 out[p] = sample
         return out
 
-    def _columns(self, ids: np.ndarray, plan: _FetchPlan | None, vouched: bool = False) -> tuple[Any, ...] | None:
+    def _columns(self, ids: np.ndarray, plan: _FetchPlan | None, vouched: bool = False,
+                 readers: dict[int, Any] | None = None) -> tuple[Any, ...] | None:
         """``(groups, column views per group, layout)`` of samples ``ids``; ``None`` when a shard is not
         columnar (see ``ShardReader.column_views``), the shards' columns differ, or a column is a uint64
-        scalar (``default_collate`` refuses those: the per-sample path lets it say so)."""
+        scalar (``default_collate`` refuses those: the per-sample path lets it say so). ``readers``: partial
+        readers to use instead of the cache's for some shards (their rows are loaded here)."""
         groups = self._groups(ids)
         views, layout = [], None
-        for shard, _, _ in groups:
-            reader = self.cache.reader(shard, plan.defer(shard) if plan is not None else False, vouched=vouched)
+        for shard, _, offs in groups:
+            reader = readers.get(shard) if readers else None
+            if reader is not None:
+                reader.load_rows(offs)
+            else:
+                reader = self.cache.reader(shard, plan.defer(shard) if plan is not None else False,
+                                           vouched=vouched)
             v = reader.column_views()
             if v is None or (layout is not None and reader.column_layout != layout):
                 return None
@@ -602,14 +687,15 @@ class StreamingDataset(IterableDataset):
         parts = {name: torch.split(t, sizes) for name, t in batch.items()}
         return [{name: p[i] for name, p in parts.items()} for i in range(len(sizes))]
 
-    def _collate_columns(self, ids: np.ndarray, plan: _FetchPlan | None, vouched: bool = False) -> dict[str, Any] | None:
+    def _collate_columns(self, ids: np.ndarray, plan: _FetchPlan | None, vouched: bool = False,
+                         readers: dict[int, Any] | None = None) -> dict[str, Any] | None:
         """The batch ``default_collate`` would make of samples ``ids``, built column by column; ``None`` when
         the shards are not columnar (see :meth:`_columns`).
 
         Each column is gathered straight into one tensor (in shared memory inside a DataLoader worker, as
         ``default_collate`` does).
         """
-        found = self._columns(ids, plan, vouched)
+        found = self._columns(ids, plan, vouched, readers)
         if found is None:
             return None
         groups, views, layout = found
@@ -770,6 +856,8 @@ class StreamingDataset(IterableDataset):
         plan = _FetchPlan(self, grid, worker_id, num_workers)
         if worker is None:
             self._consumed = 0
+        else:
+            self._first_rows = {}  # the main process's rows read ahead, inherited by a forked worker
         try:
             for lo, hi in _bundles(len(grid), worker_id, num_workers, max(1, BUNDLE_SAMPLES // b) if bundled else 1):
                 batches = [row if row[-1] >= 0 else row[row >= 0] for row in grid[lo:hi, cols]]  # -1: padding

@@ -147,13 +147,16 @@ class StreamingDataLoader(DataLoader):
             ds.epoch_order(epoch)  # once here, not in every worker: forked workers inherit it
         try:
             first = self._first_ids()
-            # The first batch is made here from the shards this process's warm-up is making, before the
-            # workers start (their start-up would take cores from it); worker 0's first item, a bundle of
-            # just these ids, is then passed over.
-            made = ds._collate_columns(first, None) if first is not None else None
+            # The first batch is made here, not by a worker. When the warm-up is reading its rows from
+            # seekable zips (little work), the workers are started first and their start-up overlaps it;
+            # else it is made first from the shards the warm-up is making (the workers' start-up would take
+            # cores from them). Worker 0's first item, a bundle of just these ids, is then passed over.
+            items = super().__iter__() if first is not None and ds._rows_ahead(first) else None
+            made = ds._first_batch(first) if first is not None else None
             if made is None:  # not columnar: the workers make every batch
                 first = None
-            items = super().__iter__()  # starts the workers
+            if items is None:
+                items = super().__iter__()  # starts the workers
             if made is not None:
                 ds._consumed += len(first)
                 yield made

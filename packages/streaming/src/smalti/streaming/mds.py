@@ -23,7 +23,7 @@ import numpy as np
 
 from smalti.storage import StorageError, atomic_write, atomic_write_bytes, open_store, split_url
 from smalti.streaming import compression as comp
-from smalti.streaming import encodings
+from smalti.streaming import encodings, seekable
 from smalti.streaming.errors import ShardCorruptError, StreamingError, UploadError
 from smalti.streaming.hashing import digest
 from smalti.streaming.paths import check_name
@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 INDEX = "index.json"
 COPY_HASH = "xxh3_128"  # recorded for every local copy smalti makes of a shard (fast: ~10+ GB/s)
 DEFAULT_SIZE_LIMIT = 1 << 26
+DEFAULT_ZSTD_FRAME_SIZE = 1 << 20  # raw bytes per zstd frame of a seekable shard (see smalti.streaming.seekable)
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE]\+?([0-9]+))?\s*([a-z]*)\s*$")
 # binary multiples whichever way they are written ("50gb" = "50GiB" = 50 * 2**30), as mosaicml-streaming reads them
 _UNITS = {"": 1, "b": 1}
@@ -79,11 +80,17 @@ class MDSWriter:
     plugin schemes): shards are staged locally, uploaded, and ``index.json`` goes last, so readers never see
     an index that lists a shard not yet there. Use as a context manager; ``index.json`` is written only by
     :meth:`finish`, so an interrupted write never looks like a complete dataset.
+
+    zstd shards are written as frames of about ``zstd_frame_size`` raw bytes (whole samples each) followed
+    by a seek table (zstd's seekable format, see :mod:`smalti.streaming.seekable`), so that a reader can
+    decompress only the frames of the samples it needs first; every zstd decoder, mosaicml-streaming's
+    included, reads such a shard as before. ``zstd_frame_size=None`` (or 0) writes each shard as one frame.
     """
 
     def __init__(self, out: str | os.PathLike[str], columns: dict[str, str], compression: str | None = None,
                  hashes: list[str] | None = None, size_limit: int | str | None = DEFAULT_SIZE_LIMIT,
-                 exist_ok: bool = False, allow_unsafe_types: bool = False) -> None:
+                 exist_ok: bool = False, allow_unsafe_types: bool = False,
+                 zstd_frame_size: int | str | None = DEFAULT_ZSTD_FRAME_SIZE) -> None:
         scheme, _, path = split_url(out)
         self.remote = str(out) if scheme != "file" else None
         self._store = None
@@ -104,6 +111,8 @@ class MDSWriter:
         self.column_sizes = [encodings.fixed_size(enc) for enc in self.column_encodings]
         comp.parse(compression)
         self.compression = compression or None
+        self.zstd_frame_size = None if zstd_frame_size in (None, 0) else \
+            parse_size(zstd_frame_size, "zstd_frame_size")
         self.hashes = list(hashes or [])
         if sorted(set(self.hashes)) != self.hashes:
             raise StreamingError(f"hashes={self.hashes} must be unique and sorted")
@@ -160,7 +169,7 @@ class MDSWriter:
             "zip_data": None,
         }
         if self.compression:
-            packed = comp.compress(self.compression, raw)
+            packed = self._compress(raw, offsets)
             zip_name = basename + comp.extension(self.compression)
             entry["zip_data"] = {"basename": zip_name, "bytes": len(packed),
                                  "hashes": {h: digest(h, packed) for h in self.hashes}}
@@ -170,6 +179,14 @@ class MDSWriter:
         self.shards.append(entry)
         self._samples = []
         self._size = 8 + len(self.config)
+
+    def _compress(self, raw: bytes, offsets: np.ndarray) -> bytes:
+        family, level = comp.parse(self.compression)  # type: ignore[misc]
+        if family == "zstd" and self.zstd_frame_size:
+            cuts = seekable.frame_cuts(offsets, self.zstd_frame_size)  # offsets[-1] is the shard's end
+            if max(b - a for a, b in zip(cuts[:-1], cuts[1:])) <= seekable.MAX_FRAME_RAW:
+                return seekable.compress_frames(raw, cuts, level)  # type: ignore[arg-type]
+        return comp.compress(self.compression, raw)  # type: ignore[arg-type]
 
     def finish(self) -> None:
         """Flush the last shard and write ``index.json`` (for a remote ``out``: uploading the shards first)."""
@@ -232,18 +249,24 @@ def check_columns(entry: dict[str, Any], allow_unsafe_types: bool, where: object
 
 
 class ShardReader:
-    """Random access to the samples of one raw (decompressed) shard file.
+    """Random access to the samples of one raw (decompressed) shard file (or of ``data``, the raw shard's
+    bytes in memory, when given).
 
     A shard with a ``pkl`` column (unpickling can run code) is refused unless ``allow_unsafe_types``.
     """
 
-    def __init__(self, path: Path, entry: dict[str, Any], stream: str = "", allow_unsafe_types: bool = False) -> None:
+    def __init__(self, path: Path, entry: dict[str, Any], stream: str = "", allow_unsafe_types: bool = False,
+                 data: Any = None) -> None:
         check_columns(entry, allow_unsafe_types, f"shard {path} of stream {stream or path.parent}")
         self.path, self.entry, self.stream = path, entry, stream
-        with open(path, "rb") as f:  # mapped, not read: opening a shard costs nothing until samples are touched
-            st = os.fstat(f.fileno())
-            self.identity = (st.st_dev, st.st_ino)  # tells a replaced file from this one
-            self.data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if st.st_size else b""
+        self.identity: tuple[int, int] | None = None
+        if data is not None:  # the raw shard's bytes in memory (see smalti.streaming.partial)
+            self.data = data
+        else:
+            with open(path, "rb") as f:  # mapped, not read: opening a shard costs nothing until samples are touched
+                st = os.fstat(f.fileno())
+                self.identity = (st.st_dev, st.st_ino)  # tells a replaced file from this one
+                self.data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if st.st_size else b""
         n = entry["samples"]
         if len(self.data) != entry["raw_data"]["bytes"]:
             raise ShardCorruptError(
