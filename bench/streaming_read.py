@@ -179,8 +179,8 @@ def limit(data: Path, repeats: int) -> float:
             raw = bytearray(entry["raw_data"]["bytes"])
             reader = zstandard.ZstdDecompressor().stream_reader(packed, read_across_frames=True)
             view, got = memoryview(raw), 0
-            while n := reader.readinto(view[got:]):
-                got += n
+            while step := reader.readinto(view[got:]):
+                got += step
             count = entry["samples"]
             offsets = np.frombuffer(raw, np.uint32, count + 1, 4)
             rows = np.frombuffer(raw, np.uint16, count * SEQ, int(offsets[0])).reshape(count, SEQ)

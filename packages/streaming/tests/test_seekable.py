@@ -192,3 +192,28 @@ def test_first_batch_of_a_damaged_seekable_shard_raises_naming_it(tmp_path):
     with pytest.raises(ShardCorruptError, match=f"shard.{shard:05}.mds.zstd"):
         list(StreamingDataLoader(StreamingDataset(local=str(data), batch_size=16, shuffle=True), batch_size=16,
                                  num_workers=2))
+
+
+def test_cli_and_write_parallel_pass_the_frame_size_on(tmp_path):
+    from smalti.streaming import write_parallel
+    from smalti.streaming.cli import main
+
+    src = tmp_path / "rows.jsonl"
+    src.write_text("".join(json.dumps({"text": f"doc {i} " * 20, "n": i}) + "\n" for i in range(200)))
+
+    def frames(data):
+        return [len(t) if (t := read_seek_table((data / e["zip_data"]["basename"]).read_bytes(),
+                                                e["raw_data"]["bytes"])) else 0
+                for e in load_index(data / "index.json")]
+
+    assert main(["convert", str(src), str(tmp_path / "a"), "--zstd-frame-size", "1kb"]) == 0
+    assert main(["convert", str(src), str(tmp_path / "b")]) == 0
+    assert main(["convert", str(src), str(tmp_path / "c"), "--zstd-frame-size", "none"]) == 0
+    assert min(frames(tmp_path / "a")) > 10 and frames(tmp_path / "b") == [1] and frames(tmp_path / "c") == [0]
+    out = write_parallel(_sample, range(100), tmp_path / "p", {"n": "int", "x": "bytes"}, num_workers=1,
+                         compression="zstd", zstd_frame_size="2kb")
+    assert min(frames(out)) > 5
+
+
+def _sample(i):
+    return {"n": i, "x": bytes(100)}

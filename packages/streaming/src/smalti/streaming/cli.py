@@ -57,8 +57,10 @@ def convert(args: argparse.Namespace) -> int:
         raise StreamingError(f"{source} holds no rows")
     columns = dict(c.split(":", 1) for c in args.column) if args.column else {k: _guess_encoding(v) for k, v in first.items()}
     hashes = sorted(args.hashes.split(",")) if args.hashes else []
+    frames = {} if args.zstd_frame_size is None else \
+        {"zstd_frame_size": None if args.zstd_frame_size.lower() in ("none", "0") else args.zstd_frame_size}
     with MDSWriter(args.out, columns, compression=args.compression, hashes=hashes, size_limit=args.size_limit,
-                   exist_ok=args.overwrite) as writer, tqdm(desc=f"converting {source.name}", unit="rows",
+                   exist_ok=args.overwrite, **frames) as writer, tqdm(desc=f"converting {source.name}", unit="rows",
                                                              disable=not sys.stderr.isatty()) as bar:
         for row in [first] if first else []:
             writer.write({k: row[k] for k in columns})
@@ -128,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compression", default="zstd")
     p.add_argument("--hashes", default="sha1")
     p.add_argument("--size-limit", default="64mb")
+    p.add_argument("--zstd-frame-size", default=None,
+                   help="raw bytes per frame of a zstd shard (default 1mb; 'none': one frame per shard, "
+                        "byte-identical to mosaicml-streaming's)")
     p.add_argument("--overwrite", action="store_true")
     p = sub.add_parser("inspect", help="columns, sample counts and sizes")
     p.add_argument("dataset")

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from smalti.streaming.errors import StreamingError
-from smalti.streaming.mds import DEFAULT_SIZE_LIMIT, MDSWriter, merge_index
+from smalti.streaming.mds import DEFAULT_SIZE_LIMIT, DEFAULT_ZSTD_FRAME_SIZE, MDSWriter, merge_index
 
 
 def _write_part(fn: Callable[[Any], Any], first: int, inputs: list[Any], out: Path, columns: dict[str, str],
@@ -40,14 +40,16 @@ def write_parallel(fn: Callable[[Any], Mapping[str, Any] | Iterable[Mapping[str,
                    out: str | os.PathLike[str], columns: dict[str, str], *, num_workers: int | None = None,
                    compression: str | None = None, hashes: list[str] | None = None,
                    size_limit: int | str | None = DEFAULT_SIZE_LIMIT, exist_ok: bool = False,
-                   allow_unsafe_types: bool = False) -> Path:
+                   allow_unsafe_types: bool = False,
+                   zstd_frame_size: int | str | None = DEFAULT_ZSTD_FRAME_SIZE) -> Path:
     """Write ``fn(x)`` for every ``x`` of ``inputs`` as one MDS dataset in the local folder ``out``.
 
     ``fn`` returns one sample (a mapping of ``columns``) or an iterable of samples. The samples keep the
     inputs' order. ``num_workers`` processes (default: the CPU count, at most one per input) each write a
     contiguous share of the inputs into ``out/part-NNNNN/``; ``fn`` must then be picklable (a module-level
     function). With ``num_workers=1`` everything runs in this process. The dataset's ``index.json`` is
-    written last. An exception in ``fn`` is raised as :class:`StreamingError` naming the input. Returns ``out``.
+    written last. An exception in ``fn`` is raised as :class:`StreamingError` naming the input. The writer
+    options are :class:`~smalti.streaming.MDSWriter`'s. Returns ``out``.
     """
     if "://" in str(out):
         raise StreamingError(f"write_parallel(out={str(out)!r}) writes to a local folder; write there, then copy "
@@ -60,7 +62,7 @@ def write_parallel(fn: Callable[[Any], Mapping[str, Any] | Iterable[Mapping[str,
         raise StreamingError(f"output directory {out} is not empty; pass exist_ok=True to overwrite")
     workers = max(1, min(num_workers or os.cpu_count() or 1, len(items)))
     options = {"compression": compression, "hashes": hashes, "size_limit": size_limit, "exist_ok": exist_ok,
-               "allow_unsafe_types": allow_unsafe_types}
+               "allow_unsafe_types": allow_unsafe_types, "zstd_frame_size": zstd_frame_size}
     bounds = [len(items) * k // workers for k in range(workers + 1)]
     parts = [(f"part-{k:05d}", bounds[k], items[bounds[k] : bounds[k + 1]]) for k in range(workers)]
     out.mkdir(parents=True, exist_ok=True)
