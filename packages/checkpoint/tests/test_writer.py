@@ -1,5 +1,5 @@
-"""The hashing DCP writer: digests equal a re-read of the files, no zip CRC pass, the switch restored; large
-writes reach the kernel from the caller's own memory."""
+"""The hashing DCP writer: digests equal a re-read of the files, no zip CRC pass, the switch restored; the
+files are DCP's own bytes; buffered large writes reach the kernel from the caller's own memory."""
 
 import errno
 import hashlib
@@ -118,30 +118,30 @@ def test_a_failed_write_is_raised_not_swallowed(direct):
     f.close()  # closing again is harmless
 
 
-def test_direct_io_saves_write_each_large_tensor_straight_from_its_memory(tmp_path, monkeypatch):
-    """With direct I/O each large tensor is placed in the file at an offset congruent to its address modulo
-    4 KiB, so only the partial blocks at its ends (and the headers between) are copied into a bounce buffer;
-    the file still loads with DCP's own reader, and its recorded digest is that of its bytes."""
-    from smalti.checkpoint import hashing_file
+@pytest.mark.parametrize("direct", [True, False], ids=["direct-io", "buffered"])
+def test_the_data_files_are_byte_for_byte_those_of_dcps_own_writer(tmp_path, direct):
+    """Only the file object differs from DCP's ``FileSystemWriter`` (no padding, no layout of our own): with
+    the zip CRC off in both, each data file holds exactly DCP's bytes, DCP's own reader loads it, and its
+    recorded digest is that of those bytes."""
+    from torch.distributed.checkpoint import FileSystemWriter
 
-    files = []
-    real_close = hashing_file.DirectHashingFile.close
+    from smalti.checkpoint.writer import _torch_save_settings
 
-    def spy(self):
-        files.append((self.copied, self.size))
-        real_close(self)
-
-    monkeypatch.setattr(hashing_file.DirectHashingFile, "close", spy)
     torch.manual_seed(0)
     state = {"big": [torch.randn(n) for n in (1 << 20, (3 << 20) + 5, 300_001)], "small": torch.randn(100), "n": 3}
-    writer = HashingFileSystemWriter(tmp_path, direct_io=True)
+    ours, theirs = tmp_path / "ours", tmp_path / "dcp"
+    writer = HashingFileSystemWriter(ours, direct_io=direct)
     dcp.save(state, storage_writer=writer)
-    copied, size = files[0]
-    assert size == (tmp_path / "__0_0.distcp").stat().st_size > 17 << 20
-    assert copied < 200_000, f"{copied} of {size} bytes went through the bounce buffers"
+    with _torch_save_settings():  # DCP writes in this thread (one writer thread): the same torch.save settings
+        dcp.save(state, storage_writer=FileSystemWriter(str(theirs)))
+    data_files = sorted(p.name for p in theirs.iterdir() if p.suffix == ".distcp")
+    assert data_files == sorted(p.name for p in ours.iterdir() if p.suffix == ".distcp") == ["__0_0.distcp"]
+    assert (ours / "__0_0.distcp").stat().st_size > 17 << 20
+    for name in data_files:
+        assert (ours / name).read_bytes() == (theirs / name).read_bytes(), name
     loaded = {"big": [torch.zeros_like(t) for t in state["big"]], "small": torch.zeros(100), "n": 0}
-    dcp.load(loaded, checkpoint_id=str(tmp_path))
+    dcp.load(loaded, checkpoint_id=str(ours))
     assert all(torch.equal(a, b) for a, b in zip(loaded["big"], state["big"]))
     assert torch.equal(loaded["small"], state["small"]) and loaded["n"] == 3
     for name, record in writer.fs.records.items():
-        assert record["hash"] == f"xxh3_128:{reference_digest('xxh3_128', (tmp_path / name).read_bytes())}"
+        assert record["hash"] == f"xxh3_128:{reference_digest('xxh3_128', (ours / name).read_bytes())}"

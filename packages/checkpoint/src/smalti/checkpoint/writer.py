@@ -6,17 +6,15 @@ hashed on the way out (the manifest needs no second pass over the data), written
 through the page cache, or with direct I/O when asked. The digests are exact because DCP writes each file
 front to back through one stream (offsets come from ``tell()``, never a seek).
 
-With direct I/O each tensor's bytes are laid out in the file at an offset congruent to their memory address
-modulo 4 KiB (:func:`write_files_aligned`: a few zero bytes of padding before each item, and torch.save's
-records aligned to 4 KiB inside its archive), so the whole blocks of every tensor go to the disk with
-``O_DIRECT`` straight from the tensor's memory. DCP's readers (its own ``FileSystemReader`` included) find
-every item by the offset and length its metadata records, so the padding between items is invisible to them.
+The files are DCP's own (its ``FileSystemWriter`` lays them out; its ``FileSystemReader`` loads them): only
+the file object under them differs. With direct I/O that object copies every byte into reused huge-page
+buffers that a helper thread writes with ``O_DIRECT`` (see :mod:`smalti.checkpoint.hashing_file` for why a
+copy is faster than writing from the tensors' own pages).
 """
 
 from __future__ import annotations
 
 import os
-import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -27,20 +25,16 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem, _item_size, _SerialCpuLoader, _write_item
-from torch.distributed.checkpoint.planner import SavePlanner, WriteItemType
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.staging import AsyncStager
-from torch.distributed.checkpoint.storage import WriteResult
-from torch.futures import Future as TorchFuture
 
 from smalti.checkpoint.hashes import DEFAULT_ALGORITHM
-from smalti.checkpoint.hashing_file import ALIGN_BYTES, DirectHashingFile, open_hashing_file
+from smalti.checkpoint.hashing_file import open_hashing_file
 
 
 @contextmanager
-def _torch_save_settings(storage_alignment: int | None = None) -> Iterator[None]:
-    """In this thread, turn off the CRC-32 that ``torch.save`` computes over every tensor's bytes, and (when
-    given) align each tensor's record inside its archive to ``storage_alignment`` bytes.
+def _torch_save_settings() -> Iterator[None]:
+    """In this thread, turn off the CRC-32 that ``torch.save`` computes over every tensor's bytes.
 
     That checksum is a second pass over the data at about 1.6 GB/s, slower than the disk write itself, and
     the manifest's digest of every file covers the same bytes; ``torch.load`` reads such files as usual.
@@ -48,14 +42,12 @@ def _torch_save_settings(storage_alignment: int | None = None) -> Iterator[None]
     """
     from torch.utils.serialization import config
 
-    before = config.save.compute_crc32, config.save.storage_alignment
+    before = config.save.compute_crc32
     config.save.compute_crc32 = False
-    if storage_alignment is not None:
-        config.save.storage_alignment = storage_alignment
     try:
         yield
     finally:
-        config.save.compute_crc32, config.save.storage_alignment = before
+        config.save.compute_crc32 = before
 
 
 class HashingFileSystem(FileSystem):
@@ -94,8 +86,7 @@ class HashingFileSystem(FileSystem):
 
 
 class HashingFileSystemWriter(FileSystemWriter):
-    """DCP's file writer with one file per rank (per thread), hashing as it writes (see ``fs.records``); with
-    direct I/O, tensors laid out for writing straight from their memory (:func:`write_files_aligned`).
+    """DCP's file writer with one file per rank (per thread), hashing as it writes (see ``fs.records``).
 
     Every file is fsynced by its hashing file when closed, so DCP's own ``sync_files`` (an fsync before the
     last buffered bytes are written) is off.
@@ -106,72 +97,6 @@ class HashingFileSystemWriter(FileSystemWriter):
     ) -> None:
         super().__init__(str(folder), single_file_per_rank=True, sync_files=False, thread_count=thread_count)
         self.fs = HashingFileSystem(direct_io, algorithm)
-
-    def _write_data(self, planner: SavePlanner, file_queue: queue.Queue) -> TorchFuture[list[WriteResult]]:
-        if not self.fs.direct_io or getattr(self.serialization_format, "name", "TORCH_SAVE") != "TORCH_SAVE":
-            return super()._write_data(planner, file_queue)
-        result_queue: queue.Queue = queue.Queue()
-        errors: list[BaseException] = []
-
-        def run() -> None:
-            try:
-                write_files_aligned(self.fs, file_queue, result_queue, planner, self.transforms, self.serialization_format)
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=run, name="smalti-ckpt-dcp-write") for _ in range(1, self.thread_count)]
-        for thread in threads:
-            thread.start()
-        run()
-        for thread in threads:
-            thread.join()
-        if errors:
-            raise errors[0]
-        results: list[WriteResult] = []
-        while not result_queue.empty():
-            results += result_queue.get_nowait()
-        done: TorchFuture[list[WriteResult]] = TorchFuture()
-        done.set_result(results)
-        return done
-
-
-#: tensors from this size on are laid out for ``O_DIRECT`` writes from their memory (each such item's archive
-#: gets a few KiB of padding: torch aligns all its records, not only the tensor's)
-ALIGNED_MIN_BYTES = 1 << 20
-
-
-def write_files_aligned(
-    fs: HashingFileSystem, file_queue: queue.Queue, result_queue: queue.Queue, planner: SavePlanner,
-    transforms: Any, serialization_format: Any,
-) -> None:
-    """DCP's loop over the files of ``file_queue`` (``(path, file name, items)``; results to ``result_queue``),
-    with each tensor item of :data:`ALIGNED_MIN_BYTES` or more started at a file offset congruent to its
-    storage's address modulo 4 KiB (the hashing file pads with zeros), so that its record, 4 KiB-aligned inside torch.save's archive, lines up
-    with its memory and goes out with ``O_DIRECT`` straight from it."""
-    while True:
-        try:
-            path, storage_key, items = file_queue.get_nowait()
-        except queue.Empty:
-            return
-        loader = _SerialCpuLoader(planner.resolve_data)  # on the CPU, with no spare storage (a clone if needed)
-        for item in items:
-            if item.type != WriteItemType.BYTE_IO:
-                loader.add(_item_size(item), item)
-        results = []
-        with fs.create_stream(path, "wb") as stream:
-            for item in items:
-                if item.type == WriteItemType.BYTE_IO:
-                    data = planner.resolve_data(item)
-                    results.append(_write_item(transforms, stream, data, item, storage_key, serialization_format))
-            for tensor, item in loader.values():
-                storage = tensor.untyped_storage()
-                if not isinstance(stream, DirectHashingFile) or storage.nbytes() < ALIGNED_MIN_BYTES:
-                    results.append(_write_item(transforms, stream, tensor, item, storage_key, serialization_format))
-                    continue
-                stream.align_to(storage.data_ptr())
-                with _torch_save_settings(storage_alignment=ALIGN_BYTES):
-                    results.append(_write_item(transforms, stream, tensor, item, storage_key, serialization_format))
-        result_queue.put(results)
 
 
 def _layout(state_dict: Any) -> Any:
