@@ -284,3 +284,24 @@ def test_the_first_batch_is_made_here_while_the_workers_start(tmp_path, monkeypa
     assert made[0] == (plain[0]["id"].tolist(), False)  # here, from this process's own copies
     assert all(vouched for _, vouched in made[1:])  # then from the workers' bundles
     assert sum(len(ids) for ids, _ in made) == sum(len(b["id"]) for b in plain)  # each batch made once
+
+
+def test_loader_warns_when_tmpdir_is_too_long_for_worker_sockets(tmp_path, monkeypatch, recwarn):
+    """Workers pass tensors through a socket under $TMPDIR; a path over 107 bytes makes them hang silently."""
+    import multiprocessing.process
+    import tempfile
+    import warnings
+
+    data = write_columnar(tmp_path / "d")
+    ds = StreamingDataset(local=str(data), batch_size=8)
+    long = tmp_path / ("x" * (80 - len(str(tmp_path))))  # 81 bytes: + "/pymp-XXXXXXXX/listener-XXXXXXXX" > 107
+    long.mkdir()
+    monkeypatch.delitem(multiprocessing.process.current_process()._config, "tempdir", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(long))
+    with pytest.warns(RuntimeWarning, match=r"TMPDIR is too long.*\(113 bytes\).*at most 107 bytes.*TMPDIR=/tmp"):
+        StreamingDataLoader(ds, batch_size=8, num_workers=2)
+    monkeypatch.setattr(tempfile, "tempdir", "/tmp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        StreamingDataLoader(ds, batch_size=8, num_workers=2)
+        StreamingDataLoader(ds, batch_size=8)  # no workers: no socket

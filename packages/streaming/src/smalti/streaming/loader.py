@@ -9,6 +9,9 @@ the dataset to the next epoch when one is finished.
 from __future__ import annotations
 
 import inspect
+import os
+import tempfile
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -72,6 +75,30 @@ def _transforms_samples(dataset: StreamingDataset) -> bool:
                for name in ("__getitem__", "__getitems__", "__iter__"))
 
 
+AF_UNIX_PATH_MAX = 107  # bytes of a socket path Linux accepts (sun_path is 108 with its NUL)
+
+
+def worker_socket_path() -> str:
+    """The longest socket path a DataLoader worker may listen on: multiprocessing passes file descriptors
+    (shared-memory tensors) through ``$TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX``."""
+    import multiprocessing.process
+
+    made = getattr(multiprocessing.process.current_process(), "_config", {}).get("tempdir")
+    folder = made or os.path.join(tempfile.gettempdir(), "pymp-XXXXXXXX")
+    return os.path.join(folder, "listener-XXXXXXXX")
+
+
+def warn_if_worker_socket_path_too_long() -> None:
+    """Warn when DataLoader workers' socket path would be too long: they would hang without a word."""
+    path = worker_socket_path()
+    size = len(os.fsencode(path))
+    if size > AF_UNIX_PATH_MAX:
+        warnings.warn(f"$TMPDIR is too long for DataLoader workers: they pass tensors through a socket at {path} "
+                      f"({size} bytes), and Linux allows at most {AF_UNIX_PATH_MAX} bytes in a socket path, so "
+                      "the workers would hang without an error. Set TMPDIR to a shorter folder (e.g. "
+                      "TMPDIR=/tmp).", RuntimeWarning, stacklevel=3)
+
+
 _LOADER_PARAMS = inspect.signature(DataLoader.__init__)
 BATCHED_PREFETCH = 8  # items (batches or bundles) in flight per worker on the whole-batch path (torch's default: 2)
 
@@ -103,6 +130,8 @@ class StreamingDataLoader(DataLoader):
         extra = given.pop("kwargs", {})
         given.pop("self")
         given.pop("dataset")
+        if given.get("num_workers"):
+            warn_if_worker_socket_path_too_long()
         batched = (given.get("batch_size", 1) == dataset.batch_size and given.get("sampler") is None
                    and given.get("batch_sampler") is None and not given.get("shuffle")
                    and not _transforms_samples(dataset))
