@@ -385,7 +385,11 @@ class StreamingDataset(IterableDataset):
 
         for shard in mine:
             comp.preload(self._shards[shard][1].get("compression"))
-        rows = self._plan_first_rows(set(mine))
+        try:
+            rows = self._plan_first_rows(set(mine))
+        except Exception as exc:  # the first batch is then made from whole shards, which reports any problem
+            log.debug("no rows read ahead: %r", exc)
+            self._first_rows, rows = {}, []
         # claimed before any DataLoader worker exists, so every worker sees the claims
         todo: list[tuple[str, int, Any]] = [("whole", shard, self.cache.claim(shard)) for shard in mine]
         todo = [("rows", shard, task) for shard, task in rows] + todo
@@ -410,7 +414,8 @@ class StreamingDataset(IterableDataset):
         plan = []
         for shard, _, offs in self._groups(ids):
             si, entry = self._shards[shard]
-            if (comp.parse(entry.get("compression")) or ("",))[0] != "zstd" or self.cache.is_local(shard):
+            if not entry.get("zip_data") or (comp.parse(entry.get("compression")) or ("",))[0] != "zstd" or \
+                    self.cache.is_local(shard):
                 continue
             local = (self.streams[si].local_dir() / entry["zip_data"]["basename"]).exists()
             if local or shard in mine:
