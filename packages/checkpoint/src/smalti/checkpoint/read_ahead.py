@@ -190,13 +190,23 @@ class _FileSpan(_Window):
         host = target if target.device.type == "cpu" else torch.empty(target.shape, dtype=torch.uint8)
         got = self._stream.read_into(begin, memoryview(host.numpy()).cast("B"))
         if got < target.numel():
-            raise CheckpointCorruptError(
-                f"checkpoint file {self._path} ends at byte {begin + got}, before the item at "
-                f"{self._start}..{self._end} DCP's metadata points to (truncated)",
-                str(self._path),
-            )
+            raise self._truncated(begin + got)
         if host is not target:
             target.copy_(host)
+
+    def read_all(self) -> bytes:
+        """The span's bytes (all of them: a file ending before raises :class:`CheckpointCorruptError`)."""
+        data = self.read_at(0, self._end - self._start)
+        if len(data) < self._end - self._start:
+            raise self._truncated(self._start + len(data))
+        return data
+
+    def _truncated(self, at: int) -> CheckpointCorruptError:
+        return CheckpointCorruptError(
+            f"checkpoint file {self._path} ends at byte {at}, before the end of the item at "
+            f"{self._start}..{self._end} DCP's metadata points to (truncated)",
+            str(self._path),
+        )
 
     def read_at(self, offset: int, n: int) -> bytes:
         """Up to ``n`` bytes from ``offset`` within the span (fewer at its end)."""
@@ -290,13 +300,12 @@ class ReadAheadFileSystemReader(SafeFileSystemReader):
         """What DCP's reader does with one item's bytes: hand them over, or load the tensor into its target."""
         stream = self.transforms.transform_load_stream(item, info.transform_descriptors or (), span)
         if item.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(item, io.BytesIO(stream.read(-1)))
+            planner.load_bytes(item, io.BytesIO(span.read_all() if stream is span else stream.read(-1)))
             return
         if stream is span:
             if self._copy_in_place(item, span, planner):
                 return
-            # the item's bytes in order (torch.load seeks about)
-            stream = io.BytesIO(span.read_at(0, info.length))
+            stream = io.BytesIO(span.read_all())  # the item's bytes in order (torch.load seeks about)
         if not stream.seekable():
             stream = io.BytesIO(stream.read(-1))
         tensor = torch.load(stream, map_location="cpu", weights_only=True)
