@@ -67,6 +67,8 @@ def test_every_byte_is_written_from_a_bounce_buffer_in_whole_blocks(tmp_path, pw
     ), "bytes were written from memory outside the bounce buffers"
     assert all(start % HUGE_PAGE_BYTES == 0 for start, _ in buffers)
     *whole, tail = pwrites
+    # the disk starts after the first MiB, not after a whole chunk is copied
+    assert [n for _, n, _, _ in whole[:5]] == [1 << 20, 2 << 20, 4 << 20, 8 << 20, CHUNK_BYTES]
     assert all(
         direct and n % ALIGN_BYTES == 0 and offset % ALIGN_BYTES == 0 for _, n, offset, direct in whole
     )
@@ -116,7 +118,7 @@ def test_a_failed_write_is_raised_and_the_buffers_still_go_back_to_the_pool(tmp_
 
     monkeypatch.setattr(hashing_file.os, "pwrite", full_disk)
     with pytest.raises(OSError) as raised, open_hashing_file(tmp_path / "f.bin", direct=True) as f:
-        f.write(bytes(6 * CHUNK_BYTES))  # the fourth buffer waits for the second's write, which failed
+        f.write(bytes(6 * CHUNK_BYTES))  # a buffer waits for the second write, which failed: raised here
     assert raised.value.errno == errno.ENOSPC
     assert f.closed and hashing_file.BOUNCE_POOL.idle == BOUNCE_BUFFERS
 
