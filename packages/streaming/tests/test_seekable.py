@@ -14,7 +14,7 @@ from smalti.streaming import MDSWriter, ShardCorruptError, StreamingDataLoader, 
 from smalti.streaming import dataset as dataset_module
 from smalti.streaming.cache import ShardCache
 from smalti.streaming.hashing import digest
-from smalti.streaming.partial import read_rows
+from smalti.streaming.partial import PartialShardReader, read_rows
 from smalti.streaming.seekable import SEEKABLE_MAGIC, SKIPPABLE_MAGIC, read_seek_table
 
 COLUMNS = {"id": "int", "tokens": "ndarray:uint16:256"}
@@ -164,6 +164,13 @@ def test_loader_makes_the_first_batch_from_rows_read_ahead(tmp_path, monkeypatch
 
     monkeypatch.setattr(dataset_module.StreamingDataset, "_first_batch", record)
     monkeypatch.setattr(ShardCache, "ensure", ensure_after_first_batch)
+    partial_views, views = [], PartialShardReader.column_views
+
+    def count_views(self):
+        partial_views.append(self.entry["raw_data"]["basename"])
+        return views(self)
+
+    monkeypatch.setattr(PartialShardReader, "column_views", count_views)
     ds = StreamingDataset(local=str(data), batch_size=16, shuffle=True)
     got = list(StreamingDataLoader(ds, batch_size=16, num_workers=2))
     assert len(got) == len(plain) > 30
@@ -174,8 +181,9 @@ def test_loader_makes_the_first_batch_from_rows_read_ahead(tmp_path, monkeypatch
     if frame:
         assert set(used[0]) == shards and all(r is not None for r in used[0].values())
         assert all(r.sparse.decompressed < r.entry["raw_data"]["bytes"] for r in used[0].values())
+        assert len(partial_views) == len(shards)  # the first batch was made from them
     else:
-        assert all(r is None for r in used[0].values())
+        assert all(r is None for r in used[0].values()) and not partial_views
     assert sorted(p.name for p in data.glob("shard.*.mds")) == [f"shard.{i:05}.mds" for i in range(8)]
 
 
