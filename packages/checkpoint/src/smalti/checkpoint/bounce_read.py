@@ -33,8 +33,12 @@ from smalti.checkpoint.huge_pages import huge_page_buffer
 CHUNK_BYTES = 16 << 20
 #: O_DIRECT's alignment of offsets, lengths and buffers (the largest logical block size in common use)
 BLOCK_BYTES = 4096
-#: reads in flight at once (one per I/O thread): the next one is already queued at the disk when one ends
-DEFAULT_IO_THREADS = 2
+#: reads in flight at once (one per I/O thread): the next ones are already queued at the disk when one ends.
+#: The virtual disk of the development machine splits reads into 4 MiB requests and reads faster the more it
+#: has queued (1 GiB under load, GB/s: 2 threads x 16 MiB 2.2, 3 threads 2.4, 4 threads 2.6, raw 64 MiB reads 2.7)
+DEFAULT_IO_THREADS = 3
+#: read buffers of a pipeline (in flight, and read but not yet copied out of): at least 2 per I/O thread
+DEFAULT_BUFFERS = 6
 #: a read of the stream copies and hashes in pieces of this size (hashed while the piece is in the CPU's cache)
 PIECE_BYTES = 1 << 20
 #: reads of at least this size let go of each buffer as soon as they have copied out of it
@@ -89,10 +93,11 @@ class ReadPipeline:
     The threads start with the first :meth:`open` and end with :meth:`close`; the buffers are allocated here.
     """
 
-    def __init__(
-        self, buffers: int = 4, chunk_bytes: int = CHUNK_BYTES, io_threads: int = DEFAULT_IO_THREADS
-    ) -> None:
-        if chunk_bytes % BLOCK_BYTES or chunk_bytes <= 0 or buffers < 2:
+    def __init__(self, buffers: int | None = None, chunk_bytes: int = 0, io_threads: int = 0) -> None:
+        chunk_bytes = chunk_bytes or CHUNK_BYTES
+        io_threads = io_threads or DEFAULT_IO_THREADS
+        buffers = buffers or DEFAULT_BUFFERS
+        if chunk_bytes % BLOCK_BYTES or buffers < 2:
             raise ValueError(
                 f"ReadPipeline needs 2 or more buffers of whole {BLOCK_BYTES}-byte blocks, got "
                 f"{buffers} of {chunk_bytes}"

@@ -30,7 +30,8 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 
-from smalti.checkpoint.bounce_read import CHUNK_BYTES, FileStream, ReadPipeline
+from smalti.checkpoint import bounce_read
+from smalti.checkpoint.bounce_read import FileStream, ReadPipeline
 from smalti.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from smalti.checkpoint.hashes import check_algorithm, new_hasher
 from smalti.checkpoint.safe_load import SafeFileSystemReader
@@ -90,8 +91,9 @@ class FileCheck:
 
 class ReadAhead:
     """This rank's share of the data files of ``folder`` to check (see the module docstring): reading starts
-    at once, into ``window_bytes`` of buffers; the load takes each file's bytes from :meth:`stream` (in
-    :attr:`order`); :meth:`finish` reads and hashes what is left and raises the first problem (in file order)."""
+    at once, into ``window_bytes`` of buffers (at least ``bounce_read.DEFAULT_BUFFERS`` of 16 MiB); the load
+    takes each file's bytes from :meth:`stream` (in :attr:`order`); :meth:`finish` reads and hashes what is
+    left and raises the first problem (in file order)."""
 
     def __init__(
         self, folder: Path, files: list[AheadFile], window_bytes: int = DEFAULT_WINDOW_BYTES
@@ -104,7 +106,11 @@ class ReadAhead:
             if f.hash is not None:
                 check_algorithm(f.hash.partition(":")[0], f"the manifest entry of {folder / f.relpath}")
         self._checks = {f.relpath: FileCheck(folder / f.relpath, f) for f in files}
-        self.pipeline = ReadPipeline(buffers=max(window_bytes // CHUNK_BYTES, 2)) if files else None
+        self.pipeline = (
+            ReadPipeline(max(window_bytes // bounce_read.CHUNK_BYTES, bounce_read.DEFAULT_BUFFERS))
+            if files
+            else None
+        )
         # one byte past the entry's size: a file longer than its entry shows
         self._streams = {
             f.relpath: self.pipeline.open(folder / f.relpath, [(0, f.size + 1)], self._checks[f.relpath].feed)
