@@ -232,7 +232,8 @@ class BouncePool:
     Mapping and faulting in tens of MiB of huge pages costs milliseconds per file; kept here they are paid for
     once per process. A file takes its buffers when it opens and gives them back when it closes (after its
     last write has returned, so no write reads a buffer someone else fills). At most ``keep`` idle buffers are
-    kept (the rest are unmapped as their last view goes); a child process starts with an empty stock.
+    kept (the rest are unmapped as their last view goes): by default two files' worth, 128 MiB, enough for
+    two DCP writer threads; :meth:`clear` lets them go. A forked child process starts with an empty stock.
     """
 
     def __init__(self, keep: int = 2 * BOUNCE_BUFFERS) -> None:
@@ -295,7 +296,7 @@ class DirectHashingFile(_HashingFileBase):
             raise OSError(errno.EIO, f"an earlier write to {self.path} failed")
         view = memoryview(data).cast("B")
         total = len(view)
-        if total < _COPY_PIECE_BYTES:  # a header or a pickle: too small for the release of the GIL to pay
+        if total < _SMALL_BYTES:  # a header or a pickle: too small for the release of the GIL to pay
             self._copy_small(view)
         else:
             address = buffer_address(view)
