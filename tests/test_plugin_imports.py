@@ -1,4 +1,4 @@
-"""Plugin discovery stays cheap: loading every installed ``smalti`` entry point imports no torch.
+"""Plugin discovery stays cheap: loading every installed ``smalti`` entry point imports no torch or NumPy.
 
 Every smalti-train start and every test subprocess loads all entry points (``discover_entry_points``); an
 entry-point module that imports its package's heavy names (``Checkpointer`` brings torch's FSDP and DCP
@@ -13,8 +13,9 @@ import sys
 
 import pytest
 
-#: Modules no entry point may import: torch itself, and what ``Checkpointer`` pulls in.
-HEAVY = ["torch", "torch.distributed.checkpoint", "torch.distributed.fsdp"]
+#: Modules no entry point may import: torch itself, what ``Checkpointer`` pulls in, and what the streaming
+#: dataset needs (NumPy, the codecs, the object-store layer).
+HEAVY = ["torch", "torch.distributed.checkpoint", "torch.distributed.fsdp", "numpy", "zstandard", "smalti.storage"]
 
 DISCOVER = r"""
 import json, sys
