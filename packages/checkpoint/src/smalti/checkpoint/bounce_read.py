@@ -90,7 +90,8 @@ class ReadPipeline:
     ``buffers`` huge-page buffers of ``chunk_bytes``; a buffer is read into again once its stream lets go of it.
     The streams must be consumed (or cancelled) in the order they were opened.
 
-    The threads start with the first :meth:`open` and end with :meth:`close`; the buffers are allocated here.
+    The threads start with the first :meth:`open` and end with :meth:`close`; they allocate the buffers as
+    they first need them.
     """
 
     def __init__(self, buffers: int | None = None, chunk_bytes: int = 0, io_threads: int = 0) -> None:
@@ -103,8 +104,10 @@ class ReadPipeline:
                 f"{buffers} of {chunk_bytes}"
             )
         self.chunk_bytes = chunk_bytes
-        region = huge_page_buffer(buffers * chunk_bytes)
-        self._free = [region[i * chunk_bytes : (i + 1) * chunk_bytes] for i in range(buffers)]
+        self._free: list[memoryview] = []
+        # allocated by the I/O threads as they first need them: the first read starts after mapping 16 MiB, not
+        # all of them, and the caller goes on meanwhile (mapping costs 10-35 ms per 64 MiB here)
+        self._unallocated = buffers
         self._jobs: collections.deque[_Job] = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
@@ -152,8 +155,9 @@ class ReadPipeline:
 
     # --- the I/O threads
 
-    def _next(self) -> tuple[_Job, int, memoryview] | None:
-        """Under the lock: the next chunk to read and a buffer for it (waiting for both); ``None``: closed."""
+    def _next(self) -> tuple[_Job, int, memoryview | None] | None:
+        """Under the lock: the next chunk to read and a buffer for it (``None``: allocate one), waiting for
+        both; ``None``: closed."""
         while True:
             if self._closed:
                 return None
@@ -161,7 +165,7 @@ class ReadPipeline:
                 done = self._jobs.popleft()  # every chunk read (or the file ended, or cancelled)
                 self._close_file(done)
             job = next((j for j in self._jobs if j.has_work()), None)
-            if job is not None and self._free:
+            if job is not None and (self._free or self._unallocated):
                 if job.fd is None:
                     try:
                         job.fd, job.direct = _open_for_reading(job.path)
@@ -175,7 +179,10 @@ class ReadPipeline:
                 index = job.issued
                 job.issued += 1
                 job.in_flight += 1
-                return job, index, self._free.pop()
+                if self._free:
+                    return job, index, self._free.pop()
+                self._unallocated -= 1
+                return job, index, None
             self._cond.wait()
 
     def _work(self) -> None:
@@ -186,23 +193,24 @@ class ReadPipeline:
                 return
             job, index, buffer = task
             offset, length = job.chunks[index]
+            result: tuple[int, memoryview] | BaseException
             try:
-                result: tuple[int, memoryview] | BaseException = (
-                    self._read(job, buffer[:length], offset),
-                    buffer,
-                )
-            except OSError as exc:
-                result = CheckpointError(f"reading checkpoint file {job.path} at byte {offset}: {exc}")
+                if buffer is None:
+                    buffer = huge_page_buffer(self.chunk_bytes)
+                result = (self._read(job, buffer[:length], offset), buffer)
+            except (OSError, MemoryError) as exc:
+                result = CheckpointError(f"reading checkpoint file {job.path} at byte {offset}: {exc!r}")
             with self._cond:
                 job.in_flight -= 1
-                if job.cancelled:
-                    self._free.append(buffer)
-                else:
+                if isinstance(result, BaseException) or job.cancelled:
+                    if buffer is None:
+                        self._unallocated += 1
+                    else:
+                        self._free.append(buffer)
+                if not job.cancelled:
                     job.results[index] = result
                     if isinstance(result, BaseException) or result[0] < length:
                         job.last = index if job.last is None else min(job.last, index)
-                    if isinstance(result, BaseException):
-                        self._free.append(buffer)
                     for later in [i for i in job.results if job.last is not None and i > job.last]:
                         dropped = job.results.pop(later)  # read beside the one that found the file's end
                         if not isinstance(dropped, BaseException):
