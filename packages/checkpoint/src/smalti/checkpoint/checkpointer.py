@@ -99,14 +99,13 @@ class Checkpointer(SaveSchedule, LoadAndResume, CommitProtocol, Callback):
             before smalti-checkpoint stored its rank-local state without pickled NumPy arrays.
         local_cache_dir: where remote checkpoints are staged and downloaded (default: a temp dir per folder).
         thread_count: DCP writer threads per rank (one file each).
-        direct_io: ``true`` (default): saves write with ``O_DIRECT`` where the file system allows it (bytes
-            hashed and copied into aligned buffers, a helper thread writes them; no page-cache pressure: the
-            robust choice on a busy machine, see the README). ``false``: saves write through the page cache
-            straight from the tensors' memory, with the kernel's writeback started behind every 16 MiB (no copy
-            of ours). ``read``: as ``false`` (it used to make loads read with ``O_DIRECT``; loads now always
-            read through the page cache, straight into the tensors, which measured faster).
-        read_ahead_mb: how much of its data files (MiB per rank) the load asks the kernel to read ahead while the
-            trainer builds the state to load into (``posix_fadvise(WILLNEED)``: page cache, no buffers of ours).
+        direct_io: ``true`` (default): saves write with ``O_DIRECT`` where the file system allows it (every byte
+            copied into reused huge-page buffers and hashed there, a helper thread writes each full one; no
+            page-cache pressure; see the README). ``false``: saves write through the page cache straight from the
+            tensors' memory, with the kernel's writeback started behind every 16 MiB. ``read``: as ``false`` (it
+            used to choose the load's way of reading; loads now always read with ``O_DIRECT`` where allowed).
+        read_ahead_mb: MiB of huge-page read buffers a load fills ahead of its copy into the tensors (at least
+            96: six 16 MiB buffers, three reads in flight); reading starts as soon as the checkpoint is chosen.
         retry_budget_s: seconds each object-store call may keep retrying through a brown-out (smalti-storage's
             one retry policy; ``None``: its default, 120 s, or ``SMALTI_STORAGE_RETRY_BUDGET_S``).
         s3_multipart_mb: object-store uploads above this size go in parts of this size (every scheme).
