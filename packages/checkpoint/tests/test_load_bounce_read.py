@@ -157,3 +157,35 @@ def test_after_a_failed_load_the_checked_files_still_get_their_verdict_and_no_bu
     assert len(ahead.pipeline._free) == 2  # the failed file's buffers are back
     assert ahead.check("mine.distcp").hashed_to == len(data)  # read to its end before the failing file
     ahead.finish(timeout=30)
+
+
+def test_a_load_borrows_the_saves_buffers_and_gives_them_back(tmp_path, monkeypatch):
+    """Reads of the pool's size take their huge-page buffers from the pool the saves fill and return them at
+    close, so a load after a save (or a second load) maps no new memory."""
+    from smalti.checkpoint.hashing_file import BOUNCE_POOL, CHUNK_BYTES
+
+    data = write(tmp_path / "f.bin", 3 * CHUNK_BYTES + 4321, seed=7)
+    BOUNCE_POOL.clear()
+
+    def read_all() -> bytes:
+        pipeline = ReadPipeline(buffers=2, io_threads=2)
+        try:
+            stream = pipeline.open(tmp_path / "f.bin", [(0, len(data))])
+            out = bytearray(len(data))
+            assert stream.read_into(0, memoryview(out)) == len(data)
+            stream.drain()
+        finally:
+            pipeline.close()
+        return bytes(out)
+
+    assert read_all() == data  # the first load maps its buffers
+    assert BOUNCE_POOL.idle == 2
+
+    def no_new_memory(nbytes):
+        raise AssertionError("a buffer was mapped although the pool had two")
+
+    monkeypatch.setattr("smalti.checkpoint.hashing_file.huge_page_buffer", no_new_memory)
+    monkeypatch.setattr(module, "huge_page_buffer", no_new_memory)
+    assert read_all() == data
+    assert BOUNCE_POOL.idle == 2
+    BOUNCE_POOL.clear()

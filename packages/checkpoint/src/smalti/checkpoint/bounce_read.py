@@ -27,10 +27,9 @@ from pathlib import Path
 import numpy as np
 
 from smalti.checkpoint.errors import CheckpointError
+from smalti.checkpoint.hashing_file import BOUNCE_POOL, CHUNK_BYTES  # one read: one of the pool's buffers
 from smalti.checkpoint.huge_pages import huge_page_buffer
 
-#: the size of one read and of one bounce buffer
-CHUNK_BYTES = 16 << 20
 #: O_DIRECT's alignment of offsets, lengths and buffers (the largest logical block size in common use)
 BLOCK_BYTES = 4096
 #: reads in flight at once (one per I/O thread): the next ones are already queued at the disk when one ends.
@@ -88,8 +87,9 @@ class ReadPipeline:
     ``buffers`` huge-page buffers of ``chunk_bytes``; a buffer is read into again once its stream lets go of it.
     The streams must be consumed (or cancelled) in the order they were opened.
 
-    The threads start with the first :meth:`open` and end with :meth:`close`; they allocate the buffers as
-    they first need them.
+    The threads start with the first :meth:`open` and end with :meth:`close`; they take the buffers as they
+    first need them, from the process-wide pool the saves use (:data:`~smalti.checkpoint.hashing_file.BOUNCE_POOL`,
+    so a load after a save maps no new memory), and :meth:`close` gives the free ones back.
     """
 
     def __init__(self, buffers: int | None = None, chunk_bytes: int = 0, io_threads: int = 0) -> None:
@@ -150,6 +150,9 @@ class ReadPipeline:
         for job in self._jobs:
             self._close_file(job)
         self._jobs.clear()
+        if self.chunk_bytes == CHUNK_BYTES:  # no thread reads into them any more
+            BOUNCE_POOL.give(self._free)
+            self._free = []
 
     # --- the I/O threads
 
@@ -194,7 +197,11 @@ class ReadPipeline:
             result: tuple[int, memoryview] | BaseException
             try:
                 if buffer is None:
-                    buffer = huge_page_buffer(self.chunk_bytes)
+                    buffer = (
+                        BOUNCE_POOL.take(1)[0]
+                        if self.chunk_bytes == CHUNK_BYTES
+                        else huge_page_buffer(self.chunk_bytes)
+                    )
                 result = (self._read(job, buffer[:length], offset), buffer)
             except (OSError, MemoryError) as exc:
                 result = CheckpointError(f"reading checkpoint file {job.path} at byte {offset}: {exc!r}")
