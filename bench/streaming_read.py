@@ -227,7 +227,7 @@ def compare(pythons: dict[str, str], remotes: dict[str, str | None], work: Path,
             if kind == "smalti" and around_smalti is not None:
                 around_smalti()
     for kind, rs in runs.items():
-        print(f"  {kind} runs: " + ", ".join(f"{r['seconds']:.2f} s (first batch {r['first_batch']:.2f} s)"
+        print(f"  {kind} runs: " + ", ".join(f"{r['seconds']:.2f} s (first batch {r['first_batch']:.3f} s)"
                                              for r in rs))
     return {kind: {key: float(np.median([r[key] for r in rs])) for key in ("samples", "seconds", "first_batch")}
             for kind, rs in runs.items()}
@@ -243,7 +243,7 @@ def report(title: str, med: dict[str, dict[str, float]], mb_per_sample: float) -
     print(f"\n{title}")
     for kind, m in med.items():
         print(f"  {NAMES[kind]:19s} {rate[kind]:10.0f} samples/s  {rate[kind] * mb_per_sample:8.1f} MB/s  "
-              f"first batch {m['first_batch']:.2f} s")
+              f"first batch {m['first_batch']:.3f} s")
     ratios = {}
     for kind in med:
         if kind != "smalti":
@@ -304,7 +304,7 @@ def compare_remote(url: str, work: Path, data: Path, repeats: int, mb_per_sample
         for t, m in med.items():
             rate = m["samples"] / m["seconds"]
             print(f"  {t:24s} {rate:10.0f} samples/s  {rate * mb_per_sample:8.1f} MB/s  "
-                  f"first batch {m['first_batch']:.2f} s")
+                  f"first batch {m['first_batch']:.3f} s")
         ours, base = med[url], med[baseline]
         print(f"  ratio {url} / s3 = {(ours['samples'] / ours['seconds']) / (base['samples'] / base['seconds']):.2f}"
               f"   time to first batch ratio = {ours['first_batch'] / base['first_batch']:.2f}")
