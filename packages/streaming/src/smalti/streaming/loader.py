@@ -11,7 +11,6 @@ from __future__ import annotations
 import inspect
 import os
 import tempfile
-import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -104,27 +103,6 @@ _LOADER_PARAMS = inspect.signature(DataLoader.__init__)
 BATCHED_PREFETCH = 8  # items (batches or bundles) in flight per worker on the whole-batch path (torch's default: 2)
 
 
-class _Starter(threading.Thread):
-    """Runs ``start`` (the DataLoader's ``__iter__``, which forks the workers) on its own thread."""
-
-    def __init__(self, start: Any) -> None:
-        super().__init__(daemon=True, name="smalti-streaming-start-workers")
-        self._start_fn, self._out, self._error = start, None, None
-        self.start()
-
-    def run(self) -> None:
-        try:
-            self._out = self._start_fn()
-        except BaseException as exc:  # re-raised by result() in the caller's thread
-            self._error = exc
-
-    def result(self) -> Any:
-        self.join()
-        if self._error is not None:
-            raise self._error
-        return self._out
-
-
 class StreamingDataLoader(DataLoader):
     """A :class:`~torch.utils.data.DataLoader` over a :class:`StreamingDataset` with ``state_dict`` support.
 
@@ -202,16 +180,15 @@ class StreamingDataLoader(DataLoader):
             # seekable zips (little work), the workers are started first and their start-up overlaps it;
             # else it is made first from the shards the warm-up is making (the workers' start-up would take
             # cores from them). Worker 0's first item, a bundle of just these ids, is then passed over.
-            # The workers are started from a thread then, so the first batch is handed out as soon as it is
-            # made, not after the forks; the next batch waits for that thread.
-            starter = _Starter(super().__iter__) if first is not None and ds._rows_ahead(first) else None
+            items = super().__iter__() if first is not None and ds._rows_ahead(first) else None
             made = ds._first_batch(first) if first is not None else None
             if made is None:  # not columnar: the workers make every batch
                 first = None
+            if items is None:
+                items = super().__iter__()  # starts the workers
             if made is not None:
                 ds._consumed += len(first)
                 yield made
-            items = starter.result() if starter is not None else super().__iter__()  # starts the workers
             for batch in items:
                 if first is not None:
                     if type(batch) is not Bundle or batch.refs is None or len(batch.refs) != 1 or \
