@@ -189,3 +189,22 @@ def test_a_load_borrows_the_saves_buffers_and_gives_them_back(tmp_path, monkeypa
     assert read_all() == data
     assert BOUNCE_POOL.idle == 2
     BOUNCE_POOL.clear()
+
+
+@pytest.mark.timeout(20)
+def test_an_unexpected_error_on_an_io_thread_fails_the_read_naming_the_file(tmp_path, monkeypatch):
+    """Not only disk errors: whatever goes wrong on an I/O thread reaches the reader at once (a thread that died
+    would leave the load waiting forever)."""
+    write(tmp_path / "f.bin", 5 * CHUNK, seed=3)
+
+    def broken(nbytes):
+        raise RuntimeError("no buffer today")
+
+    monkeypatch.setattr(module, "huge_page_buffer", broken)
+    pipeline = ReadPipeline(buffers=2, chunk_bytes=CHUNK, io_threads=2)
+    try:
+        stream = pipeline.open(tmp_path / "f.bin", [(0, 5 * CHUNK)])
+        with pytest.raises(Exception, match=r"f\.bin.*no buffer today"):
+            stream.read_into(0, memoryview(bytearray(CHUNK)))
+    finally:
+        pipeline.close()

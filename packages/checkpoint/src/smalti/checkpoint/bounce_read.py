@@ -203,7 +203,7 @@ class ReadPipeline:
                         else huge_page_buffer(self.chunk_bytes)
                     )
                 result = (self._read(job, buffer[:length], offset), buffer)
-            except (OSError, MemoryError) as exc:
+            except Exception as exc:  # any failure reaches the reader, named; a dead thread would hang it
                 result = CheckpointError(f"reading checkpoint file {job.path} at byte {offset}: {exc!r}")
             with self._cond:
                 job.in_flight -= 1
