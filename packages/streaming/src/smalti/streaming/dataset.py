@@ -472,7 +472,7 @@ class StreamingDataset(IterableDataset):
         ahead, self._first_rows = self._first_rows, {}
         readers = {}
         if use:
-            for shard, future in ahead.items():
+            for shard, future in list(ahead.items()):  # a warm-up thread may still pop from it
                 reader = future.result()
                 if reader is not None:
                     readers[shard] = reader
