@@ -36,7 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from smalti.checkpoint.hashes import DEFAULT_ALGORITHM, new_hasher, tagged
-from smalti.checkpoint.huge_pages import huge_page_buffer
+from smalti.checkpoint.huge_pages import buffer_address, huge_page_buffer
 
 CHUNK_BYTES = 16 << 20
 #: bounce buffers per direct-I/O file: one filling, the others queued for or in the write
@@ -97,13 +97,6 @@ def leave_direct_io(fd: int) -> None:
 
 #: writes smaller than this are gathered into one buffer (zip headers and pickles between the tensors' bytes)
 _SMALL_BYTES = 256 << 10
-
-
-def buffer_address(view: memoryview) -> int:
-    """The memory address of the first byte of ``view`` (read-only views too)."""
-    import numpy
-
-    return int(numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data)
 
 
 class _HashingFileBase:

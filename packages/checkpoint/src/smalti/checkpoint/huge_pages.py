@@ -15,7 +15,6 @@ page fault. Where huge pages are unavailable the buffer is still page-aligned an
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import mmap
 
 HUGE_PAGE_BYTES = 2 << 20
@@ -30,7 +29,7 @@ def huge_page_buffer(nbytes: int) -> memoryview:
     length = -(-nbytes // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
     region = mmap.mmap(-1, length + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = memoryview(region)
-    address = _address(whole)
+    address = buffer_address(whole)
     skip = -address % HUGE_PAGE_BYTES  # the mapping is page-aligned: skip up to the next huge page boundary
     madvise = getattr(region, "madvise", None)
     if madvise is not None and hasattr(mmap, "MADV_HUGEPAGE"):
@@ -43,5 +42,8 @@ def huge_page_buffer(nbytes: int) -> memoryview:
     return view[:nbytes]
 
 
-def _address(view: memoryview) -> int:
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+def buffer_address(view: memoryview) -> int:
+    """The memory address of the first byte of ``view`` (read-only views too)."""
+    import numpy
+
+    return int(numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data)
