@@ -258,7 +258,7 @@ def test_workers_hand_over_sample_ids_and_any_process_makes_the_batches(tmp_path
     assert main.resolve(Bundle(refs=[])) == []
 
 
-def test_the_first_batch_is_made_here_while_the_workers_start(tmp_path, monkeypatch):
+def test_the_first_batch_is_made_here_and_passed_over_by_the_workers(tmp_path, monkeypatch):
     """With workers handing over bundles, the loader's process makes the first batch itself from the shards its
     dataset's warm-up makes, and passes over worker 0's first bundle (those same ids): nothing is made twice."""
     from torch.utils.data import get_worker_info
@@ -284,6 +284,30 @@ def test_the_first_batch_is_made_here_while_the_workers_start(tmp_path, monkeypa
     assert made[0] == (plain[0]["id"].tolist(), False)  # here, from this process's own copies
     assert all(vouched for _, vouched in made[1:])  # then from the workers' bundles
     assert sum(len(ids) for ids, _ in made) == sum(len(b["id"]) for b in plain)  # each batch made once
+
+
+def test_the_first_batch_is_handed_out_before_the_workers_start(tmp_path):
+    """The workers' start-up (forks) comes after the first batch, not before it: the first batch of an epoch
+    waits only for its own rows, and the workers start on the main thread at the next ``next()``."""
+    import multiprocessing
+
+    data = write_columnar(tmp_path / "d")
+    plain = list(DataLoader(StreamingDataset(local=str(data), batch_size=8, shuffle=True), batch_size=8))
+    for raw in data.glob("shard.*.mds"):
+        raw.unlink()
+    loader = StreamingDataLoader(StreamingDataset(local=str(data), batch_size=8, shuffle=True), batch_size=8,
+                                 num_workers=2)
+    assert multiprocessing.active_children() == []
+    it = iter(loader)
+    got = [next(it)]
+    assert multiprocessing.active_children() == []  # no worker yet
+    assert loader.state_dict()["sample_in_epoch"] == 8
+    got.append(next(it))
+    assert len(multiprocessing.active_children()) == 2
+    got.extend(it)
+    assert len(got) == len(plain)
+    for a, b in zip(got, plain, strict=True):
+        same_batch(a, b)
 
 
 def test_loader_warns_when_tmpdir_is_too_long_for_worker_sockets(tmp_path, monkeypatch, recwarn):

@@ -176,19 +176,18 @@ class StreamingDataLoader(DataLoader):
             ds.epoch_order(epoch)  # once here, not in every worker: forked workers inherit it
         try:
             first = self._first_ids()
-            # The first batch is made here, not by a worker. When the warm-up is reading its rows from
-            # seekable zips (little work), the workers are started first and their start-up overlaps it;
-            # else it is made first from the shards the warm-up is making (the workers' start-up would take
-            # cores from them). Worker 0's first item, a bundle of just these ids, is then passed over.
-            items = super().__iter__() if first is not None and ds._rows_ahead(first) else None
+            # The first batch is made here, not by a worker, and handed out before the workers are started:
+            # their start-up (two forks, 40-60 ms on 2 cores) would otherwise come before it, and it overlaps
+            # the training loop's first step instead. The workers are still started from this thread (the
+            # main one: torch watches them through its SIGCHLD handler there), on the next ``next()``. Worker
+            # 0's first item, a bundle of just these ids, is then passed over.
             made = ds._first_batch(first) if first is not None else None
             if made is None:  # not columnar: the workers make every batch
                 first = None
-            if items is None:
-                items = super().__iter__()  # starts the workers
-            if made is not None:
+            else:
                 ds._consumed += len(first)
                 yield made
+            items = super().__iter__()  # starts the workers
             for batch in items:
                 if first is not None:
                     if type(batch) is not Bundle or batch.refs is None or len(batch.refs) != 1 or \
