@@ -310,6 +310,45 @@ def test_the_first_batch_is_handed_out_before_the_workers_start(tmp_path):
         same_batch(a, b)
 
 
+def _record_seed(worker_id):
+    import os
+
+    with open(os.path.join(os.environ["SMALTI_TEST_SEEDS"], str(worker_id)), "w") as f:
+        f.write(str(torch.initial_seed()))
+
+
+def test_workers_started_after_the_first_batch_keep_the_seed_and_epoch_of_iter(tmp_path, monkeypatch):
+    """Workers started at the second ``next()`` get the base seed and the epoch they would have got at
+    ``iter()``: torch's global random stream moves at ``iter()`` as before, and a ``set_epoch`` after the first
+    batch takes effect at the next ``iter()``, not in the middle of the epoch."""
+    data = write_columnar(tmp_path / "d")
+    seeds = tmp_path / "seeds"
+    seeds.mkdir()
+    monkeypatch.setenv("SMALTI_TEST_SEEDS", str(seeds))
+
+    def make():
+        return StreamingDataset(local=str(data), batch_size=8, shuffle=True)
+
+    later = make()
+    later.set_epoch(5)
+    epoch0, epoch5 = ([b["id"].tolist() for b in DataLoader(ds, batch_size=8)] for ds in (make(), later))
+    torch.manual_seed(3)
+    base_seed = torch.empty((), dtype=torch.int64).random_().item()
+    after_iter = torch.rand(4)
+
+    loader = StreamingDataLoader(make(), batch_size=8, num_workers=2, worker_init_fn=_record_seed)
+    torch.manual_seed(3)
+    it = iter(loader)
+    got = [next(it)["id"].tolist()]
+    assert torch.equal(torch.rand(4), after_iter)  # the model's stream, as if the workers had started already
+    loader.streaming_dataset.set_epoch(5)
+    got.extend(b["id"].tolist() for b in it)
+    assert got == epoch0
+    assert {int(p.name): int(p.read_text()) for p in seeds.iterdir()} == {0: base_seed, 1: base_seed + 1}
+    assert loader.streaming_dataset.epoch == 5 and epoch5 != epoch0
+    assert [b["id"].tolist() for b in loader] == epoch5
+
+
 def test_loader_warns_when_tmpdir_is_too_long_for_worker_sockets(tmp_path, monkeypatch, recwarn):
     """Workers pass tensors through a socket under $TMPDIR; a path over 107 bytes makes them hang silently."""
     import multiprocessing.process

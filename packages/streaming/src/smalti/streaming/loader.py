@@ -184,10 +184,12 @@ class StreamingDataLoader(DataLoader):
             made = ds._first_batch(first) if first is not None else None
             if made is None:  # not columnar: the workers make every batch
                 first = None
+                items = super().__iter__()
             else:
+                started_as = self._as_at_iter()
                 ds._consumed += len(first)
                 yield made
-            items = super().__iter__()  # starts the workers
+                items = self._start_workers(*started_as)
             for batch in items:
                 if first is not None:
                     if type(batch) is not Bundle or batch.refs is None or len(batch.refs) != 1 or \
@@ -209,6 +211,32 @@ class StreamingDataLoader(DataLoader):
             ds._counted_by_loader = False
         if ds.epoch == epoch:  # nobody called set_epoch meanwhile: the next pass is the next epoch
             ds._end_epoch(epoch)
+
+    def _as_at_iter(self) -> tuple[torch.Generator, tuple[int, Any]]:
+        """What starting the workers at ``iter()`` would have used: the generator torch draws their base seed
+        from, and the dataset's epoch and resume point. Without a generator of the loader's own, torch draws
+        from the global one (the model's stream): that draw is made now, into a copy the workers' start then
+        draws from, so the global stream moves exactly where it did when the workers started at ``iter()``."""
+        generator = self.generator
+        if generator is None:
+            generator = torch.Generator()
+            generator.set_state(torch.get_rng_state())
+            torch.empty((), dtype=torch.int64).random_()
+        ds = self.streaming_dataset
+        return generator, (ds.epoch, ds._resume)
+
+    def _start_workers(self, generator: torch.Generator, position: tuple[int, Any]) -> Iterator[Any]:
+        """Start the workers (torch's iterator) on the epoch and with the seed of the ``iter()`` call that made
+        the first batch, even if ``set_epoch`` or ``load_state_dict`` came in between (those take effect
+        at the next ``iter()``, as with workers started at once): the forked workers copy this state."""
+        ds = self.streaming_dataset
+        now, (ds.epoch, ds._resume) = (ds.epoch, ds._resume), position
+        own, self.generator = self.generator, generator
+        try:
+            return super().__iter__()
+        finally:
+            self.generator = own
+            ds.epoch, ds._resume = now
 
     def state_dict(self) -> dict[str, Any]:
         """The dataset's position after the batches this loader has handed out."""
