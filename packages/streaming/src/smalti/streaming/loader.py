@@ -99,6 +99,8 @@ def warn_if_worker_socket_path_too_long() -> None:
                       "TMPDIR=/tmp).", RuntimeWarning, stacklevel=3)
 
 
+# what set_epoch / load_state_dict change in a dataset: the epoch, the resume point and the order's settings
+_ORDER_STATE = ("epoch", "_resume", "num_canonical_nodes", "_order_cache")
 _LOADER_PARAMS = inspect.signature(DataLoader.__init__)
 BATCHED_PREFETCH = 8  # items (batches or bundles) in flight per worker on the whole-batch path (torch's default: 2)
 
@@ -212,31 +214,36 @@ class StreamingDataLoader(DataLoader):
         if ds.epoch == epoch:  # nobody called set_epoch meanwhile: the next pass is the next epoch
             ds._end_epoch(epoch)
 
-    def _as_at_iter(self) -> tuple[torch.Generator, tuple[int, Any]]:
+    def _as_at_iter(self) -> tuple[torch.Generator, dict[str, Any]]:
         """What starting the workers at ``iter()`` would have used: the generator torch draws their base seed
-        from, and the dataset's epoch and resume point. Without a generator of the loader's own, torch draws
-        from the global one (the model's stream): that draw is made now, into a copy the workers' start then
-        draws from, so the global stream moves exactly where it did when the workers started at ``iter()``."""
+        from, and the dataset's state that decides the epoch's order and where it starts. Without a generator
+        of the loader's own, torch draws from the global one (the model's stream): that draw is made now, into
+        a copy the workers' start then draws from, so the global stream moves exactly where it did when the
+        workers started at ``iter()``."""
         generator = self.generator
         if generator is None:
             generator = torch.Generator()
             generator.set_state(torch.get_rng_state())
             torch.empty((), dtype=torch.int64).random_()
         ds = self.streaming_dataset
-        return generator, (ds.epoch, ds._resume)
+        return generator, {name: getattr(ds, name) for name in _ORDER_STATE}
 
-    def _start_workers(self, generator: torch.Generator, position: tuple[int, Any]) -> Iterator[Any]:
+    def _start_workers(self, generator: torch.Generator, position: dict[str, Any]) -> Iterator[Any]:
         """Start the workers (torch's iterator) on the epoch and with the seed of the ``iter()`` call that made
         the first batch, even if ``set_epoch`` or ``load_state_dict`` came in between (those take effect
         at the next ``iter()``, as with workers started at once): the forked workers copy this state."""
         ds = self.streaming_dataset
-        now, (ds.epoch, ds._resume) = (ds.epoch, ds._resume), position
-        own, self.generator = self.generator, generator
+        now = {name: getattr(ds, name) for name in _ORDER_STATE}
+        own = self.generator
         try:
+            for name, value in position.items():
+                setattr(ds, name, value)
+            self.generator = generator
             return super().__iter__()
         finally:
             self.generator = own
-            ds.epoch, ds._resume = now
+            for name, value in now.items():
+                setattr(ds, name, value)
 
     def state_dict(self) -> dict[str, Any]:
         """The dataset's position after the batches this loader has handed out."""
