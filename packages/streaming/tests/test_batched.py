@@ -349,6 +349,28 @@ def test_workers_started_after_the_first_batch_keep_the_seed_and_epoch_of_iter(t
     assert [b["id"].tolist() for b in loader] == epoch5
 
 
+def test_a_load_state_dict_after_the_first_batch_does_not_reach_the_epoch_in_progress(tmp_path):
+    """A state loaded after the first batch, with another ``num_canonical_nodes`` (so another order), does not
+    reach the workers started after it: the epoch in progress goes on in its own order."""
+    data = write_columnar(tmp_path / "d")
+
+    def make():
+        return StreamingDataset(local=str(data), batch_size=8, shuffle=True)
+
+    state = {**make().state_dict(), "num_canonical_nodes": 2, "sample_in_epoch": 16}
+    resumed = make()
+    resumed.load_state_dict(state)
+    plain, other = ([b["id"].tolist() for b in DataLoader(ds, batch_size=8)] for ds in (make(), resumed))
+    assert other != plain[2:]
+
+    loader = StreamingDataLoader(make(), batch_size=8, num_workers=2)
+    it = iter(loader)
+    got = [next(it)["id"].tolist()]
+    loader.load_state_dict(state)
+    got.extend(b["id"].tolist() for b in it)
+    assert got == plain
+
+
 def test_loader_warns_when_tmpdir_is_too_long_for_worker_sockets(tmp_path, monkeypatch, recwarn):
     """Workers pass tensors through a socket under $TMPDIR; a path over 107 bytes makes them hang silently."""
     import multiprocessing.process

@@ -230,8 +230,8 @@ class StreamingDataLoader(DataLoader):
 
     def _start_workers(self, generator: torch.Generator, position: dict[str, Any]) -> Iterator[Any]:
         """Start the workers (torch's iterator) on the epoch and with the seed of the ``iter()`` call that made
-        the first batch, even if ``set_epoch`` or ``load_state_dict`` came in between (those take effect
-        at the next ``iter()``, as with workers started at once): the forked workers copy this state."""
+        the first batch, even if ``set_epoch`` or ``load_state_dict`` came in between (they do not reach
+        the epoch in progress, as with workers started at once): the forked workers copy this state."""
         ds = self.streaming_dataset
         now = {name: getattr(ds, name) for name in _ORDER_STATE}
         own = self.generator
