@@ -349,6 +349,26 @@ def test_workers_started_after_the_first_batch_keep_the_seed_and_epoch_of_iter(t
     assert [b["id"].tolist() for b in loader] == epoch5
 
 
+def test_the_loaders_own_generator_moves_at_iter_as_before(tmp_path, monkeypatch):
+    """A loader with a generator of its own: the workers' seed is drawn from it as of ``iter()``, and the
+    generator has moved by that draw when the first batch is out, whatever draws from it meanwhile."""
+    data = write_columnar(tmp_path / "d")
+    seeds = tmp_path / "seeds"
+    seeds.mkdir()
+    monkeypatch.setenv("SMALTI_TEST_SEEDS", str(seeds))
+    expected = torch.Generator().manual_seed(7)
+    base_seed = torch.empty((), dtype=torch.int64).random_(generator=expected).item()
+    own = torch.Generator().manual_seed(7)
+    loader = StreamingDataLoader(StreamingDataset(local=str(data), batch_size=8, shuffle=True), batch_size=8,
+                                 num_workers=2, generator=own, worker_init_fn=_record_seed)
+    it = iter(loader)
+    next(it)
+    assert torch.equal(own.get_state(), expected.get_state())
+    torch.rand(3, generator=own)  # a draw between the batches does not change the workers' seed
+    list(it)
+    assert {int(p.name): int(p.read_text()) for p in seeds.iterdir()} == {0: base_seed, 1: base_seed + 1}
+
+
 def test_a_load_state_dict_after_the_first_batch_does_not_reach_the_epoch_in_progress(tmp_path):
     """A state loaded after the first batch, with another ``num_canonical_nodes`` (so another order), does not
     reach the workers started after it: the epoch in progress goes on in its own order."""

@@ -216,15 +216,14 @@ class StreamingDataLoader(DataLoader):
 
     def _as_at_iter(self) -> tuple[torch.Generator, dict[str, Any]]:
         """What starting the workers at ``iter()`` would have used: the generator torch draws their base seed
-        from, and the dataset's state that decides the epoch's order and where it starts. Without a generator
-        of the loader's own, torch draws from the global one (the model's stream): that draw is made now, into
-        a copy the workers' start then draws from, so the global stream moves exactly where it did when the
-        workers started at ``iter()``."""
-        generator = self.generator
-        if generator is None:
-            generator = torch.Generator()
-            generator.set_state(torch.get_rng_state())
-            torch.empty((), dtype=torch.int64).random_()
+        from, and the dataset's state that decides the epoch's order and where it starts. torch draws that
+        seed from the loader's generator, or from the global one (the model's stream) when it has none: the
+        generator is copied now and moved by that one draw, and the workers' start draws from the copy, so
+        each stream moves exactly where it did when the workers started at ``iter()``."""
+        source = self.generator
+        generator = torch.Generator(device=source.device if source is not None else "cpu")
+        generator.set_state(source.get_state() if source is not None else torch.get_rng_state())
+        torch.empty((), dtype=torch.int64).random_(generator=source)
         ds = self.streaming_dataset
         return generator, {name: getattr(ds, name) for name in _ORDER_STATE}
 
