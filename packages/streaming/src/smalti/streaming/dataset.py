@@ -399,6 +399,15 @@ class StreamingDataset(IterableDataset):
             threading.Thread(target=self._warm_some, args=(todo,), daemon=True,
                              name=f"smalti-streaming-warm-up-{k}").start()
 
+    def _first_batch_ids(self) -> np.ndarray | None:
+        """The sample ids of this rank's first batch in what remains of the current epoch (``None``: nothing
+        remains). ``-1`` (the padding of a resumed epoch's last batch) is left out, as :meth:`_steps` does."""
+        grid = self._remaining_grid(self.epoch)
+        if not len(grid):
+            return None
+        row = grid[0, self.dp_rank * self.batch_size : (self.dp_rank + 1) * self.batch_size]
+        return row[row >= 0]
+
     def _plan_first_rows(self, mine: set[int]) -> list[tuple[int, tuple[np.ndarray, bool, Future]]]:
         """``(shard, (rows, download, future))`` for each shard of this rank's first batch whose rows the
         warm-up reads from the zip: zstd shards not local yet, whose zip is here or is this process's to
@@ -406,11 +415,9 @@ class StreamingDataset(IterableDataset):
         the zip has no seek table or anything fails (the batch is then made from whole shards, which meets
         and reports the failure)."""
         self._first_rows, self._first_rows_ids = {}, None
-        grid = self._remaining_grid(self.epoch)
-        if not len(grid):
+        ids = self._first_batch_ids()
+        if ids is None:
             return []
-        row = grid[0, self.dp_rank * self.batch_size : (self.dp_rank + 1) * self.batch_size]
-        ids = row[row >= 0]
         plan = []
         for shard, _, offs in self._groups(ids):
             si, entry = self._shards[shard]

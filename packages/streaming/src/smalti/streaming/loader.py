@@ -160,12 +160,8 @@ class StreamingDataLoader(DataLoader):
         if not (self.batched and self.num_workers and view.bundles and self.streaming_dataset.predownload > 0):
             return None
         ds = self.streaming_dataset
-        grid = ds._remaining_grid(ds.epoch)
-        if not len(grid):
-            return None
-        row = grid[0, ds.dp_rank * ds.batch_size : (ds.dp_rank + 1) * ds.batch_size]
-        ids = row[row >= 0]  # -1: padding of a resumed epoch's last batch, as StreamingDataset._steps drops it
-        if not len(ids) or (len(ids) < ds.batch_size and view.drop_last):
+        ids = ds._first_batch_ids()  # the same ids the warm-up reads ahead (see StreamingDataset._rows_ahead)
+        if ids is None or not len(ids) or (len(ids) < ds.batch_size and view.drop_last):
             return None
         return ids
 
