@@ -102,6 +102,8 @@ class ReadPipeline:
                 f"{buffers} of {chunk_bytes}"
             )
         self.chunk_bytes = chunk_bytes
+        # buffers of the pool's size are borrowed from it and given back at close; other sizes are mapped
+        self._pool = BOUNCE_POOL if chunk_bytes == CHUNK_BYTES else None
         self._free: list[memoryview] = []
         # allocated by the I/O threads as they first need them: the first read starts after mapping 16 MiB, not
         # all of them, and the caller goes on meanwhile (mapping costs 10-35 ms per 64 MiB here)
@@ -150,8 +152,8 @@ class ReadPipeline:
         for job in self._jobs:
             self._close_file(job)
         self._jobs.clear()
-        if self.chunk_bytes == CHUNK_BYTES:  # no thread reads into them any more
-            BOUNCE_POOL.give(self._free)
+        if self._pool is not None:  # no thread reads into them any more
+            self._pool.give(self._free)
             self._free = []
 
     # --- the I/O threads
@@ -197,11 +199,8 @@ class ReadPipeline:
             result: tuple[int, memoryview] | BaseException
             try:
                 if buffer is None:
-                    buffer = (
-                        BOUNCE_POOL.take(1)[0]
-                        if self.chunk_bytes == CHUNK_BYTES
-                        else huge_page_buffer(self.chunk_bytes)
-                    )
+                    pool = self._pool
+                    buffer = pool.take(1)[0] if pool is not None else huge_page_buffer(self.chunk_bytes)
                 result = (self._read(job, buffer[:length], offset), buffer)
             except Exception as exc:  # any failure reaches the reader, named; a dead thread would hang it
                 result = CheckpointError(f"reading checkpoint file {job.path} at byte {offset}: {exc!r}")
