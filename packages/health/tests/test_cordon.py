@@ -52,6 +52,24 @@ def test_a_file_that_is_not_a_cordon_list_names_the_file(tmp_path):
     assert bad.read_text() == "[{\"reason\": \"no host\"}]"  # the bad file is left as it was
 
 
+def test_only_host_names_are_written_or_read(tmp_path):
+    """The list is shared and launchers write its hosts into job scripts: nothing else gets in, or out."""
+    path = tmp_path / "cordon.json"
+    add_to_cordon(str(path), "node-a", "XID 79\nthen ECC")
+    for bad in ("node-b\ntouch /tmp/x #", "node b", "$(id)"):
+        with pytest.raises(HealthError, match="not a host name"):
+            add_to_cordon(str(path), bad, "test")
+    assert [(h.host, h.reason) for h in read_cordon(str(path))] == [("node-a", "XID 79 then ECC")]
+    # A list another job tampered with is refused as a whole, naming the entry; it is left as it was.
+    tampered = json.loads(path.read_text())
+    tampered["cordoned"].append({"host": "gpu-9\ntouch /tmp/x #", "reason": "x"})
+    path.write_text(json.dumps(tampered))
+    with pytest.raises(HealthError, match="entry 1"):
+        read_cordon(str(path))
+    assert main(["cordon", "add", "node-z", "--file", str(path)]) == 2
+    assert json.loads(path.read_text()) == tampered
+
+
 def test_cordon_on_s3(s3_server, s3_bucket):
     import boto3
     import yaml

@@ -20,6 +20,7 @@ from typing import Any
 
 from smalti.core.launch.cordon import CordonedHost, parse_cordon
 from smalti.core.launch.errors import LaunchError
+from smalti.core.launch.script_values import check_host_name, one_line
 from smalti.health.errors import HealthError
 from smalti.storage import ObjectStore, StorageError, open_object
 
@@ -96,10 +97,15 @@ def _update(path: str, change: Callable[[list[dict[str, Any]]], list[dict[str, A
 
 
 def add_to_cordon(path: str, host: str, reason: str) -> None:
-    """Cordon ``host`` in ``path`` (created if missing); a host already there gets the new reason and time."""
-    if not host.strip():
-        raise HealthError(f"cordon file {path}: cannot cordon an empty host name")
-    entry = {"host": host, "reason": reason, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    """Cordon ``host`` in ``path`` (created if missing); a host already there gets the new reason and time.
+
+    ``host`` must be one valid host name (launchers write it into job scripts); the reason is folded onto one line.
+    """
+    try:
+        check_host_name(host, f"cordon file {path}: host to cordon")
+    except LaunchError as exc:
+        raise HealthError(str(exc)) from exc
+    entry = {"host": host, "reason": one_line(reason), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     _update(path, lambda entries: [e for e in entries if e["host"] != host] + [entry])
 
 

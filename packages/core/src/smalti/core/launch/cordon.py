@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from smalti.core.launch.errors import LaunchError
+from smalti.core.launch.script_values import check_host_name, one_line
 
 _HOST_KEYS = ("host", "hostname", "node")
 _LIST_KEYS = ("cordoned", "nodes", "hosts")
@@ -41,7 +42,12 @@ def read_cordon_file(path: str | os.PathLike[str]) -> list[CordonedHost]:
 
 
 def parse_cordon(data: Any, source: str = "<cordon>") -> list[CordonedHost]:
-    """Normalise any accepted cordon shape (see the module docstring) to a list of :class:`CordonedHost`."""
+    """Normalise any accepted cordon shape (see the module docstring) to a list of :class:`CordonedHost`.
+
+    Every host must be one valid host name (:data:`~smalti.core.launch.script_values.HOST_NAME`): launchers write
+    them into job scripts, so an entry holding a newline or a shell character refuses the whole file, naming it.
+    Reasons are free text, folded onto one line.
+    """
     if data is None:
         return []
     if isinstance(data, dict):
@@ -64,7 +70,7 @@ def parse_cordon(data: Any, source: str = "<cordon>") -> list[CordonedHost]:
                 f"cordon file {source}: entry {i} ({entry!r}) names no host; use a host name or a mapping "
                 f"with one of {', '.join(_HOST_KEYS)}"
             )
-        host = str(host).strip()
-        if host and host not in out:
-            out[host] = CordonedHost(host, str(reason))
+        host = check_host_name(str(host).strip(), f"cordon file {source}: entry {i}")
+        if host not in out:
+            out[host] = CordonedHost(host, one_line(str(reason)))
     return list(out.values())

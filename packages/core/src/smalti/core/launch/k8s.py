@@ -30,6 +30,14 @@ import yaml
 
 from smalti.core.launch.cordon import CordonedHost
 from smalti.core.launch.errors import LaunchError
+from smalti.core.launch.script_values import (
+    IMAGE_REFERENCE,
+    check_all_no_control,
+    check_env,
+    check_host_name,
+    check_no_control,
+    check_pattern,
+)
 from smalti.core.launch.torchrun import TorchrunSettings, train_command
 
 API_VERSION = "kubeflow.org/v1"
@@ -77,6 +85,15 @@ class PyTorchJobOptions:
             raise LaunchError("--gpus-per-node must be >= 0 and --nproc-per-node >= 1")
         if self.max_restarts < 0 or self.backoff_limit < 0:
             raise LaunchError("--max-restarts and --backoff-limit must be >= 0")
+        check_pattern(self.image, IMAGE_REFERENCE, "--image", "an image reference ([registry/]path[:tag][@digest])")
+        for flag, value in (("--namespace", self.namespace), ("--pvc", self.pvc)):
+            if value is not None and (len(value) > 63 or not _DNS_LABEL.match(value)):
+                raise LaunchError(f"{flag} {value!r} is not a valid name: lower-case letters, digits and '-'")
+        check_no_control(self.mount_path, "--mount-path")
+        check_env(self.env, "--env")
+        check_all_no_control(self.overrides, "overrides")
+        for i, cordoned in enumerate(self.cordoned):
+            check_host_name(cordoned.host, f"cordoned host {i}")
 
     @property
     def procs_per_node(self) -> int:

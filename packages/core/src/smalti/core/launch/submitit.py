@@ -24,6 +24,7 @@ from typing import Any
 
 from smalti.core.errors import ConfigError
 from smalti.core.launch.cordon import read_cordon_file
+from smalti.core.launch.script_values import check_slurm_params
 from smalti.core.launch.torchrun import PORT_BASE, PORT_SPAN, TorchrunSettings
 
 log = logging.getLogger(__name__)
@@ -87,11 +88,16 @@ def add_cordon_exclude(params: dict[str, Any], cordon_file: str | None) -> None:
 def prepare_slurm_params(
     params: dict[str, Any], settings: TorchrunSettings, cordon_file: str | None
 ) -> dict[str, Any]:
-    """hydra-submitit-launcher's Slurm params with smalti's torchrun setup lines and cordon excludes added."""
+    """hydra-submitit-launcher's Slurm params with smalti's torchrun setup lines and cordon excludes added.
+
+    Every value is then checked (:func:`~smalti.core.launch.script_values.check_slurm_params`): none can add a
+    line of its own to the sbatch script.
+    """
     params = dict(params)
     check_one_task_per_node(params)
     params["setup"] = slurm_setup_lines(settings, params.get("gpus_per_node")) + list(params.get("setup") or [])
     add_cordon_exclude(params, cordon_file)
+    check_slurm_params(params)
     return params
 
 
