@@ -6,7 +6,8 @@ import subprocess
 
 import pytest
 
-from smalti.core.run_name import generate_run_name, is_generated, stable_name_from_env
+from smalti.core.errors import ConfigError
+from smalti.core.run_name import check_run_name, generate_run_name, is_generated, stable_name_from_env
 from smalti.testing.train_cli import smalti_train as train
 
 QUICK = ["model=mlp", "data=synthetic", "trainer.max_duration=3ba", "trainer.eval_interval=100ba", "callbacks=[]",
@@ -62,3 +63,26 @@ def test_stable_names_come_from_the_user_or_launcher(env, expected):
 def test_generated_names_are_readable_and_not_stable():
     names = {generate_run_name() for _ in range(20)}
     assert len(names) > 1 and all(GENERATED.match(n) and is_generated(n) for n in names)
+
+
+@pytest.mark.parametrize("bad", ["../../../escaped", "a/b", "/abs", ".hidden", "-flag", "x" * 201, "a b", "a\nb"])
+def test_a_run_name_from_the_environment_is_one_safe_folder_name(bad):
+    with pytest.raises(ConfigError, match=r"\$SMALTI_RUN_NAME=.*not a valid run name"):
+        stable_name_from_env({"SMALTI_RUN_NAME": bad})
+    with pytest.raises(ConfigError, match=r"\$TORCHELASTIC_RUN_ID"):
+        stable_name_from_env({"TORCHELASTIC_RUN_ID": bad})
+    assert check_run_name("llama3-8b_sft.v2+lr=3e-4", "run_name") == "llama3-8b_sft.v2+lr=3e-4"
+
+
+def test_an_escaping_run_name_stops_the_run_before_any_folder_is_made(tmp_path):
+    work = tmp_path / "a" / "b" / "work"
+    work.mkdir(parents=True)
+    out = train(QUICK, work, env={"SMALTI_RUN_NAME": "../../../escaped"})
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines() == [
+        "smalti-train: config error: $SMALTI_RUN_NAME='../../../escaped' is not a valid run name: it must be one "
+        "folder name of at most 200 letters, digits and '._-+=@,', not starting with '.' or '-' (it names the run's "
+        "output and checkpoint folders)"]
+    out = train([*QUICK, "run_name=../up"], work)
+    assert out.returncode == 2 and "run_name='../up' is not a valid run name" in out.stderr, out.stderr[-3000:]
+    assert not (tmp_path / "escaped").exists() and not (work / "up").exists() and not (work / "outputs").exists()

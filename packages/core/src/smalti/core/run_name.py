@@ -29,6 +29,9 @@ RESOLVER = "smalti_run_name"
 OUTPUT_DIR_RESOLVER = "smalti_output_dir"
 LATEST = "latest"
 _STORE_KEY = "smalti/run_name"
+#: A run name is one path component: letters, digits and ``. _ - + = @ ,``, not starting with '.' or '-'.
+SAFE_RUN_NAME = re.compile(r"^[A-Za-z0-9_+=@,][A-Za-z0-9._+=@,-]{0,199}$")
+CHECKED_NAME_RESOLVER = "smalti_checked_run_name"
 _UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$", re.IGNORECASE)
 
 _ADJECTIVES = (
@@ -43,6 +46,18 @@ _NOUNS = (
 #: Names this process generated (not given by the user or launcher): not usable for autoresume.
 _generated: set[str] = set()
 _process_name: str | None = None
+
+
+def check_run_name(name: str, source: str) -> str:
+    """``name`` when it is one safe path component (:data:`SAFE_RUN_NAME`); else a :class:`ConfigError` naming
+    ``source`` (the variable or key it came from). Run names become folder names (``outputs/<name>``, checkpoint
+    folders, bucket keys), so ``../x`` or ``a/b`` would put a run's files outside its folder."""
+    if not SAFE_RUN_NAME.match(name):
+        raise ConfigError(
+            f"{source}={name!r} is not a valid run name: it must be one folder name of at most 200 letters, digits "
+            "and '._-+=@,', not starting with '.' or '-' (it names the run's output and checkpoint folders)"
+        )
+    return name
 
 
 def generate_run_name(rng: random.Random | None = None) -> str:
@@ -68,12 +83,12 @@ def stable_name_from_env(env: dict[str, str] | None = None) -> str | None:
     """The name the user or launcher gives through the environment, else ``None``."""
     env = dict(os.environ) if env is None else env
     if env.get(RUN_NAME_ENV):
-        return env[RUN_NAME_ENV]
+        return check_run_name(env[RUN_NAME_ENV], f"${RUN_NAME_ENV}")
     run_id = env.get("TORCHELASTIC_RUN_ID", "")
     if run_id and run_id != "none" and not _UUID.match(run_id):  # --standalone makes a random uuid
-        return run_id
+        return check_run_name(run_id, "$TORCHELASTIC_RUN_ID (torchrun --rdzv-id)")
     if env.get("SLURM_JOB_ID"):
-        return f"slurm-{env['SLURM_JOB_ID']}"
+        return check_run_name(f"slurm-{env['SLURM_JOB_ID']}", "$SLURM_JOB_ID")
     return None
 
 
@@ -108,7 +123,7 @@ def process_run_name() -> str:
     if _process_name is None:
         name = stable_name_from_env()
         if name is None and os.environ.get(SWEEP_NAME_ENV):
-            name = os.environ[SWEEP_NAME_ENV]
+            name = check_run_name(os.environ[SWEEP_NAME_ENV], f"${SWEEP_NAME_ENV}")
             mark_generated(name)
         if name is None:
             name = _agreed_under_torchrun()
@@ -145,7 +160,7 @@ def resolve_run_name(part: str = "", *, _root_: Any = None) -> str:
         node = _root_._get_node("run_name")
         raw = node._value() if node is not None else None
         if not (isinstance(raw, str) and raw.startswith("${" + RESOLVER)):
-            return str(_root_.run_name)
+            return check_run_name(str(_root_.run_name), "run_name")
     base = process_run_name()
     if part == "sweep":
         if is_generated(base):
@@ -183,6 +198,9 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver(RESOLVER, resolve_run_name, use_cache=False)
     if not OmegaConf.has_resolver(OUTPUT_DIR_RESOLVER):
         OmegaConf.register_new_resolver(OUTPUT_DIR_RESOLVER, resolve_output_dir, use_cache=False)
+    if not OmegaConf.has_resolver(CHECKED_NAME_RESOLVER):
+        OmegaConf.register_new_resolver(CHECKED_NAME_RESOLVER, lambda name: check_run_name(str(name), "run_name"),
+                                        use_cache=False)
 
 
 def check_autoresume(cfg: Any) -> None:
@@ -224,7 +242,8 @@ def update_latest(output_dir: str | os.PathLike[str], root: str | os.PathLike[st
 
 
 def start_hydra_run(cfg: Any) -> None:
-    """What ``smalti-train`` does first in every run: refuse unstable autoresume, point ``outputs/latest``."""
+    """What ``smalti-train`` does first in every run: check the name, refuse unstable autoresume, point ``outputs/latest``."""
+    check_run_name(str(cfg.run_name), "run_name")
     check_autoresume(cfg)
     from hydra.core.hydra_config import HydraConfig
 

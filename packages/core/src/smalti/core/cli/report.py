@@ -45,6 +45,19 @@ def _compose_error_lines(exc: BaseException) -> str:
     return text
 
 
+def _config_error_cause(exc: BaseException) -> BaseException | None:
+    """The :class:`~smalti.core.errors.ConfigError` that ``exc`` wraps (a resolver's check, say), if any."""
+    from smalti.core.errors import ConfigError
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, ConfigError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def install_hydra_exit_code(prog: str) -> None:
     """Make Hydra's composition errors exit with code 2 (instead of 1), in the short form (idempotent).
 
@@ -70,6 +83,11 @@ def install_hydra_exit_code(prog: str) -> None:
                 else:
                     print(format_config_error(_compose_error_lines(exc), prog), file=sys.stderr, flush=True)
                 sys.exit(CONFIG_ERROR_EXIT)
+            except Exception as exc:  # a smalti check inside a resolver (the run name, say): its message only
+                cause = _config_error_cause(exc)
+                if cause is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+                    raise
+                sys.exit(report_config_error(cause, prog))
 
         return original(guarded)
 
