@@ -199,3 +199,51 @@ def test_state_that_only_full_unpickling_could_read_back_fails_the_save_naming_i
     with pytest.raises(CheckpointError, match=r"fractions\.Fraction.*plugin_state_dict"):
         trainer.fit()
     assert not (tmp_path / "ep0-ba2" / "manifest.json").exists()
+
+
+def _build_on_global(module, name, state):
+    """A pickle that names an allowed global and sets attributes on it with BUILD, then ends in a real Metadata
+    (so only the BUILD is wrong): protocol 2 opcodes written by hand."""
+    meta = pickle.dumps(read_dcp_metadata_default(), protocol=2)[2:-1]  # the Metadata, without PROTO and STOP
+    return (b"\x80\x02" + pickle.GLOBAL + f"{module}\n{name}\n".encode() + pickle.dumps(state, protocol=2)[2:-1]
+            + pickle.BUILD + pickle.POP + meta + pickle.STOP)
+
+
+def read_dcp_metadata_default():
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    return Metadata(state_dict_metadata={})
+
+
+BUILD_ATTACKS = {
+    # a class attribute every later path gets
+    "class attribute": ("pathlib", "PurePosixPath", (None, {"owned_by_ckpt": True})),
+    # the layout cache torch.load(weights_only=True) reads: torch.strided would come back as a string
+    "function state": ("torch.serialization", "_get_layout", {"cache": {"torch.strided": "pwned"}}),
+    # an unhashable MetadataIndex breaks every later checkpoint load in the process
+    "dunder on a class": ("torch.distributed.checkpoint.metadata", "MetadataIndex", (None, {"__hash__": None})),
+}
+
+
+@pytest.mark.parametrize("attack", list(BUILD_ATTACKS))
+def test_a_metadata_pickle_cannot_set_attributes_on_allowed_classes_or_functions(tmp_path, saved, attack):
+    import pathlib
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    module, name, state = BUILD_ATTACKS[attack]
+    path = tmp_path / ".metadata"
+    path.write_bytes(_build_on_global(module, name, state))
+    layout_cache = dict(torch.serialization._get_layout.cache)
+    with pytest.raises(UnsafeCheckpointError, match=rf"{path}.*BUILD \(setting attributes\) on {name}"):
+        read_dcp_metadata(path)
+    # the process is as it was: nothing the file said reached the class, the function or the cache
+    assert not hasattr(pathlib.PurePosixPath, "owned_by_ckpt")
+    assert torch.serialization._get_layout.cache == layout_cache
+    assert hash(MetadataIndex("w")) == hash(MetadataIndex("w"))
+    buffer = io.BytesIO()
+    torch.save(torch.ones(2), buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=True).layout is torch.strided
+    # and real metadata still reads, dataclass BUILDs included
+    assert read_dcp_metadata(saved / "ep0-ba4" / ".metadata").state_dict_metadata

@@ -79,9 +79,32 @@ def _metadata_globals() -> dict[tuple[str, str], Any]:
     return allowed
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+@cache
+def _buildable_types() -> tuple[type, ...]:
+    """The classes whose instances a metadata pickle may fill in with ``BUILD``: DCP's metadata dataclasses."""
+    from torch.distributed.checkpoint import metadata as md
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return (md.Metadata, md.MetadataIndex, md.TensorStorageMetadata, md.BytesStorageMetadata,
+            md.ChunkStorageMetadata, md.TensorProperties, md.StorageMeta, _StorageInfo)
+
+
+class _MetadataUnpickler(pickle._Unpickler):
     """An unpickler that resolves only :func:`_metadata_globals` (every way a pickle reaches code goes through
-    ``find_class``: GLOBAL, STACK_GLOBAL, INST, OBJ and the copyreg extension codes) and no persistent ids."""
+    ``find_class``: GLOBAL, STACK_GLOBAL, INST, OBJ and the copyreg extension codes), no persistent ids, and
+    ``BUILD`` only on an instance of DCP's metadata dataclasses that this load itself created.
+
+    ``BUILD`` sets attributes on whatever object is on the stack: on an allowed class or function (``PurePosixPath``,
+    ``MetadataIndex``, ``torch.serialization._get_layout``) it would change the running process for every later
+    caller, whatever happens to the rest of the file. It is the pure-Python unpickler (``pickle._Unpickler``),
+    whose opcode table can be changed; the C one's cannot.
+    """
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def __init__(self, file: Any) -> None:
+        super().__init__(file)
+        self._created: dict[int, Any] = {}  # id -> object (kept alive, so that an id is never reused)
 
     def find_class(self, module: str, name: str) -> Any:
         try:
@@ -91,6 +114,42 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         raise _Refused(f"persistent id {pid!r}")
+
+    def _creating(op: Any) -> Any:  # noqa: N805 - wraps an opcode handler of the table below
+        """The handler of an opcode that makes an object: the object it leaves on the stack is noted as
+        created by this load (only DCP's dataclasses: the other allowed callables return shared objects)."""
+
+        def handler(self: _MetadataUnpickler) -> None:
+            op(self)
+            if self.stack and isinstance(self.stack[-1], _buildable_types()):
+                self._created[id(self.stack[-1])] = self.stack[-1]
+
+        return handler
+
+    def _build(self) -> None:
+        if len(self.stack) < 2:
+            raise _Refused("BUILD with nothing to build")
+        inst, state = self.stack[-2], self.stack[-1]
+        if id(inst) not in self._created:
+            what = getattr(inst, "__qualname__", None) if callable(inst) else None
+            what = what or type(inst).__qualname__
+            raise _Refused(f"BUILD (setting attributes) on {what}, which this file did not create")
+        # A class with its own __setstate__ (TensorProperties) reads its state itself; the default sets attributes
+        parts = () if "__setstate__" in type(inst).__dict__ else \
+            state if isinstance(state, tuple) and len(state) == 2 else (state,)
+        for part in parts:
+            if part is not None and (not isinstance(part, dict) or
+                                     any(not isinstance(k, str) or k.startswith("__") for k in part)):
+                raise _Refused(f"BUILD with state {type(part).__name__} (only plain attribute names are allowed)")
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.REDUCE[0]] = _creating(pickle._Unpickler.load_reduce)
+    dispatch[pickle.NEWOBJ[0]] = _creating(pickle._Unpickler.load_newobj)
+    dispatch[pickle.NEWOBJ_EX[0]] = _creating(pickle._Unpickler.load_newobj_ex)
+    dispatch[pickle.OBJ[0]] = _creating(pickle._Unpickler.load_obj)
+    dispatch[pickle.INST[0]] = _creating(pickle._Unpickler.load_inst)
+    dispatch[pickle.BUILD[0]] = _build
+    del _creating
 
 
 def check_inside(rel: Any, where: str, what: str = "lists") -> str:
