@@ -44,6 +44,7 @@ def test_redact_urls_and_keys_naming_secrets():
 
 
 def run_train(tmp_path, tracking_uri, extra=()):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MLFLOW_TRACKING_URI": tracking_uri, "WANDB_MODE": "offline",
            "WANDB_SILENT": "true", "SMALTI_TEST_SERVICE_KEY": ENV_SECRET, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
            "SMALTI_RUN_NAME": "redaction"}
@@ -53,7 +54,9 @@ def run_train(tmp_path, tracking_uri, extra=()):
             f"+logger.mlflow.tags.api_token={TAG_TOKEN}",
             "+logger.mlflow.tags.service_credential=${oc.env:SMALTI_TEST_SERVICE_KEY}",
             f"+hydra.job.env_set.SMALTI_DB_PASSWORD={ENV_SET}", *extra]
-    return subprocess.run([sys.executable, "-m", "smalti.core.cli.train", *args], cwd=tmp_path, env=env,
+    flags = [a for a in args if a == "-m"]  # Hydra's flags come before the overrides
+    args = [a for a in args if a != "-m"]
+    return subprocess.run([sys.executable, "-m", "smalti.core.cli.train", *flags, *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -95,3 +98,73 @@ def test_no_canary_in_any_file_or_console_output_of_a_run(tmp_path, mlflow_serve
     assert files_with_canaries(tmp_path, mlflow_server.root) == []
     console = out.stdout + out.stderr
     assert [c for c in CANARIES if c in console] == []
+
+
+def test_more_secret_keys_values_and_bytes():
+    for key in ("auth", "Authorization", "db_pwd", "x.pass", "passphrase", "cookie", "session", "SESSION_ID",
+                "bearer", "signature", "sas", "sas_url", "sentry_dsn", "connection_string", "webhook_url",
+                "slack_webhook-url", "stripe_key", "+x.db_password"):
+        assert redact({key: "v"}) == {key: REDACTED}, key
+    for key in ("passes", "compass", "bypass", "prompt_key", "text_key", "max_tokens", "tokenizer", "full_key"):
+        assert redact({key: "v"}) == {key: "v"}, key
+    # a password holding '@' is taken whole; a secret query parameter after another one too
+    assert redact_url("https://user:p@ss@host/x") == f"https://{REDACTED}@host/x"
+    assert redact("see https://h/x?a=1&password=pw9&b=2") == f"see https://h/x?a=1&password={REDACTED}&b=2"
+    assert redact(b"uri https://u:pw@h and api_key=k1") == f"uri https://{REDACTED}@h and api_key={REDACTED}".encode()
+    assert redact('{"db_password": "abc123", "n": 1}') == f'{{"db_password": "{REDACTED}", "n": 1}}'
+    assert redact("Timestamp(batch=2, token=512)") == "Timestamp(batch=2, token=512)"  # counts are no secret
+
+
+def test_remembered_secrets_and_log_records_are_redacted(caplog):
+    import logging
+
+    from smalti.core.redact import install_log_redaction, redact_text, remember_secrets
+
+    remember_secrets({"db": {"pass": "cnryrem1a"}, "overrides": ["+x.sas=cnryrem2b"], "n": {"api_key": 12345678}})
+    assert redact_text("bad value 'cnryrem1a' for x; cnryrem2b; 12345678") == f"bad value '{REDACTED}' for x; " \
+        f"{REDACTED}; {REDACTED}"
+    install_log_redaction()
+    with caplog.at_level(logging.INFO):
+        logging.getLogger("hydra.some.launcher").info("\t#0 : %s", "+db.auth=cnryrem3c lr=0.1 cnryrem1a")
+    assert caplog.records[-1].getMessage() == f"\t#0 : +db.auth={REDACTED} lr=0.1 {REDACTED}"
+
+
+WITH_AT = "cnryat7a1"  # the tail of a URL password that holds '@'
+QUERY_PW = "cnryqry2b"  # password= after another query parameter
+DB_PWD = "cnrypwd5c"  # a key the old rule did not count as secret
+BAD_VALUE = "cnrybad8d"  # quoted back by a config error
+MORE = [WITH_AT, QUERY_PW, DB_PWD, BAD_VALUE]
+
+
+def secret_overrides():
+    return ["+logger.mlflow.tags.db_pwd=" + DB_PWD,
+            f"+logger.mlflow.tags.endpoint='https://svc:pa@{WITH_AT}@host/x?a=1&password={QUERY_PW}'"]
+
+
+def no_canary_anywhere(out, *roots):
+    console = out.stdout + out.stderr
+    assert [c for c in CANARIES + MORE if c in console] == [], console[-3000:]
+    assert files_with_canaries(*roots) == []
+    for root in roots:
+        assert [p for p in Path(root).rglob("*") if p.is_file() and any(c.encode() in p.read_bytes() for c in MORE)] == []
+
+
+def test_sweeps_failures_and_config_errors_print_and_save_no_canary(tmp_path, mlflow_server):
+    host = mlflow_server.tracking_uri.removeprefix("http://")
+    uri = f"http://{USERINFO}:{PASSWORD}@{host}"
+    base = ["logger=[console,jsonl,mlflow]", *secret_overrides()]
+    # A sweep: Hydra's launcher lists every point's overrides; the .hydra files are smalti's, owner-only.
+    sweep = run_train(tmp_path / "sweep", uri, ["-m", "optimizer.lr=1e-3,2e-3", *base])
+    assert sweep.returncode == 0, sweep.stderr[-4000:]
+    assert f"tags.db_pwd={REDACTED}" in sweep.stdout + sweep.stderr
+    saved = sorted((tmp_path / "sweep" / "multirun").glob("*/*/.hydra/*.yaml"))
+    assert len(saved) == 6 and {p.stat().st_mode & 0o777 for p in saved} == {0o600}
+    # A job that fails after it started: Hydra prints its overrides and the traceback.
+    failed = run_train(tmp_path / "fail", uri, ["-m", *base, "checkpoint=dcp", "checkpoint.save_folder=/dev/null/ck"])
+    assert failed.returncode != 0 and "Error executing job with overrides" in failed.stderr, failed.stderr[-4000:]
+    # A config error quoting the bad value, which the command line also gave as a secret.
+    bad = run_train(tmp_path / "bad", uri, [*base, f"trainer.max_duration={BAD_VALUE}",
+                                           f"+logger.mlflow.tags.auth={BAD_VALUE}"])
+    assert bad.returncode == 2 and "max_duration" in bad.stderr, bad.stderr[-4000:]
+    for out in (sweep, failed, bad):
+        no_canary_anywhere(out, tmp_path, mlflow_server.root)

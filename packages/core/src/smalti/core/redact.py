@@ -1,34 +1,73 @@
 """Credentials out of everything smalti prints, logs or saves: URL userinfo and the values of secret-named keys.
 
 :func:`redact` is applied where a config leaves the process: the ``log_hyperparameters`` dispatch (every
-logger: console, JSONL, MLflow, W&B), the run's saved ``.hydra`` files, and logger tags. The objects a run
+logger: console, JSONL, MLflow, W&B), the run's saved ``.hydra`` files, and logger tags; and
+:func:`install_log_redaction` passes every log record of the process (smalti's and Hydra's: the sweep launcher's
+list of overrides, "Error executing job with overrides") through :func:`redact_text`. The objects a run
 builds keep the real values (a tracker still authenticates with the password in its URI).
 
-A key names a secret when it contains, ignoring case, ``password``, ``passwd``, ``secret``, ``credential``,
-``api_key``, ``access_key``, ``private_key`` (``-`` or nothing in place of ``_`` too) or ``token`` — except
-``tokens`` and ``tokenizer``, which count or split text (``max_tokens``, ``data.tokenizer``) and are kept.
+A key names a secret when, ignoring case and with ``-`` read as ``_``, it contains ``password``, ``passwd``,
+``passphrase``, ``secret``, ``credential``, ``api_key``, ``access_key``, ``private_key``, ``authorization``,
+``cookie``, ``bearer``, ``signature``, ``connection_string``, ``webhook_url`` or ``token`` (except ``tokens`` and
+``tokenizer``, which count or split text); when one of its words (split at ``_``, ``.``, digits and case changes)
+is ``auth``, ``pwd``, ``pass``, ``session``, ``sas`` or ``dsn``; or when it ends in ``_key`` (except the data
+column names ``prompt_key``, ``response_key``, ``text_key``, ``messages_key`` and OmegaConf's ``full_key``).
+
+Besides the patterns, the values found under secret keys of a run's config are remembered
+(:func:`remember_secrets`), and any later text that holds one of them has it replaced too: a config error
+that quotes the bad value, an exception message, a command line.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 #: What a secret is replaced with.
 REDACTED = "***"
 
-_SECRET_KEY = re.compile(r"password|passwd|secret|credential|api_?key|access_?key|private_?key|token(?!s|iz)",
-                         re.IGNORECASE)
-# scheme://userinfo@host: the userinfo (user, user:password or a bare token) up to the last '@' of the authority.
-_URL_USERINFO = re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.\-]*://)[^/?#\s@]+@")
-# key=value inside a string (Hydra overrides, override_dirname, command lines) whose key names a secret.
-_ASSIGNMENT = re.compile(r"([\w.+~/\-]+)=([^\s,]*)")
+_SECRET_PART = re.compile(
+    r"password|passwd|passphrase|secret|credential|api_?key|access_?key|private_?key|authorization|cookie|bearer"
+    r"|signature|connection_?string|webhook_?url|token(?!s|iz)",
+    re.IGNORECASE,
+)
+_SECRET_WORDS = frozenset({"auth", "pwd", "pass", "session", "sas", "dsn"})
+#: ``*_key`` names that are data column names, not secrets.
+_NOT_SECRET_KEYS = frozenset({"prompt_key", "response_key", "text_key", "messages_key", "full_key"})
+_WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
+# scheme://userinfo@host: the userinfo (user, user:password or a bare token) up to the LAST '@' of the
+# authority, so a password holding '@' is taken whole.
+_URL_USERINFO = re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.\-]*://)[^/?#\s]*@")
+# key=value inside a string (Hydra overrides, override_dirname, command lines, URL queries) whose key names a
+# secret; the value stops at whitespace, ',', '&' and ';' (the separators of overrides and queries).
+_ASSIGNMENT = re.compile(r"([\w.+~/\-]+)=([^\s,&;'\"]*)")
+# "key": "value" and key: value (JSON, YAML and Python reprs in messages).
+_COLON_ASSIGNMENT = re.compile(r"""(["']?)([\w.\-]+)\1(\s*:\s*)(["']?)([^\s,"'}\]]+)\4""")
+# A plain number after a secret-looking key is a count (``Timestamp(token=512)``), not a secret; a number given
+# as a secret in the config is still remembered and replaced (:func:`remember_secrets`).
+_NUMBER = re.compile(r"^-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?[)\]}]*$")
+#: Remembered secret values shorter than this are not searched for (too likely to match by chance).
+MIN_REMEMBERED = 4
+
+_remembered: set[str] = set()
+_remembered_lock = threading.Lock()
 
 
 def is_secret_key(key: object) -> bool:
     """Whether a config or environment key names a secret (see the module docstring for the rule)."""
-    return isinstance(key, str) and _SECRET_KEY.search(key.replace("-", "_")) is not None
+    if not isinstance(key, str):
+        return False
+    name = key.replace("-", "_")
+    last = name.rsplit(".", 1)[-1].lower().lstrip("_+~")
+    if _SECRET_PART.search(name):
+        return True
+    if last.endswith("_key") and last not in _NOT_SECRET_KEYS:
+        return True
+    return any(word.lower() in _SECRET_WORDS for word in _WORD.findall(name))
 
 
 def redact_url(text: str) -> str:
@@ -37,9 +76,98 @@ def redact_url(text: str) -> str:
 
 
 def redact_text(text: str) -> str:
-    """A string with URL userinfo and the values of ``secret_key=value`` assignments in it replaced."""
+    """A string with URL userinfo, the values of ``secret_key=value`` and ``secret_key: value`` assignments, and
+    every remembered secret value (:func:`remember_secrets`) in it replaced."""
     text = redact_url(text)
-    return _ASSIGNMENT.sub(lambda m: f"{m[1]}={REDACTED}" if is_secret_key(m[1]) and m[2] else m[0], text)
+    text = _ASSIGNMENT.sub(
+        lambda m: f"{m[1]}={REDACTED}" if is_secret_key(m[1]) and m[2] and not _NUMBER.match(m[2]) else m[0], text)
+    text = _COLON_ASSIGNMENT.sub(
+        lambda m: f"{m[1]}{m[2]}{m[1]}{m[3]}{m[4]}{REDACTED}{m[4]}"
+        if is_secret_key(m[2]) and not _NUMBER.match(m[5]) else m[0], text)
+    with _remembered_lock:
+        remembered = sorted(_remembered, key=len, reverse=True)
+    for secret in remembered:
+        if secret in text:
+            text = text.replace(secret, REDACTED)
+    return text
+
+
+def redact_bytes(data: bytes) -> bytes:
+    """:func:`redact_text` for bytes (any encoding that is ASCII-compatible; other bytes are kept as they are)."""
+    return redact_text(data.decode("utf-8", "surrogateescape")).encode("utf-8", "surrogateescape")
+
+
+def remember_secrets(value: Any) -> None:
+    """Remember the values under secret keys and the URL userinfo in ``value`` (a config, a list of overrides),
+    so that :func:`redact_text` replaces them wherever they turn up later, whatever the text around them."""
+    found: set[str] = set()
+    for key, item in _walk(value):
+        if isinstance(item, str | int | float) and not isinstance(item, bool) and key is not None \
+                and is_secret_key(key):
+            found.add(str(item))
+        if isinstance(item, str):
+            found.update(m.group(0)[len(m.group(1)):-1] for m in _URL_USERINFO.finditer(item))
+            found.update(m[2] for m in _ASSIGNMENT.finditer(item) if m[2] and is_secret_key(m[1]))
+    found = {f for f in found if len(f) >= MIN_REMEMBERED and f != REDACTED}
+    for f in list(found):  # user:password userinfo: the password alone too
+        if ":" in f:
+            found.add(f.split(":", 1)[1])
+    with _remembered_lock:
+        _remembered.update(f for f in found if len(f) >= MIN_REMEMBERED)
+
+
+def _walk(value: Any, key: str | None = None) -> Iterable[tuple[str | None, Any]]:
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from _walk(v, str(k))
+    elif isinstance(value, list | tuple | set):
+        for v in value:
+            yield from _walk(v, key)
+    else:
+        yield key, value
+
+
+_record_factory_installed = False
+
+
+def install_log_redaction() -> None:
+    """Pass every log record this process creates through :func:`redact_text` (idempotent).
+
+    A record factory rather than a handler filter: Hydra configures its own handlers when a job starts, and a
+    factory sees the records of every logger (smalti's, Hydra's launchers and sweepers, libraries') before any
+    handler formats them.
+    """
+    global _record_factory_installed
+    if _record_factory_installed:
+        return
+    previous = logging.getLogRecordFactory()
+
+    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = previous(*args, **kwargs)
+        try:
+            message = record.getMessage()
+        except Exception:  # a record whose arguments do not fit its format: leave it to logging to report
+            return record
+        clean = redact_text(message)
+        if clean != message or record.args:
+            record.msg, record.args = clean, None
+        return record
+
+    logging.setLogRecordFactory(factory)
+    _record_factory_installed = True
+
+
+def redact_exception(exc: BaseException) -> BaseException:
+    """Redact the string arguments of ``exc`` and of every exception it was raised from, in place (so that a
+    printed traceback shows no secret); returns ``exc``."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        with contextlib.suppress(Exception):  # an exception type whose args cannot be set: leave it
+            current.args = tuple(redact_text(a) if isinstance(a, str) else a for a in current.args)
+        current = current.__cause__ or current.__context__
+    return exc
 
 
 def redact(value: Any) -> Any:
@@ -55,4 +183,6 @@ def redact(value: Any) -> Any:
         return type(value)(redact(v) for v in value)
     if isinstance(value, str):
         return redact_text(value)
+    if isinstance(value, bytes):
+        return redact_bytes(value)
     return value

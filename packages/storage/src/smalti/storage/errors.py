@@ -9,17 +9,38 @@ subclasses.) Packages that wrap a storage failure in their own error keep it as 
 
 from __future__ import annotations
 
+import re
+
+# scheme://userinfo@host, up to the last '@' of the authority (a password may hold '@').
+_URL_USERINFO = re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.\-]*://)[^/?#\s]*@")
+# Query parameters that carry credentials: presigned S3 URLs, Azure SAS tokens, GCS signed URLs, tokens, keys.
+_SECRET_QUERY = re.compile(
+    r"([?&;](?:[\w.\-]*(?:signature|credential|token|password|passwd|secret|key|sig|auth)[\w.\-]*))=([^&#\s'\"]*)",
+    re.IGNORECASE,
+)
+
+
+def scrub_credentials(text: str) -> str:
+    """``text`` with the userinfo of every URL and every credential-bearing query parameter replaced by ``***``.
+
+    smalti-storage's errors name the URL at fault; this keeps the credentials a URL may carry out of them.
+    (smalti-core's :mod:`smalti.core.redact` applies the same rule to everything a run prints.)
+    """
+    text = _URL_USERINFO.sub(r"\g<1>***@", text)
+    return _SECRET_QUERY.sub(r"\g<1>=***", text)
+
 
 class StorageError(Exception):
     """Base of every error smalti-storage raises; the message names the URL at fault and the fix.
 
     ``url`` is the object or store concerned (when there is one); ``cause`` is the client library's exception
-    when the message replaced it (kept off the printed traceback, which would only repeat it at length).
+    when the message replaced it (kept off the printed traceback, which would only repeat it at length). The
+    message and ``url`` never hold credentials: URL userinfo and credential query parameters are replaced.
     """
 
     def __init__(self, message: str, url: str | None = None) -> None:
-        super().__init__(message)
-        self.url = url
+        super().__init__(scrub_credentials(message))
+        self.url = scrub_credentials(url) if url is not None else None
         self.cause: BaseException | None = None
 
 

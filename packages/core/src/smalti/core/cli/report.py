@@ -21,7 +21,10 @@ _installed = False
 
 def format_config_error(exc: BaseException | str, prog: str) -> str:
     """``exc``'s message as at most :data:`MAX_LINES` lines, the first prefixed with ``prog: config error:``."""
-    lines = [line.rstrip() for line in str(exc).strip().splitlines() if line.strip()] or [type(exc).__name__]
+    from smalti.core.redact import redact_text
+
+    text = redact_text(str(exc))  # a config error may quote the bad value as given
+    lines = [line.rstrip() for line in text.strip().splitlines() if line.strip()] or [type(exc).__name__]
     if len(lines) > MAX_LINES:
         lines = [*lines[: MAX_LINES - 1], "..."]
     lines[0] = f"{prog}: config error: {lines[0]}"
@@ -62,12 +65,15 @@ def install_hydra_exit_code(prog: str) -> None:
     """Make Hydra's composition errors exit with code 2 (instead of 1), in the short form (idempotent).
 
     Errors listing a group's options keep the full list; ``HYDRA_FULL_ERROR=1`` still gives Hydra's traceback.
+    Every message, and every exception Hydra prints a traceback of, is redacted (:mod:`smalti.core.redact`).
     """
     global _installed
     if _installed:
         return
     from hydra._internal import utils
     from hydra.errors import CompactHydraException, MissingConfigException
+
+    from smalti.core.redact import redact_exception, redact_text
 
     original = utils.run_and_report
 
@@ -79,13 +85,14 @@ def install_hydra_exit_code(prog: str) -> None:
                 if os.environ.get("HYDRA_FULL_ERROR") == "1":
                     raise
                 if isinstance(exc, MissingConfigException):
-                    print(f"{prog}: config error: {str(exc).strip()}", file=sys.stderr, flush=True)
+                    print(f"{prog}: config error: {redact_text(str(exc).strip())}", file=sys.stderr, flush=True)
                 else:
                     print(format_config_error(_compose_error_lines(exc), prog), file=sys.stderr, flush=True)
                 sys.exit(CONFIG_ERROR_EXIT)
             except Exception as exc:  # a smalti check inside a resolver (the run name, say): its message only
                 cause = _config_error_cause(exc)
                 if cause is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+                    redact_exception(exc)  # Hydra prints its traceback: without credentials
                     raise
                 sys.exit(report_config_error(cause, prog))
 

@@ -22,7 +22,10 @@ from smalti.core.launch.node import (
     run_node_agent,
     should_start_agent,
 )
+from smalti.core.redact import install_log_redaction, remember_secrets
 
+install_log_redaction()  # every log line of this process, Hydra's included, without credentials
+remember_secrets(sys.argv[1:])  # secret overrides given on the command line, wherever they are quoted later
 register_configs()
 quiet_launcher_schema_notice()  # conf/hydra/launcher/submitit_*.yaml match smalti's launcher schemas on purpose
 install_hydra_exit_code("smalti-train")
@@ -40,6 +43,7 @@ def _train(cfg: DictConfig) -> float:
 def _checked_train(cfg: DictConfig) -> float:
     from smalti.core.config.validate import validate_config
 
+    remember_secrets(_container(cfg))
     validate_config(cfg)  # every value against the installed schemas, before anything is imported or built
 
     from smalti.core.config.build import run
@@ -53,6 +57,16 @@ def _checked_train(cfg: DictConfig) -> float:
         return run_node_agent(cfg.run_name)
     warn_if_restarts_may_hang()  # plain torchrun: smalti cannot set the variable for the agent, so it says how
     return report_result(run(cfg))
+
+
+def _container(cfg: DictConfig) -> object:
+    """``cfg`` as plain containers, resolved where it can be (secrets often come from ``${oc.env:...}``)."""
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)
+    except Exception:  # an interpolation that fails to resolve is reported by the validation just after
+        return OmegaConf.to_container(cfg, resolve=False)
 
 
 def main() -> None:

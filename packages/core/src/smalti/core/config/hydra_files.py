@@ -1,49 +1,74 @@
-"""A Hydra callback that keeps credentials out of the config files Hydra saves with a run.
+"""A Hydra callback that saves a run's config files itself, without credentials and readable by its owner only.
 
-Hydra writes ``<run>/.hydra/config.yaml``, ``hydra.yaml`` and ``overrides.yaml`` (and a sweep's
-``multirun.yaml``) just before the job starts; ``smalti-train``'s config registers :class:`RedactRunFiles`
-under ``hydra.callbacks``, which rewrites each of them at job start with :func:`smalti.core.redact.redact`
-applied (URL userinfo, values of keys naming secrets, ``secret_key=value`` overrides), each file replaced
-atomically. The running job keeps the real values.
+Hydra would write ``<run>/.hydra/config.yaml``, ``hydra.yaml`` and ``overrides.yaml`` in plain text, with the
+process's umask (world-readable by default), before any job code runs. ``smalti-train``'s config sets
+``hydra.output_subdir: null``, so Hydra writes none of them, and registers :class:`RedactRunFiles` under
+``hydra.callbacks``: at job start it writes the same three files under ``<run>/<subdir>`` (``.hydra`` by
+default) with :func:`smalti.core.redact.redact` applied (URL userinfo, values of keys naming secrets,
+``secret_key=value`` overrides) and mode 0600, each atomically. A sweep's ``multirun.yaml``, which Hydra's
+sweeper writes itself, is rewritten the same way at each job's start. The running job keeps the real values.
+
+At job end the callback also redacts what Hydra prints of a failed job ("Error executing job with overrides:
+[...]" and the exception's traceback).
 """
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from smalti.core.redact import redact
+from smalti.core.redact import redact, redact_exception, remember_secrets
 
-_RUN_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
+#: Owner read and write only: a run's config can hold what a user meant to keep private.
+FILE_MODE = 0o600
 
 
 class RedactRunFiles(Callback):
-    """Rewrites the run's saved Hydra files without credentials, at job start."""
+    """Writes the run's Hydra config files redacted and owner-only, at job start (``subdir=None``: none).
+
+    Args:
+        subdir: the folder under the run's output folder that holds the files (Hydra's ``.hydra``).
+    """
+
+    def __init__(self, subdir: str | None = ".hydra") -> None:
+        self.subdir = subdir
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         hydra = config.hydra
-        files = []
-        if hydra.output_subdir is not None:
-            folder = Path(hydra.runtime.output_dir) / str(hydra.output_subdir)
-            files += [folder / name for name in _RUN_FILES]
+        remember_secrets(OmegaConf.to_container(hydra.overrides, resolve=False))
+        if self.subdir is not None:
+            folder = Path(hydra.runtime.output_dir) / self.subdir
+            task = copy.deepcopy(config)
+            with read_write(task), open_dict(task):
+                del task["hydra"]
+            write_redacted(folder / "config.yaml", OmegaConf.to_container(task, resolve=False))
+            write_redacted(folder / "hydra.yaml", {"hydra": OmegaConf.to_container(hydra, resolve=False)})
+            write_redacted(folder / "overrides.yaml", OmegaConf.to_container(hydra.overrides.task, resolve=False))
         if hydra.mode == RunMode.MULTIRUN:
-            files.append(Path(hydra.sweep.dir) / "multirun.yaml")
-        for path in files:
-            if path.is_file():
-                rewrite_redacted(path)
+            sweep_file = Path(hydra.sweep.dir) / "multirun.yaml"
+            if sweep_file.is_file():
+                write_redacted(sweep_file, OmegaConf.to_container(OmegaConf.load(sweep_file), resolve=False))
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        job_return.overrides = redact(list(job_return.overrides or []))
+        result = getattr(job_return, "_return_value", None)
+        if isinstance(result, BaseException):
+            redact_exception(result)
 
 
-def rewrite_redacted(path: Path) -> None:
-    """Replace the YAML file ``path`` with its redacted copy (interpolations are kept as written)."""
-    saved = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-    clean = redact(saved)
-    if clean == saved:
-        return
-    tmp = path.with_name(f".{path.name}.redacted.tmp")
-    OmegaConf.save(OmegaConf.create(clean), tmp)
+def write_redacted(path: Path, content: Any) -> None:
+    """Write ``content`` as YAML to ``path`` with :func:`redact` applied, mode 0600, replaced atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, FILE_MODE)
+    with os.fdopen(fd, "w", encoding="utf-8") as out:
+        out.write(OmegaConf.to_yaml(OmegaConf.create(redact(content))))
+    os.chmod(tmp, FILE_MODE)  # O_CREAT's mode is cut by the umask; make it exactly owner-only
     os.replace(tmp, path)
+

@@ -23,6 +23,7 @@ from typing import Any
 from smalti.core.launch.errors import LaunchError
 from smalti.core.launch.submitit import TORCHRUN_ARGS_ENV
 from smalti.core.launch.torchrun import TorchrunSettings, derived_port, run_torchrun, train_command
+from smalti.core.redact import redact_text
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ def run_node_agent(run_name: str) -> float:
     if conf is not None:
         env[CONF_DIR_ENV] = str(conf)
     argv = args + train_command(overrides)
-    log.info("node %d: torchrun %s", node, shlex.join(argv))
+    log.info("node %d: torchrun %s", node, redact_text(shlex.join(argv)))
     with _environ(env):
         try:
             run_torchrun(argv)
