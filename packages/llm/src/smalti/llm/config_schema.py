@@ -152,6 +152,7 @@ def schemas() -> dict[str, Any]:
         "smalti.llm.data.prepare.PreparedTextMDS": PreparedTextSchema,
         "smalti.llm.hf_export.HFExport": HFExportSchema,
         "smalti.llm.icl.callback.ICLEval": ICLSchema,
+        "smalti.llm.icl.callback.GauntletEval": ICLSchema,
         "smalti.llm.mlflow_registry.MLflowModelRegistry": MLflowModelSchema,
     }
 

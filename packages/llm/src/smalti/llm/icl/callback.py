@@ -8,6 +8,7 @@ from typing import Any
 from smalti.core import Callback
 from smalti.core.intervals import interval_fires
 from smalti.core.time import Time
+from smalti.llm.icl.gauntlet import load_gauntlet
 from smalti.llm.icl.tasks import load_tasks
 from smalti.llm.tokenizer import load_tokenizer
 
@@ -59,3 +60,32 @@ class ICLEval(Callback):
     def on_fit_end(self, state: Any, logger: Any) -> None:
         if self.at_fit_end and self.last_batch != state.timestamp.batch:
             self._run(state, logger)
+
+
+class GauntletEval(ICLEval):
+    """ICL evaluation folded into an evaluation gauntlet's category and composite scores (LLM Foundry's
+    ``eval_gauntlet`` format, :mod:`smalti.llm.icl.gauntlet`), every ``interval`` in any time unit and at fit end.
+
+    Logs each task's ``icl/<label>/<n>shot/accuracy`` and each category's and average's ``icl/gauntlet/<name>``.
+
+    Args:
+        gauntlet: a gauntlet YAML path or mapping (``categories``, ``weighting``, ``averages``, ...).
+        tasks: the ICL tasks the benchmarks name (a task-list YAML path, as Foundry's ``icl_tasks``, or a list).
+        tokenizer, interval, at_fit_end: as :class:`ICLEval`.
+    """
+
+    def __init__(self, gauntlet: Any, tasks: Any = "default", tokenizer: str | None = "default",
+                 interval: str | None = "500ba", at_fit_end: bool = True) -> None:
+        super().__init__(tasks=tasks, tokenizer=tokenizer, interval=interval, at_fit_end=at_fit_end)
+        self.gauntlet = load_gauntlet(gauntlet)
+        self.gauntlet.check_tasks({t.label: list(t.num_fewshot) for t in self.tasks})
+        self.sizes = {t.label: len(t.examples()) for t in self.tasks}
+        self.scores: dict[str, float] = {}
+
+    def _run(self, state: Any, logger: Any) -> None:
+        super()._run(state, logger)
+        self.scores = self.gauntlet.scores(self.results, self.sizes)
+        logger.log_metrics(self.scores)
+        if state.rank == 0:
+            log.info("gauntlet at batch %d: %s", state.timestamp.batch,
+                     ", ".join(f"{k.removeprefix('icl/gauntlet/')}={v:.3f}" for k, v in self.scores.items()))
