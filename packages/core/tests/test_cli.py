@@ -167,3 +167,19 @@ def test_run_frees_the_wrapped_model_before_the_process_exits(tmp_path):
                          timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     assert sorted(re.findall(r"rank (\d): (\d+) DDP models alive", out.stdout)) == [("0", "0"), ("1", "0")], out.stdout
+
+
+def test_every_file_of_a_run_goes_under_hydra_run_dir(tmp_path):
+    """What sweeps and schedulers set: with ``hydra.run.dir=X`` nothing of the run lands anywhere but ``X``."""
+    out = train(["model=mlp", "data=synthetic", "trainer.max_duration=4ba", "trainer.eval_interval=2ba",
+                 "callbacks=[profiler,goodput]", "callbacks.profiler.wait=0", "callbacks.profiler.warmup=0",
+                 "callbacks.profiler.active=1", "logger=[jsonl]", "hydra.run.dir=jobs/42"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = tmp_path / "jobs" / "42"
+    for name in ("metrics.jsonl", "rank0.log", "goodput.jsonl"):
+        assert (run / name).is_file(), name
+    assert list((run / "traces").glob("rank0.step*.trace.json"))
+    outside = [p.relative_to(tmp_path) for p in tmp_path.rglob("*")
+               if p.is_file() and run not in p.parents and not p.is_symlink()]
+    assert outside == [], f"files of the run outside hydra.run.dir: {outside}"
+    assert (tmp_path / "outputs" / "latest").resolve() == run.resolve()

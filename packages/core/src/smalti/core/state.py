@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,6 +37,9 @@ class State:
     evaluators: list[Evaluator] = field(default_factory=list)
     timestamp: Timestamp = field(default_factory=Timestamp)
     run_name: str = "smalti-run"
+    #: The run's folder: every file the run writes (metrics, logs, traces, goodput, checkpoints, exports) goes
+    #: under it. ``hydra.run.dir`` under ``smalti-train``, else ``outputs/<run_name>``.
+    output_dir: Path = field(default_factory=lambda: Path("outputs") / "smalti-run")
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     precision: str = "fp32"
     device_mesh: DeviceMesh | None = None

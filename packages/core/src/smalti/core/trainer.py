@@ -88,7 +88,8 @@ class Trainer:
             :class:`JSONLLogger` writing ``<output_dir>/metrics.jsonl``; ``loggers=[]`` logs nowhere.
         progress_bar: add a :class:`~smalti.core.callbacks.ProgressBar` (drawn on rank 0 when stdout is a
             terminal) unless ``callbacks`` already holds one; ``False`` for none.
-        output_dir: the run's folder, for the default ``metrics.jsonl``; default ``outputs/<run_name>`` (as
+        output_dir: the run's folder (``state.output_dir``): the default ``metrics.jsonl`` and every callback's
+            default file (traces, goodput, exports) go under it; default ``outputs/<run_name>`` (as
             ``smalti-train``), and then ``outputs/latest`` points at it.
         device_train_microbatch_size: samples per microbatch (gradient accumulation), ``"auto"`` to halve on
             out-of-memory, or ``None`` for the whole batch at once.
@@ -149,13 +150,16 @@ class Trainer:
         device = torch.device(device) if device is not None else distributed.default_device()
 
         micro, auto = self._parse_microbatch(device_train_microbatch_size)
+        run_name = run_name or os.environ.get("SMALTI_RUN_NAME") or _default_run_name()
+        self.output_dir = Path(output_dir) if output_dir is not None else Path("outputs") / run_name
         self.state = State(
             model=model,
             raw_model=model,
             max_duration=Time.from_input(max_duration),
             train_dataloader=train_dataloader,
             evaluators=self._evaluators(eval_dataloader, eval_subset_num_batches),
-            run_name=run_name or os.environ.get("SMALTI_RUN_NAME") or _default_run_name(),
+            run_name=run_name,
+            output_dir=self.output_dir,
             device=device,
             precision=precision,
             rank=distributed.get_rank(),
@@ -172,7 +176,6 @@ class Trainer:
             raise TrainingError("the train dataloader has no batches; check the dataset path, its size and the batch size")
         self.logger = Logger(self.pm.hook, self.state)
         self.hook = self.pm.hook
-        self.output_dir = Path(output_dir) if output_dir is not None else Path("outputs") / self.state.run_name
         callbacks = _named(callbacks)
         if progress_bar and not any(isinstance(c, ProgressBar) for c in callbacks.values()):
             callbacks["progress_bar"] = ProgressBar()

@@ -109,7 +109,7 @@ class HangWatchdog(Callback):
         self._train_thread: int | None = None
         self._state: Any = None
         self._logger: Any = None
-        self._run_name = "smalti-run"
+        self._run_dir = Path("outputs") / "smalti-run"
         self.fired = False
 
     # ------------------------------------------------------------------ trainer hooks
@@ -135,7 +135,7 @@ class HangWatchdog(Callback):
     def on_fit_start(self, state: Any, logger: Any) -> None:
         """Start watching; register the on-demand stack dump."""
         self._rank, self._world = state.rank, state.world_size
-        self._run_name = state.run_name
+        self._run_dir = Path(state.output_dir)
         self._state, self._logger = state, logger
         self._train_thread = threading.get_ident()
         self._last_event = "fit_start"
@@ -198,8 +198,8 @@ class HangWatchdog(Callback):
                 return
 
     def folder(self) -> Path:
-        """Where the reports go: ``report_dir`` or ``./smalti-health/<run_name>``."""
-        return Path(self.report_dir or Path("smalti-health") / self._run_name)
+        """Where the reports go: ``report_dir`` or ``smalti-health`` in the run's folder (``state.output_dir``)."""
+        return Path(self.report_dir or self._run_dir / "smalti-health")
 
     def where(self, idle: float) -> dict[str, Any]:
         """This rank's entry of the report: its position, the hooks its training thread is in, and timing."""

@@ -344,12 +344,7 @@ def _pretrained_of_run(checkpoint: Path) -> str:
 
 
 def _run_folder(state: Any) -> Path:
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        return Path(HydraConfig.get().runtime.output_dir)
-    except (ImportError, ValueError):
-        return Path("outputs") / str(state.run_name)
+    return Path(state.output_dir)
 
 
 class HFExport(Callback):

@@ -132,7 +132,7 @@ class Goodput(Callback):
         if not self._active:
             return
         if self.path is None:
-            self.path = Path("outputs") / state.run_name / FILE_NAME
+            self.path = Path(state.output_dir) / FILE_NAME
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - open for the whole attempt
 

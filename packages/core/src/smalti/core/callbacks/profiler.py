@@ -31,7 +31,7 @@ class Profiler(Callback):
     ``<trace_dir>/rank<R>.step<N>.trace.json`` (a Chrome trace: open it in ``chrome://tracing`` or Perfetto;
     ``N`` is the last step recorded), logs it as an artifact, and logs ``profiler/traces`` (how many this
     rank wrote). CPU operators always; CUDA kernels, NCCL and memory copies on a GPU. ``profile_memory``
-    adds allocations (shapes and sizes) to the trace. ``trace_dir`` defaults to ``outputs/<run>/traces``.
+    adds allocations (shapes and sizes) to the trace. ``trace_dir`` defaults to ``traces`` in the run's folder (``state.output_dir``).
     Outside the active steps the profiler does no tracing; the steps it records run slower.
     ``smalti profile summary outputs/<run>`` lists the top operators by time over every rank's traces.
     """
@@ -59,7 +59,7 @@ class Profiler(Callback):
         from torch.profiler import ProfilerActivity, profile, schedule
 
         self._state, self._logger = state, logger
-        folder = Path(self.trace_dir) if self.trace_dir else Path("outputs") / state.run_name / "traces"
+        folder = Path(self.trace_dir) if self.trace_dir else Path(state.output_dir) / "traces"
         folder.mkdir(parents=True, exist_ok=True)
         self._folder = folder
         activities = [ProfilerActivity.CPU]

@@ -16,6 +16,7 @@ from smalti.core.data import build_dataloader, per_rank_batch_size
 from smalti.core.errors import ConfigError, SmaltiError
 from smalti.core.parallelism import Parallelism, SingleDevice
 from smalti.core.redact import redact
+from smalti.core.run_name import resolve_output_dir
 from smalti.core.seed import configure_determinism, seed_all
 from smalti.core.trainer import Trainer
 
@@ -129,6 +130,7 @@ def build_trainer(cfg: DictConfig) -> Trainer:
         log_interval=t.get("log_interval"),
         run_name=cfg.run_name,
         config=resolved,
+        output_dir=resolve_output_dir(_root_=cfg),  # hydra.run.dir when set: every file of the run goes there
     )
 
 
