@@ -183,3 +183,24 @@ def test_every_file_of_a_run_goes_under_hydra_run_dir(tmp_path):
                if p.is_file() and run not in p.parents and not p.is_symlink()]
     assert outside == [], f"files of the run outside hydra.run.dir: {outside}"
     assert (tmp_path / "outputs" / "latest").resolve() == run.resolve()
+
+
+def test_too_few_rows_for_a_batch_is_one_line_with_the_numbers_before_the_model(tmp_path):
+    out = train(QUICK + ["data.global_train_batch_size=2048", "model._target_=no.such.Model"], tmp_path)
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert lines[0].startswith("smalti-train: config error: data.train has no full batch: 1024 rows")
+    assert "data.global_train_batch_size=2048 over 1 data-parallel rank(s)" in lines[0]
+    assert "at most 1024" in lines[0]  # what to change; and the (unbuildable) model was never reached
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_any_error_while_building_is_one_line_and_the_traceback_on_request(tmp_path):
+    out = train(QUICK + ["trainer.device=cuda"], tmp_path)
+    assert out.returncode == 1
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("smalti-train: error: building the trainer"), line
+    assert "Torch not compiled with CUDA enabled" in line and "HYDRA_FULL_ERROR=1" in line
+    full = train(QUICK + ["trainer.device=cuda"], tmp_path, env={"HYDRA_FULL_ERROR": "1"})
+    assert full.returncode == 1 and "Traceback" in full.stderr and "BuildError" in full.stderr

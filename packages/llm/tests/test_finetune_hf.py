@@ -127,3 +127,24 @@ def test_finetune_hf_sequence_parallel_two_ranks_matches_one_process(tmp_path):
     ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(sp(ids).logits, one(ids).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_chat_rows_too_few_for_the_batch_fail_in_one_line_with_the_numbers(tmp_path):
+    """64 short chats packed at 2,048 tokens make 3 rows: one line says so, with the batch and what to change."""
+    source = write_tiny_hf_model(tmp_path / "qwen2", "qwen2")
+    chats = [{"messages": [{"role": "user", "content": f"What is {n} plus one?"},
+                           {"role": "assistant", "content": f"It is {n + 1}."}]} for n in range(64)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "smalti.core.cli.train", "experiment=finetune_hf",
+                           f"model.pretrained={source}", "data.train.path=chat.jsonl", "model.max_seq_len=2048",
+                           "hydra.run.dir=run"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    (line,) = [x for x in proc.stderr.splitlines() if x.startswith("smalti-train:")]
+    rows = int(line.split("data.train has no full batch: ")[1].split()[0])
+    assert rows < 16
+    for part in (f"64 examples read from chat.jsonl, packed into {rows} rows of max_seq_len=2048 tokens",
+                 "data.global_train_batch_size=16 over 1 data-parallel rank(s)", f"at most {rows}",
+                 "smaller max_seq_len"):
+        assert part in line, line

@@ -86,6 +86,10 @@ class ResumableDistributedSampler(Sampler[int]):
 #: smalti-core needs no import of the package that defines the dataset (smalti-streaming's StreamingDataset).
 DATALOADER_METHOD = "smalti_dataloader"
 
+#: A dataset's method returning a short phrase on how its rows came to be (``"64 examples read from chat.jsonl,
+#: packed into 3 rows of max_seq_len=2048 tokens"``), quoted when the rows make no batch. Duck-typed and optional.
+SIZE_METHOD = "describe_size"
+
 #: Set on a DataLoader whose generator smalti made, so the trainer may reseed it (a user's own is left alone).
 _OWNED = "_smalti_owns_generator"
 
@@ -130,6 +134,37 @@ def per_rank_batch_size(
             f"use a multiple of {dp_world_size}"
         )
     return global_batch_size // dp_world_size
+
+
+def check_has_batches(loader: Any, global_batch_size: int, dp_world_size: int, key: str = "data.train",
+                      batch_key: str = "data.global_train_batch_size") -> None:
+    """Raise a :class:`ConfigError` with the numbers when ``loader`` yields no batch (before any model is built).
+
+    The message gives the rows the dataset holds (and how they came to be, from its ``describe_size()``), the
+    global batch size, the data-parallel world size and what to change. A loader without a length passes.
+    """
+    try:
+        batches = len(loader)
+    except TypeError:
+        return
+    if batches:
+        return
+    dataset = getattr(loader, "dataset", loader)
+    try:
+        rows = len(dataset)
+    except TypeError:
+        rows = None
+    describe = getattr(dataset, SIZE_METHOD, None)
+    how = f" ({describe()})" if callable(describe) else ""
+    held = f"{rows} rows{how}" if rows is not None else f"a dataset{how}"
+    per_rank = max(1, global_batch_size // max(1, dp_world_size))
+    fits = f"at most {rows - rows % dp_world_size}" if rows and rows >= dp_world_size else "more rows"
+    raise ConfigError(
+        f"{key} has no full batch: {held}, but {batch_key}={global_batch_size} over {dp_world_size} "
+        f"data-parallel rank(s) needs {per_rank} per rank; set {batch_key} to {fits}, give more data"
+        + (", or shorter rows (a smaller max_seq_len packs fewer tokens per row)" if "max_seq_len" in how else "")
+        + (", or data.drop_last=false" if getattr(loader, "drop_last", False) else "")
+    )
 
 
 def build_dataloader(

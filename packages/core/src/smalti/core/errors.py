@@ -23,3 +23,10 @@ class TrainingError(SmaltiError, RuntimeError):
 
 class DistributedError(SmaltiError, RuntimeError):
     """Ranks disagree (config hash, batch counts) or the process group cannot start."""
+
+
+class BuildError(SmaltiError, RuntimeError):
+    """Building the run's data, model or trainer failed: the message names the part and the cause.
+
+    ``smalti-train`` prints it as one line (``HYDRA_FULL_ERROR=1`` for the traceback of the cause).
+    """

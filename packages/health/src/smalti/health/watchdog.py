@@ -135,7 +135,7 @@ class HangWatchdog(Callback):
     def on_fit_start(self, state: Any, logger: Any) -> None:
         """Start watching; register the on-demand stack dump."""
         self._rank, self._world = state.rank, state.world_size
-        self._run_dir = Path(state.output_dir)
+        self._run_dir = Path(getattr(state, "output_dir", Path("outputs") / state.run_name))
         self._state, self._logger = state, logger
         self._train_thread = threading.get_ident()
         self._last_event = "fit_start"

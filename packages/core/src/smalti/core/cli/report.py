@@ -37,6 +37,15 @@ def report_config_error(exc: BaseException, prog: str, stream: IO[str] | None = 
     return CONFIG_ERROR_EXIT
 
 
+def report_build_error(exc: BaseException, prog: str, stream: IO[str] | None = None) -> int:
+    """Print a :class:`~smalti.core.errors.BuildError` as one line (no traceback) and return exit code 1."""
+    from smalti.core.redact import redact_text
+
+    line = " ".join(redact_text(str(exc)).split())
+    print(f"{prog}: error: {line} (HYDRA_FULL_ERROR=1 shows the traceback)", file=stream or sys.stderr, flush=True)
+    return 1
+
+
 def _compose_error_lines(exc: BaseException) -> str:
     """Hydra's composition error with the OmegaConf cause reduced to its message and ``full_key``."""
     text = str(exc).strip()

@@ -8,14 +8,15 @@ Runs as one process, or on every rank under ``torchrun ... -m smalti.core.cli.tr
 
 from __future__ import annotations
 
+import os
 import sys
 
 import hydra
 from omegaconf import DictConfig
 
-from smalti.core.cli.report import install_hydra_exit_code, report_config_error
+from smalti.core.cli.report import install_hydra_exit_code, report_build_error, report_config_error
 from smalti.core.config.schema import register_configs
-from smalti.core.errors import ConfigError
+from smalti.core.errors import BuildError, ConfigError
 from smalti.core.launch.node import (
     quiet_launcher_schema_notice,
     report_result,
@@ -35,8 +36,13 @@ install_hydra_exit_code("smalti-train")
 def _train(cfg: DictConfig) -> float:
     try:
         return _checked_train(cfg)
-    except ConfigError as exc:
-        # A user's config error: a few lines naming the key, no traceback, exit code 2 (a bug keeps its traceback).
+    except (ConfigError, BuildError) as exc:
+        # A user's config error: a few lines naming the key, exit code 2; any other error while building the data,
+        # the model or the trainer: one line, exit code 1. The traceback only with HYDRA_FULL_ERROR=1.
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        if isinstance(exc, BuildError):
+            sys.exit(report_build_error(exc, "smalti-train"))
         sys.exit(report_config_error(exc, "smalti-train"))
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from hydra.errors import InstantiationException
@@ -12,8 +14,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from smalti.core import distributed
 from smalti.core.config.validate import validate_config
-from smalti.core.data import build_dataloader, per_rank_batch_size
-from smalti.core.errors import ConfigError, SmaltiError
+from smalti.core.data import build_dataloader, check_has_batches, per_rank_batch_size
+from smalti.core.errors import BuildError, ConfigError, SmaltiError
 from smalti.core.parallelism import Parallelism, SingleDevice
 from smalti.core.redact import redact
 from smalti.core.run_name import resolve_output_dir
@@ -60,12 +62,45 @@ def build_group(nodes: Any, key: str) -> dict[str, Any]:
     return out
 
 
+@contextmanager
+def building(part: str) -> Iterator[None]:
+    """Turn any error but a :class:`ConfigError` raised while building ``part`` into one :class:`BuildError`.
+
+    The one rule for build-time errors: a user reads one line naming the part and the cause (a config error
+    keeps its own message); the cause's traceback stays behind ``HYDRA_FULL_ERROR=1``.
+    """
+    try:
+        yield
+    except ConfigError:
+        raise
+    except Exception as exc:
+        message = " ".join(str(exc).split()) or "(no message)"
+        kind = "" if isinstance(exc, SmaltiError) else f"{type(exc).__name__}: "
+        raise BuildError(f"building {part} failed: {kind}{message}") from exc
+
+
 def build_trainer(cfg: DictConfig) -> Trainer:
     """Check ``cfg`` against the installed schemas, then instantiate every component and return a ready Trainer
-    (process group started). A bad value fails here, before anything is built."""
+    (process group started). A bad value fails here, before anything is built; any other error while building
+    the data, the model or the trainer is one :class:`BuildError` naming the part (:func:`building`)."""
     validate_config(cfg)
     resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     assert isinstance(resolved, dict)
+    with building("the parallelism and the data (parallelism, data)"):
+        parallelism, train, eval_loader = _build_data(cfg)
+    with building("the callbacks (callbacks, health, checkpoint)"):
+        callbacks = build_group(cfg.callbacks, "callbacks")
+        callbacks.update(build_group(cfg.health, "health"))
+        checkpoint = build(cfg.checkpoint, "checkpoint")
+        if checkpoint is not None:
+            callbacks["checkpoint"] = checkpoint
+    with building("the model (model)"):
+        model = build(cfg.model, "model")
+    with building("the trainer (trainer, optimizer, scheduler, precision)"):
+        return _build(cfg, resolved, parallelism, train, eval_loader, callbacks, model)
+
+
+def _build_data(cfg: DictConfig) -> tuple[Parallelism, Any, Any]:
     parallelism = build(cfg.parallelism, "parallelism") or SingleDevice()
     if not isinstance(parallelism, Parallelism):
         raise ConfigError(f"`parallelism` built a {type(parallelism).__name__}, not a smalti Parallelism")
@@ -88,6 +123,7 @@ def build_trainer(cfg: DictConfig) -> Trainer:
     )
     if train is None:
         raise ConfigError("`data.train` is empty: choose a data option (data=char_corpus, ...) or set data.train")
+    check_has_batches(train, data.global_train_batch_size, parallelism.dp_world_size)  # before the model
     eval_dataset = build(data.eval, "data.eval")
     eval_loader = None
     if eval_dataset is not None:
@@ -100,15 +136,14 @@ def build_trainer(cfg: DictConfig) -> Trainer:
             drop_last=False,
             num_workers=data.num_workers,
         )
+    return parallelism, train, eval_loader
 
-    callbacks = build_group(cfg.callbacks, "callbacks")
-    callbacks.update(build_group(cfg.health, "health"))
-    checkpoint = build(cfg.checkpoint, "checkpoint")
-    if checkpoint is not None:
-        callbacks["checkpoint"] = checkpoint
+
+def _build(cfg: DictConfig, resolved: dict[Any, Any], parallelism: Parallelism, train: Any, eval_loader: Any,
+           callbacks: dict[str, Any], model: Any) -> Trainer:
     t = cfg.trainer
     return Trainer(
-        model=build(cfg.model, "model"),
+        model=model,
         train_dataloader=train,
         max_duration=t.max_duration,
         optimizers=build(cfg.optimizer, "optimizer"),

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils.data import Dataset
 
-from smalti.llm.data.finetune import IGNORE_INDEX, _iterate, encode_pair, pack, packed_row
+from smalti.llm.data.finetune import IGNORE_INDEX, _iterate, encode_pair, pack, packed_row, size_note
 from smalti.llm.errors import DataError, TokenizerError
 from smalti.llm.tokenizer import Tokenizer, load_tokenizer
 
@@ -239,6 +239,11 @@ class ChatDataset(Dataset):
                             f"longer than max_seq_len={max_seq_len})")
         lengths = [len(ex.ids) for ex in self.examples]
         self.rows = pack(lengths, max_seq_len) if packing else [[i] for i in range(len(lengths))]
+        self._size = size_note(source, len(examples), self.dropped, len(self.rows), max_seq_len, packing)
+
+    def describe_size(self) -> str:
+        """How many examples were read and how many rows they became (quoted when the rows make no batch)."""
+        return self._size
 
     @staticmethod
     def _from_mds(local: str | None, remote: str | None, split: str | None, encode: RowEncoder) -> list[Example]:

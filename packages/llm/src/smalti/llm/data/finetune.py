@@ -48,6 +48,13 @@ def pack(lengths: Sequence[int], max_seq_len: int) -> list[list[int]]:
     return [sorted(row) for row in rows]
 
 
+def size_note(source: Any, read: int, dropped: int, rows: int, max_seq_len: int, packing: bool) -> str:
+    """``"64 examples read from chat.jsonl, packed into 3 rows of max_seq_len=2048 tokens"`` (``describe_size``)."""
+    kept = f", {dropped} dropped as longer than max_seq_len" if dropped else ""
+    into = "packed into" if packing else "one per row:"
+    return f"{read} examples read from {source}{kept}, {into} {rows} rows of max_seq_len={max_seq_len} tokens"
+
+
 class FinetuneDataset(Dataset):
     """Prompt/response examples as fixed-length rows for causal LM finetuning.
 
@@ -84,6 +91,11 @@ class FinetuneDataset(Dataset):
         self.examples = [fit_pair(p, r, max_seq_len) for p, r in pairs]
         lengths = [len(p) + len(r) for p, r in self.examples]
         self.rows = pack(lengths, max_seq_len) if packing else [[i] for i in range(len(lengths))]
+        self._size = size_note(path or remote or local, len(pairs), 0, len(self.rows), max_seq_len, packing)
+
+    def describe_size(self) -> str:
+        """How many examples were read and how many rows they became (quoted when the rows make no batch)."""
+        return self._size
 
     @staticmethod
     def _from_files(path: Any, tok: Tokenizer, prompt_key: str, response_key: str) -> list[tuple[list[int], list[int]]]:
