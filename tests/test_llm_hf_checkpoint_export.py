@@ -123,7 +123,7 @@ def test_an_mpt_recipe_checkpoint_exports_as_gpt2_that_transformers_loads(tmp_pa
     transformers = pytest.importorskip("transformers")
     from smalti.llm.cli import main
     from smalti.llm.export import build_with_weights
-    from smalti.llm.hf_export import checkpoint_tensors
+    from smalti.llm.hf.exporter import checkpoint_tensors
 
     run = tmp_path / "run"
     env = {**os.environ, "SMALTI_RUN_NAME": "mpt-ckpt", "OMP_NUM_THREADS": "1"}

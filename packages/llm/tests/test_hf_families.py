@@ -32,8 +32,9 @@ def _logits_both(folder: Path, ids: torch.Tensor) -> tuple[torch.Tensor, torch.T
     ("mistral", {}),
     ("qwen2", {}),
     ("qwen2", {"tie_word_embeddings": True, "num_key_value_heads": 4}),
+    ("llama", {"head_dim": 32}),
 ], ids=["llama2", "llama3-rope_scaling-tied", "llama-mqa-biases", "mistral-sliding_window", "qwen2-qkv_bias",
-        "qwen2-tied-mha"])
+        "qwen2-tied-mha", "llama-wide-heads"])
 def test_import_gives_transformers_logits(tmp_path, monkeypatch, family, overrides):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     folder = write_tiny_hf_model(tmp_path / family, family, **overrides)
@@ -68,12 +69,11 @@ def _edit_config(folder: Path, **changes) -> Path:
 
 
 @pytest.mark.parametrize(("changes", "named"), [
-    ({"model_type": "gpt2"}, "model_type='gpt2'"),
+    ({"model_type": "bert"}, "model_type='bert'"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}, "rope_type='dynamic'"),
     ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling.rope_type='yarn'"),
     ({"attention_dropout": 0.1}, "attention_dropout=0.1"),
-    ({"head_dim": 32}, "head_dim=32"),
     ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
 ])
 def test_fields_smalti_cannot_reproduce_fail_at_build_naming_them(tmp_path, changes, named):
@@ -118,7 +118,7 @@ def test_only_function_preserving_overrides_are_accepted(tmp_path):
 def test_export_dtype_defaults_to_the_source_torch_dtype(tmp_path):
     from safetensors import safe_open
 
-    from smalti.llm.hf_export import export_model
+    from smalti.llm.hf import export_model
 
     folder = _edit_config(write_tiny_hf_model(tmp_path / "src", "mistral"), dtype="bfloat16")
     model = import_hf(folder)

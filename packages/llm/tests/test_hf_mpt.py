@@ -9,7 +9,8 @@ transformers = pytest.importorskip("transformers")
 
 from smalti.llm import LLM  # noqa: E402
 from smalti.llm.errors import ConversionError  # noqa: E402
-from smalti.llm.hf_mpt import export_mpt, import_mpt, mpt_family  # noqa: E402
+from smalti.llm.hf import export_hf, import_hf  # noqa: E402
+from smalti.llm.hf.families.mpt import mpt_family  # noqa: E402
 from smalti.llm.tokenizer import load_tokenizer  # noqa: E402
 
 MPT_RECIPE = {"d_model": 64, "n_heads": 4, "n_layers": 2, "expansion_ratio": 4, "max_seq_len": 64,
@@ -36,18 +37,18 @@ def _model(**overrides) -> LLM:
 ])
 def test_export_loads_in_transformers_with_the_same_logits_and_round_trips(tmp_path, position, extra, cls):
     model = _model(position=position, **extra)
-    folder = export_mpt(model, tmp_path / "hf", tokenizer="default")
+    folder = export_hf(model, tmp_path / "hf", tokenizer="default")
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True).eval()
     assert type(hf).__name__ == cls
     ids = torch.randint(0, model.config["vocab_size"], (2, 48), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ours = model({"input_ids": ids})["logits"]
         torch.testing.assert_close(hf(ids).logits, ours, rtol=1e-5, atol=2e-5)
-        torch.testing.assert_close(import_mpt(folder)({"input_ids": ids})["logits"], ours, rtol=0, atol=1e-5)
+        torch.testing.assert_close(import_hf(folder)({"input_ids": ids})["logits"], ours, rtol=0, atol=1e-5)
 
 
 def test_exported_tokenizer_loads_with_its_special_tokens(tmp_path):
-    folder = export_mpt(_model(position="learned"), tmp_path / "hf", tokenizer="default")
+    folder = export_hf(_model(position="learned"), tmp_path / "hf", tokenizer="default")
     ours = load_tokenizer("default")
     tok = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     assert tok.eos_token_id == ours.eos_id and tok.pad_token_id is not None

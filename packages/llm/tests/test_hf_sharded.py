@@ -59,8 +59,7 @@ def test_fsdp_meta_model_loads_its_shards_and_exports_whole(shared_tmp_path, mon
     import transformers
 
     from smalti.core.parallelism import FSDP
-    from smalti.llm.hf import PretrainedLLM, import_hf
-    from smalti.llm.hf_export import export_model
+    from smalti.llm.hf import PretrainedLLM, export_model, import_hf
     from smalti.testing.hf_models import write_tiny_hf_model
 
     folder = shared_tmp_path / "qwen2"

@@ -85,15 +85,14 @@ def test_hf_export_folder_is_what_gets_registered(mlflow_server, tmp_path, monke
 
     from smalti.core import Trainer
     from smalti.core.loggers import MLflowLogger
-    from smalti.llm.hf import PretrainedLLM
-    from smalti.llm.hf_export import HFExport
+    from smalti.llm.hf import HFExport, PretrainedLLM
     from smalti.llm.mlflow_registry import MLflowModelRegistry
     from smalti.testing.hf_models import write_tiny_hf_model
 
     source = write_tiny_hf_model(tmp_path / "qwen2", "qwen2")
     model = PretrainedLLM(source, max_seq_len=32, init_device="cpu")
     logger = MLflowLogger(tracking_uri=mlflow_server.tracking_uri, experiment_name="smalti-llm-registry")
-    import smalti.llm.hf_export as hf_export
+    import smalti.llm.hf.callback as hf_export
 
     export = HFExport(folder=str(tmp_path / "hf"))
     calls = []

@@ -82,20 +82,16 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _hf_export(args: argparse.Namespace) -> int:
     if args.checkpoint:
-        from smalti.llm.hf_export import export_checkpoint
+        from smalti.llm.hf.exporter import export_checkpoint
 
         export_checkpoint(args.checkpoint, args.out, pretrained=args.pretrained, dtype=args.dtype,
                           max_shard_size=args.max_shard_size, tokenizer=args.tokenizer)
     else:
-        from smalti.llm.hf import export_hf
-        from smalti.llm.hf_mpt import export_mpt, is_mpt_like
+        from smalti.llm.hf.exporter import export_hf
 
-        model = _load_model(args)
-        if is_mpt_like(model):  # the mpt_* recipes: transformers' GPT-2 (learned positions) or MPT (ALiBi)
-            export_mpt(model, args.out, dtype=args.dtype, tokenizer=args.tokenizer or "default")
-        else:
-            export_hf(model, args.out, dtype=args.dtype, tokenizer=args.tokenizer,
-                      max_shard_size=args.max_shard_size)
+        # the family comes from the model's shape (the mpt_* recipes: GPT-2 with learned positions, MPT with ALiBi)
+        export_hf(_load_model(args), args.out, dtype=args.dtype, tokenizer=args.tokenizer or "default",
+                  max_shard_size=args.max_shard_size)
     print(f"wrote {args.out}")
     return 0
 
@@ -105,7 +101,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     from smalti.llm.export import load_model_folder
     from smalti.llm.generate import eos_ids, generate_ids
-    from smalti.llm.hf import resolve_folder
+    from smalti.llm.hf.folder import resolve_folder
     from smalti.llm.hf_tokenizer import HFTokenizer
 
     folder = resolve_folder(args.model, key="--model")
@@ -169,8 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.set_defaults(func=_eval)
 
     hf = sub.add_parser("hf", help="Hugging Face interop").add_subparsers(dest="action", required=True)
-    exp = hf.add_parser("export", help="write a Hugging Face folder (Llama, Mistral or Qwen2 as the source; "
-                        "MPT-shaped models as GPT-2 or MPT)")
+    exp = hf.add_parser("export", help="write a Hugging Face folder (the source's family; else the family "
+                        "whose shape the model has, MPT-shaped models as GPT-2 or MPT)")
     source = exp.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="a committed smalti-checkpoint folder (or a save folder: its newest)")
     source.add_argument("--model", help="a model folder: Hugging Face or smalti's (smalti_llm.json)")
@@ -182,7 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                      help="default: the source model's torch_dtype, else float32")
     exp.add_argument("--max-shard-size", default="2GB", help="split the weights into files of at most this size")
-    exp.add_argument("--tokenizer", default=None, help="for models not imported from Hugging Face: a tokenizer.json")
+    exp.add_argument("--tokenizer", default=None, help="for models not imported from Hugging Face: a tokenizer name or "
+                     "tokenizer.json (default: smalti's shipped one)")
     exp.set_defaults(func=_hf_export)
 
     gen = sub.add_parser("generate", help="generate text from a Hugging Face model folder (greedy or top-p)")

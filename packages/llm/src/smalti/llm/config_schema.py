@@ -57,6 +57,7 @@ class LLMSchema(Schema):
     activation: Literal[ACTIVATIONS] | None = None  # type: ignore[valid-type]
     moe: MoESchema | None = None
     init_std: PositiveFloat = 0.02
+    head_dim: PositiveInt | None = None
 
     @model_validator(mode="after")
     def _shapes_agree(self, info: ValidationInfo) -> LLMSchema:
@@ -64,7 +65,7 @@ class LLMSchema(Schema):
             raise field_error("n_heads", self.n_heads, f"a divisor of model.d_model={self.d_model}")
         if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
             raise field_error("n_kv_heads", self.n_kv_heads, f"a divisor of model.n_heads={self.n_heads}")
-        if self.position == "rope" and (self.d_model // self.n_heads) % 2:
+        if self.position == "rope" and self.head_dim is None and (self.d_model // self.n_heads) % 2:
             raise field_error("n_heads", self.n_heads,
                               f"an even head size d_model/n_heads for position=rope (now {self.d_model // self.n_heads})")
         sp = _sequence_parallel(info)
@@ -150,7 +151,8 @@ def schemas() -> dict[str, Any]:
         "smalti.llm.data.chat.ChatDataset": ChatSchema,
         "smalti.llm.data.synthetic.MarkovTokens": MarkovSchema,
         "smalti.llm.data.prepare.PreparedTextMDS": PreparedTextSchema,
-        "smalti.llm.hf_export.HFExport": HFExportSchema,
+        "smalti.llm.hf.HFExport": HFExportSchema,
+        "smalti.llm.hf_export.HFExport": HFExportSchema,  # run configs saved before smalti.llm.hf
         "smalti.llm.icl.callback.ICLEval": ICLSchema,
         "smalti.llm.icl.callback.GauntletEval": ICLSchema,
         "smalti.llm.mlflow_registry.MLflowModelRegistry": MLflowModelSchema,

@@ -1,10 +1,9 @@
 """A trained model as a self-contained folder: Hugging Face when the model has a Hugging Face family's shape,
 else smalti's own.
 
-* Llama/Mistral/Qwen2-shaped models (RoPE, RMSNorm, SwiGLU, no QK-norm) are written with
-  :func:`smalti.llm.hf.export_hf`: ``transformers`` loads the folder offline.
-* MPT-shaped models (the ``mpt_*`` recipes: LayerNorm, GELU MLP, learned or ALiBi positions) are written with
-  :func:`smalti.llm.hf_mpt.export_mpt` as ``transformers``' GPT-2 or MPT.
+* A model with the shape of a registered Hugging Face family (Llama, Mistral, Qwen2, ...; the ``mpt_*`` recipes
+  as ``transformers``' GPT-2 or MPT) is written with :func:`smalti.llm.hf.export_hf`: ``transformers`` loads
+  the folder offline.
 * Any other :class:`~smalti.llm.LLM` (RoPE with LayerNorm, MoE, ...) is written as ``smalti_llm.json`` (the
   model's constructor arguments) plus ``model.safetensors`` under smalti's parameter names.
 
@@ -59,16 +58,12 @@ def plain_copy(model: LLM, state: dict[str, torch.Tensor] | None = None) -> LLM:
     return build_with_weights(model.config, state if state is not None else full_state_dict(model))
 
 
-def is_llama(model: LLM) -> bool:
-    """Whether ``model`` has the shape of a Hugging Face family (Llama, Mistral, Qwen2), so that the folder can be
-    a Hugging Face one."""
-    from smalti.llm.hf import _check_exportable
+def is_hf_shaped(model: LLM) -> bool:
+    """Whether ``model`` has the shape of a registered Hugging Face family, so that the folder can be a Hugging
+    Face one."""
+    from smalti.llm.hf.registry import exportable
 
-    try:
-        _check_exportable(model)
-    except ConversionError:
-        return False
-    return True
+    return exportable(model.config)
 
 
 def save_model_folder(model: LLM, folder: str | os.PathLike, tokenizer: Any = "default", dtype: str | None = None) -> Path:
@@ -78,17 +73,13 @@ def save_model_folder(model: LLM, folder: str | os.PathLike, tokenizer: Any = "d
     copied beside the weights, or ``None`` (a model imported from Hugging Face brings its own tokenizer files).
     ``dtype``: of the weights; default the source model's (Hugging Face imports), else float32.
     """
-    from smalti.llm.hf import export_hf
+    if is_hf_shaped(model):
+        from smalti.llm.hf.exporter import export_hf
 
-    if is_llama(model):
         return export_hf(model, folder, dtype=dtype, tokenizer=tokenizer)
-    from smalti.llm.hf_mpt import export_mpt, is_mpt_like
-
-    if is_mpt_like(model):
-        return export_mpt(model, folder, dtype=dtype, tokenizer=tokenizer)
     from safetensors.torch import save_file
 
-    from smalti.llm.hf import _DTYPES
+    from smalti.llm.hf.folder import DTYPES as _DTYPES
 
     dtype = dtype or "float32"
     if dtype not in _DTYPES:
@@ -109,17 +100,14 @@ def save_model_folder(model: LLM, folder: str | os.PathLike, tokenizer: Any = "d
 
 
 def load_model_folder(folder: str | os.PathLike) -> LLM:
-    """Read a folder written by :func:`save_model_folder` (either layout), or any local Hugging Face Llama folder."""
+    """Read a folder written by :func:`save_model_folder` (either layout), or any local Hugging Face folder of a
+    registered family."""
     folder = Path(folder)
     native = folder / NATIVE_CONFIG
     if not native.is_file():
-        from smalti.llm.hf import import_hf, read_config
+        from smalti.llm.hf.importer import import_hf
 
-        if (folder / "config.json").is_file() and read_config(folder).get("model_type") in ("mpt", "gpt2"):
-            from smalti.llm.hf_mpt import import_mpt
-
-            return import_mpt(folder)
-        return import_hf(folder)
+        return import_hf(folder).eval()
     from safetensors.torch import load_file
 
     try:

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 from smalti.llm.chat_template import ChatTemplate, Message, overlap_mask
 from smalti.llm.errors import TokenizerError
-from smalti.llm.tokenizer import Tokenizer
+from smalti.llm.tokenizer_api import Tokenizer
 
 NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 

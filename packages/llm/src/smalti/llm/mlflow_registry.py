@@ -61,7 +61,7 @@ class MLflowModelRegistry(Callback):
         if mlflow_logger is None:
             return
         from smalti.llm.export import full_state_dict, plain_copy
-        from smalti.llm.hf_export import find_hf_export
+        from smalti.llm.hf.callback import find_hf_export
         from smalti.llm.model.transformer import LLM
 
         hf_export = find_hf_export(state)

@@ -17,6 +17,7 @@ from importlib import resources
 from pathlib import Path
 
 from smalti.llm.errors import TokenizerError
+from smalti.llm.tokenizer_api import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -25,27 +26,6 @@ PAD_TOKEN = "<|pad|>"
 SPECIAL_TOKENS = (EOS_TOKEN, PAD_TOKEN)
 SHIPPED = {"smalti-bpe-2k": "smalti-bpe-2k.json"}
 DEFAULT_TOKENIZER = "smalti-bpe-2k"
-
-
-class Tokenizer:
-    """What smalti-llm needs from a tokenizer: ``encode``, ``decode``, ``vocab_size``, ``eos_id``, ``pad_id``."""
-
-    name: str = "tokenizer"
-    vocab_size: int
-    eos_id: int
-    pad_id: int
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` (no special tokens added)."""
-        raise NotImplementedError
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Token ids of each text."""
-        return [self.encode(t) for t in texts]
-
-    def decode(self, ids: Iterable[int]) -> str:
-        """Text of ``ids`` (special tokens dropped)."""
-        raise NotImplementedError
 
 
 class ByteTokenizer(Tokenizer):

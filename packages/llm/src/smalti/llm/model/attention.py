@@ -68,11 +68,13 @@ class Attention(nn.Module):
         clip_qkv: float | None = None,
         device: Any = None,
         qkv_bias: bool | None = None,
+        head_dim: int | None = None,
     ) -> None:
         super().__init__()
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
-        self.head_dim = d_model // n_heads
+        # ``head_dim`` (default ``d_model // n_heads``) apart from d_model: Qwen3 and Gemma widen the heads.
+        self.head_dim = head_dim or d_model // n_heads
         self.softmax_scale = softmax_scale
         self.clip_qkv = clip_qkv
         self.rotary = rotary

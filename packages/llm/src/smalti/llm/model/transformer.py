@@ -131,6 +131,7 @@ class LLM(nn.Module):
         fused_loss: in training, compute the output projection and the cross-entropy together in chunks of
             rows (:mod:`smalti.llm.model.fused_loss`) so the ``[B, T, vocab]`` logits are never held; outputs
             then carry the final hidden states, and ``outputs["logits"]`` is computed only if asked for.
+        head_dim: the size of each attention head; default ``d_model // n_heads`` (Qwen3 and Gemma differ).
     """
 
     def __init__(
@@ -166,6 +167,7 @@ class LLM(nn.Module):
         init_device: str | None = None,
         init_std: float = 0.02,
         fused_loss: bool = True,
+        head_dim: int | None = None,
     ) -> None:
         super().__init__()
         n_kv_heads = n_kv_heads or n_heads
@@ -175,8 +177,10 @@ class LLM(nn.Module):
             raise ModelConfigError(f"model.n_heads={n_heads} is not divisible by model.n_kv_heads={n_kv_heads}")
         if position not in POSITIONS:
             raise ModelConfigError(f"model.position={position!r} is not one of {', '.join(POSITIONS)}")
-        if position == "rope" and (d_model // n_heads) % 2:
-            raise ModelConfigError(f"position=rope needs an even head size; d_model/n_heads = {d_model // n_heads}")
+        if head_dim is not None and (not isinstance(head_dim, int) or head_dim < 1):
+            raise ModelConfigError(f"model.head_dim={head_dim!r} must be a positive int or null (d_model/n_heads)")
+        if position == "rope" and (head_dim or d_model // n_heads) % 2:
+            raise ModelConfigError(f"position=rope needs an even head size; got {head_dim or d_model // n_heads}")
         if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
             raise ModelConfigError(f"model.sliding_window={sliding_window!r} must be a positive int or null")
         activation = activation or ("silu" if ffn_type == "glu" else "gelu")
@@ -196,7 +200,7 @@ class LLM(nn.Module):
             "sliding_window": sliding_window, "norm_type": norm_type, "norm_eps": norm_eps, "ffn_type": ffn_type,
             "activation": activation,
             "moe": dict(moe) if moe else None, "tie_embeddings": tie_embeddings,
-            "attn_uses_sequence_id": attn_uses_sequence_id, "init_std": init_std,
+            "attn_uses_sequence_id": attn_uses_sequence_id, "init_std": init_std, "head_dim": head_dim,
         }
         self.d_model, self.n_heads, self.n_layers = d_model, n_heads, n_layers
         self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
@@ -206,7 +210,7 @@ class LLM(nn.Module):
         self.init_std = init_std
         self.fused_loss = bool(fused_loss)
         device = torch.device(init_device) if init_device else None
-        rotary = Rotary(d_model // n_heads, rope_theta, rope_scaling) if position == "rope" else None
+        rotary = Rotary(head_dim or d_model // n_heads, rope_theta, rope_scaling) if position == "rope" else None
         self._alibi_slopes = alibi_slopes(n_heads, alibi_bias_max) if position == "alibi" else None
         with torch.device(device) if device is not None else contextlib.nullcontext():
             self.wte = nn.Embedding(vocab_size, d_model)
@@ -214,7 +218,7 @@ class LLM(nn.Module):
             self.blocks = nn.ModuleList(
                 Block(
                     Attention(d_model, n_heads, n_kv_heads, attn_bias, qk_norm, norm_type, norm_eps, rotary, softmax_scale,
-                              clip_qkv, qkv_bias=qkv_bias),
+                              clip_qkv, qkv_bias=qkv_bias, head_dim=head_dim),
                     make_ffn(ffn_type, d_model, hidden, activation, ffn_bias, layer_moe),
                     make_norm(norm_type, d_model, norm_eps, bias),
                     make_norm(norm_type, d_model, norm_eps, bias),

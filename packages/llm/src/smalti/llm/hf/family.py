@@ -1,0 +1,97 @@
+"""What a Hugging Face family module provides: the interface the importer, the exporter and the registry use.
+
+A family is one ``model_type`` of ``transformers`` (``llama``, ``qwen3``, ``mpt``, ...). Its module says
+
+* which ``config.json`` fields it reads and how they map onto :class:`~smalti.llm.LLM`'s arguments, refusing
+  (with :class:`~smalti.llm.errors.ConversionError` naming the field) any value smalti cannot reproduce exactly;
+* which smalti models have its shape (:meth:`Family.problems`) and the ``config.json`` that describes one;
+* its weight names both ways, as :class:`Part` lists: each smalti parameter is made of one or more Hugging Face
+  tensors (fused q/k/v stacked by rows, a transposed ``Conv1D`` weight, or one expert of a stacked MoE tensor).
+
+Mixture-of-experts families declare ``ffn = "moe"`` and map each expert's tensor with ``stacked=True`` parts
+onto the rows of smalti-moe's stacked expert weights, so the importer and exporter need no MoE knowledge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+
+@dataclass(frozen=True)
+class Part:
+    """One Hugging Face tensor inside a smalti parameter: rows ``start:stop`` of the smalti tensor.
+
+    ``transposed``: the Hugging Face tensor is stored ``[in, out]`` (GPT-2's ``Conv1D``), so smalti's rows are
+    its columns. ``stacked``: the Hugging Face tensor is the single index ``start`` of the smalti tensor's first
+    dimension (``stop == start + 1``), e.g. one expert's weight inside a stacked expert tensor.
+    """
+
+    hf_name: str
+    start: int
+    stop: int
+    transposed: bool = False
+    stacked: bool = False
+
+    def hf_shape(self, smalti_shape: list[int] | tuple[int, ...]) -> list[int]:
+        """The shape of the Hugging Face tensor, given the whole smalti parameter's shape."""
+        rest = list(smalti_shape[1:])
+        if self.stacked:
+            return rest
+        if self.transposed:
+            return [*rest[::-1], self.stop - self.start] if rest else [self.stop - self.start]
+        return [self.stop - self.start, *rest]
+
+    def of(self, tensor: Any) -> Any:
+        """This part of the whole smalti ``tensor``, laid out as the Hugging Face tensor."""
+        if self.stacked:
+            return tensor[self.start]
+        piece = tensor[self.start : self.stop]
+        return piece.t() if self.transposed and piece.dim() == 2 else piece
+
+
+#: smalti parameter name -> the Hugging Face tensors it is made of, in file order
+WeightParts = dict[str, list[Part]]
+
+
+class Family:
+    """Base class of a Hugging Face family module's family (one instance per ``model_type``).
+
+    Subclasses set :attr:`model_type` and :attr:`architecture` and implement the four methods. Register one
+    with :func:`smalti.llm.hf.registry.register` or, from another distribution, under the
+    ``smalti.llm.hf_families`` entry-point group (the entry point names a :class:`Family` instance).
+    """
+
+    #: ``config.json``'s ``model_type``.
+    model_type: ClassVar[str] = ""
+    #: The ``transformers`` class its folders load as (``config.json``'s ``architectures``).
+    architecture: ClassVar[str] = ""
+    #: The FFN kind of its blocks: ``glu``, ``mlp`` or ``moe`` (experts mapped by ``stacked`` parts).
+    ffn: ClassVar[str] = "glu"
+    #: A short human description for error messages (``"Llama 1/2/3/3.1"``).
+    description: ClassVar[str] = ""
+
+    def llm_kwargs(self, cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+        """:class:`~smalti.llm.LLM` arguments equal to the model ``cfg`` (a ``config.json`` at ``path``)
+        describes; raises :class:`~smalti.llm.errors.ConversionError` naming a field it cannot reproduce."""
+        raise NotImplementedError
+
+    def problems(self, config: dict[str, Any]) -> list[str]:
+        """Why a smalti model with ``config`` (``LLM.config``) does not have this family's shape (empty: it has)."""
+        raise NotImplementedError
+
+    def hf_config(self, config: dict[str, Any], dtype: str, eos_token_id: int | None = None) -> dict[str, Any]:
+        """The ``config.json`` of this family's model equal to a smalti model with ``config``."""
+        raise NotImplementedError
+
+    def weight_parts(self, config: dict[str, Any]) -> WeightParts:
+        """For each parameter of a smalti model with ``config``, the Hugging Face tensors it is made of."""
+        raise NotImplementedError
+
+    def zero_tensors(self, config: dict[str, Any]) -> dict[str, list[int]]:
+        """Tensors the Hugging Face class always has but this smalti model does not (written as zeros), by shape."""
+        return {}
+
+    def __repr__(self) -> str:
+        return f"<hf family {self.model_type}>"

@@ -1,0 +1,101 @@
+"""Every Hugging Face family smalti knows: its own (one module each under :mod:`smalti.llm.hf.families`) and any
+another distribution declares under the ``smalti.llm.hf_families`` entry-point group::
+
+    [project.entry-points."smalti.llm.hf_families"]
+    my_family = "my_package.my_module:FAMILY"   # a smalti.llm.hf.family.Family instance
+
+The importer finds a folder's family by ``config.json``'s ``model_type``; the exporter finds a smalti model's
+by asking each family in turn whether the model has its shape.
+"""
+
+from __future__ import annotations
+
+import logging
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+from smalti.llm.errors import ConversionError
+from smalti.llm.hf.families.llama import FAMILY as LLAMA
+from smalti.llm.hf.families.mistral import FAMILY as MISTRAL
+from smalti.llm.hf.families.mpt import GPT2_FAMILY, MPT_FAMILY
+from smalti.llm.hf.families.qwen2 import FAMILY as QWEN2
+from smalti.llm.hf.family import Family
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "smalti.llm.hf_families"
+BUILTIN: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, MPT_FAMILY, GPT2_FAMILY)
+
+_registered: dict[str, Family] = {}
+_loaded = False
+
+
+def register(family: Family) -> None:
+    """Make ``family`` known to the importer and exporter (replacing one of the same ``model_type``)."""
+    if not isinstance(family, Family) or not family.model_type or not family.architecture:
+        raise ConversionError(f"{family!r} is not a smalti.llm.hf.family.Family with model_type and architecture")
+    _load_entry_points()
+    _registered[family.model_type] = family
+
+
+def _load_entry_points() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    for family in BUILTIN:
+        _registered[family.model_type] = family
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            family = ep.load()
+        except Exception as exc:  # a broken plugin names itself and leaves the others working
+            raise ConversionError(f"entry point {ep.name}={ep.value!r} ({ENTRY_POINT_GROUP}) failed to load: {exc}") from exc
+        register(family)
+
+
+def families() -> dict[str, Family]:
+    """``model_type`` -> family, built-in ones first, then those of entry points."""
+    _load_entry_points()
+    return dict(_registered)
+
+
+def family_for_config(cfg: dict[str, Any], path: Path) -> Family:
+    """The family of a ``config.json`` (``cfg``, read from ``path``), or an error naming its ``model_type``."""
+    known = families()
+    model_type = cfg.get("model_type")
+    if model_type not in known:
+        names = ", ".join(f"{k} ({f.description})" if f.description else k for k, f in known.items())
+        raise ConversionError(f"{path}: model_type={model_type!r} is not supported; smalti imports {names}")
+    return known[model_type]
+
+
+def llm_kwargs(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    """:class:`~smalti.llm.LLM` arguments for the ``config.json`` ``cfg`` at ``path``, by its family; a field the
+    family needs and the file lacks is named."""
+    family = family_for_config(cfg, path)
+    try:
+        return family.llm_kwargs(cfg, path)
+    except KeyError as exc:
+        raise ConversionError(f"{path}: {family.model_type} needs the field {exc.args[0]!r}, which is missing") from exc
+
+
+def family_of(config: dict[str, Any]) -> Family:
+    """The family a smalti model with ``config`` (``LLM.config``) exports as; an error says why none fits."""
+    why = {}
+    for family in families().values():
+        problems = family.problems(config)
+        if not problems:
+            return family
+        why[family.model_type] = problems
+    details = "; ".join(f"{name}: {', '.join(p)}" for name, p in why.items())
+    raise ConversionError(f"this model cannot be exported as a Hugging Face model ({details})")
+
+
+def exportable(config: dict[str, Any]) -> bool:
+    """Whether some family has the shape of a smalti model with ``config``."""
+    try:
+        family_of(config)
+    except ConversionError:
+        return False
+    return True
