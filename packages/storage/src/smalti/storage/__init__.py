@@ -30,7 +30,9 @@ from smalti.storage.errors import (
     RetryBudgetExceededError,
     StorageError,
     UnknownSchemeError,
+    UnsafeLocalPathError,
 )
+from smalti.storage.private import check_no_links, check_private_dir, open_beneath, user_cache_dir
 from smalti.storage.registry import available_schemes, open_object, open_store, split_url
 from smalti.storage.retry import RetryPolicy
 
@@ -49,14 +51,19 @@ __all__ = [
     "RetryPolicy",
     "StorageError",
     "UnknownSchemeError",
+    "UnsafeLocalPathError",
     "atomic_copy",
     "atomic_write",
     "atomic_write_bytes",
     "atomic_write_text",
     "available_schemes",
+    "check_no_links",
+    "check_private_dir",
     "fsync_dir",
     "is_temp_name",
+    "open_beneath",
     "open_object",
     "open_store",
     "split_url",
+    "user_cache_dir",
 ]

@@ -82,3 +82,8 @@ class RetryBudgetExceededError(StorageError):
 
 class IntegrityError(StorageError):
     """What was stored or fetched does not match what was expected (size after upload, a caller's check)."""
+
+
+class UnsafeLocalPathError(StorageError):
+    """A local path that is not what it claims: a symbolic link where a plain file or folder must be, or a
+    cache folder another user owns or may write into. ``url`` is the path at fault."""
