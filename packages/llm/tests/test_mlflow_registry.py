@@ -114,3 +114,48 @@ def test_hf_export_folder_is_what_gets_registered(mlflow_server, tmp_path, monke
 
     assert {p.name: p.read_bytes() for p in Path(folder).iterdir()} == local
     assert json.loads(local["config.json"])["model_type"] == "qwen2" and "tokenizer_config.json" in local
+
+
+def test_every_nth_checkpoint_is_registered_as_a_version(mlflow_server, tmp_path):
+    """interval=2 with a checkpoint every batch of a 4-batch run: versions at batches 2 and 4 (the final model, at
+    4, is not registered twice); each reads back as the model it was at that step."""
+    pytest.importorskip("smalti.checkpoint")
+    from mlflow import MlflowClient
+    from mlflow.artifacts import download_artifacts
+
+    from smalti.checkpoint import Checkpointer
+    from smalti.core import Callback, Trainer
+    from smalti.core.loggers import MLflowLogger
+    from smalti.llm.data.text import TokenizedText
+    from smalti.llm.export import load_model_folder
+    from smalti.llm.mlflow_registry import MLflowModelRegistry
+
+    torch.manual_seed(0)
+    model = LLM(**LLAMA)
+    logger = MLflowLogger(tracking_uri=mlflow_server.tracking_uri, experiment_name="smalti-llm-registry-interval")
+    registry = MLflowModelRegistry(registered_model_name="tiny-steps", interval=2, tokenizer=None)
+    loader = torch.utils.data.DataLoader(TokenizedText(max_seq_len=32), batch_size=4, shuffle=False)
+    ids = torch.randint(0, 2048, (2, 16))
+    logits = {}
+
+    class Snapshot(Callback):  # the model's logits at each batch, to compare the registered versions with
+        def on_batch_end(self, state):
+            with torch.no_grad():
+                logits[state.timestamp.batch] = state.raw_model.eval()({"input_ids": ids})["logits"]
+            state.raw_model.train()
+
+    Trainer(model, loader, "4ba", optimizers=functools.partial(torch.optim.AdamW, lr=1e-2), eval_interval=None,
+            callbacks={"snapshot": Snapshot(), "checkpoint": Checkpointer(str(tmp_path / "ck"), save_interval="1ba"),
+                       "registry": registry},
+            loggers={"mlflow": logger}, run_name="registry-interval").fit()
+
+    client = MlflowClient(tracking_uri=mlflow_server.tracking_uri)
+    versions = sorted(client.search_model_versions("name='tiny-steps'"), key=lambda v: int(v.version))
+    assert [(v.version, v.tags.get("step")) for v in versions] == [("1", "2"), ("2", "4")]
+    assert [v.source.rsplit("/", 1)[-1] for v in versions] == ["ep0-ba2", "ep0-ba4"]
+    for version in versions:
+        folder = download_artifacts(artifact_uri=version.source, dst_path=str(tmp_path / version.version),
+                                    tracking_uri=mlflow_server.tracking_uri)
+        with torch.no_grad():
+            got = load_model_folder(folder)({"input_ids": ids})["logits"]
+        torch.testing.assert_close(got, logits[int(version.tags["step"])])

@@ -137,6 +137,7 @@ class ICLSchema(Schema):
 
 class MLflowModelSchema(Schema):
     dtype: _DTYPES = "float32"
+    interval: PositiveInt | None = None
 
 
 def schemas() -> dict[str, Any]:

@@ -4,7 +4,9 @@ At the end of training the model is written as a folder (:func:`smalti.llm.expor
 Hugging Face Llama folder for Llama-shaped models, smalti's own layout otherwise, with the tokenizer), logged
 as an artifact of the MLflow logger's run, and registered as a new version of a registered model whose
 source is that artifact. When the run has an ``hf_export`` callback, the folder it writes is the one logged
-(one export, not two). Without an MLflow logger in the run it does nothing.
+(one export, not two). With ``interval=N``, every Nth checkpoint the run saves is registered too, as the
+model at that step (artifact ``<artifact_path>/ep<e>-ba<b>``, version tag ``step``), so a long run's
+registry holds its checkpoints, not just its final model. Without an MLflow logger in the run it does nothing.
 """
 
 from __future__ import annotations
@@ -44,25 +46,48 @@ class MLflowModelRegistry(Callback):
         tokenizer: name or path of the tokenizer copied beside the weights (``None``: none).
         dtype: weights' dtype in the folder (``float32``, ``bfloat16``, ``float16``).
         wait_s: how long to wait for the logger to have created its run (it does so in the background).
+        interval: also register every ``interval``-th checkpoint the run saves (``None``: the final model only).
     """
 
     def __init__(self, registered_model_name: str | None = None, artifact_path: str = "model",
-                 tokenizer: str | None = "default", dtype: str = "float32", wait_s: float = 60.0) -> None:
+                 tokenizer: str | None = "default", dtype: str = "float32", wait_s: float = 60.0,
+                 interval: int | None = None) -> None:
+        if interval is not None and int(interval) < 1:
+            raise ValueError(f"callbacks.mlflow_model.interval={interval}: give a number of checkpoints >= 1")
         self.registered_model_name = registered_model_name
         self.artifact_path = artifact_path
         self.tokenizer = tokenizer
         self.dtype = dtype
         self.wait_s = wait_s
-        #: The registered ``(name, version)`` once done (rank 0).
+        self.interval = int(interval) if interval is not None else None
+        #: The registered ``(name, version)`` once done (rank 0): the newest.
         self.registered: tuple[str, str] | None = None
+        self._checkpoints = 0
+        self._registered_at: int | None = None  # the batch of the newest registration (on every rank)
+
+    def on_batch_checkpoint(self, state: Any) -> None:
+        self._on_checkpoint(state)
+
+    def on_epoch_checkpoint(self, state: Any) -> None:
+        self._on_checkpoint(state)
+
+    def _on_checkpoint(self, state: Any) -> None:
+        if self.interval is None or not state.checkpoint_requested:
+            return
+        self._checkpoints += 1
+        if self._checkpoints % self.interval or self._registered_at == state.timestamp.batch:
+            return
+        ts = state.timestamp
+        self._register_plain(state, f"{self.artifact_path}/ep{ts.epoch}-ba{ts.batch}")
+        self._registered_at = ts.batch  # on every rank: all of them decide alike at fit end
 
     def on_fit_end(self, state: Any) -> None:
+        if self._registered_at == state.timestamp.batch:
+            return  # the last checkpoint, at this very step, is registered already
         mlflow_logger = find_mlflow_logger(state)
         if mlflow_logger is None:
             return
-        from smalti.llm.export import full_state_dict, plain_copy
         from smalti.llm.hf.callback import find_hf_export
-        from smalti.llm.model.transformer import LLM
 
         hf_export = find_hf_export(state)
         if hf_export is not None:
@@ -72,8 +97,19 @@ class MLflowModelRegistry(Callback):
             run_id = self._run_id(mlflow_logger)
             if run_id is not None:
                 name = self.registered_model_name or state.run_name
-                self.registered = self.register_folder(folder, mlflow_logger.tracking_uri, run_id, name)
+                self.registered = self.register_folder(folder, mlflow_logger.tracking_uri, run_id, name,
+                                                       step=state.timestamp.batch)
                 log.info("registered model %r version %s in MLflow (run %s)", name, self.registered[1], run_id)
+            return
+        self._register_plain(state, self.artifact_path)
+
+    def _register_plain(self, state: Any, artifact_path: str) -> None:
+        """Write the model in its own folder and register it under ``artifact_path`` (collective under FSDP)."""
+        from smalti.llm.export import full_state_dict, plain_copy
+        from smalti.llm.model.transformer import LLM
+
+        mlflow_logger = find_mlflow_logger(state)
+        if mlflow_logger is None:
             return
         model = state.raw_model
         if not isinstance(model, LLM):
@@ -87,8 +123,10 @@ class MLflowModelRegistry(Callback):
         if run_id is None:
             return
         name = self.registered_model_name or state.run_name
-        self.registered = self.register(plain_copy(model, weights), mlflow_logger.tracking_uri, run_id, name)
-        log.info("registered model %r version %s in MLflow (run %s)", name, self.registered[1], run_id)
+        self.registered = self.register(plain_copy(model, weights), mlflow_logger.tracking_uri, run_id, name,
+                                        artifact_path=artifact_path, step=state.timestamp.batch)
+        log.info("registered model %r version %s at batch %d in MLflow (run %s)", name, self.registered[1],
+                 state.timestamp.batch, run_id)
 
     def _run_id(self, mlflow_logger: Any) -> str | None:
         run_id = self._wait_for_run(mlflow_logger)
@@ -104,27 +142,32 @@ class MLflowModelRegistry(Callback):
             time.sleep(0.1)
         return mlflow_logger.run_id
 
-    def register(self, model: Any, tracking_uri: str | None, run_id: str, name: str) -> tuple[str, str]:
-        """Log ``model`` under ``artifact_path`` of run ``run_id`` and register it as a version of ``name``."""
+    def register(self, model: Any, tracking_uri: str | None, run_id: str, name: str,
+                 artifact_path: str | None = None, step: int | None = None) -> tuple[str, str]:
+        """Log ``model`` under ``artifact_path`` (default: :attr:`artifact_path`) of run ``run_id`` and register
+        it as a version of ``name``."""
         from smalti.llm.export import save_model_folder
 
         with tempfile.TemporaryDirectory() as tmp:
             folder = save_model_folder(model, Path(tmp) / "model", tokenizer=self.tokenizer, dtype=self.dtype)
-            return self.register_folder(folder, tracking_uri, run_id, name)
+            return self.register_folder(folder, tracking_uri, run_id, name, artifact_path, step)
 
-    def register_folder(self, folder: Path, tracking_uri: str | None, run_id: str, name: str) -> tuple[str, str]:
-        """Log the model ``folder`` under ``artifact_path`` of run ``run_id`` and register it as a version of
-        ``name``."""
+    def register_folder(self, folder: Path, tracking_uri: str | None, run_id: str, name: str,
+                        artifact_path: str | None = None, step: int | None = None) -> tuple[str, str]:
+        """Log the model ``folder`` under ``artifact_path`` (default: :attr:`artifact_path`) of run ``run_id``
+        and register it as a version of ``name``, tagged with the batch ``step`` it was taken at."""
         from mlflow import MlflowClient
         from mlflow.exceptions import MlflowException
 
+        artifact_path = artifact_path or self.artifact_path
         client = MlflowClient(tracking_uri=tracking_uri)
-        client.log_artifacts(run_id, str(folder), artifact_path=self.artifact_path)
+        client.log_artifacts(run_id, str(folder), artifact_path=artifact_path)
         try:
             client.create_registered_model(name)
         except MlflowException as exc:
             if exc.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
-        source = f"{client.get_run(run_id).info.artifact_uri}/{self.artifact_path}"
-        version = client.create_model_version(name, source=source, run_id=run_id)
+        source = f"{client.get_run(run_id).info.artifact_uri}/{artifact_path}"
+        tags = {"step": str(step)} if step is not None else None
+        version = client.create_model_version(name, source=source, run_id=run_id, tags=tags)
         return name, str(version.version)
