@@ -14,7 +14,11 @@ hookimpl = pluggy.HookimplMarker("smalti")
 
 @hookimpl
 def smalti_config_searchpath() -> str:
-    """Where smalti-llm's config groups live: model, data, callbacks and experiment options."""
+    """Where smalti-llm's config groups live: model, data, callbacks and experiment options (and, for them, the
+    ``${smalti_hf_max_seq_len:<folder>}`` resolver of ``model=hf``)."""
+    from smalti.llm.hf.context_length import register_resolver
+
+    register_resolver()
     return "pkg://smalti.llm.conf"
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from smalti.llm.errors import ConversionError
+from smalti.llm.hf.context_length import warn_if_past_positions
 from smalti.llm.hf.folder import read_config, resolve_folder, weight_files
 from smalti.llm.hf.registry import family_for_config, llm_kwargs
 from smalti.llm.model.transformer import LLM
@@ -112,6 +113,7 @@ class PretrainedLLM(LLM):
             )
         weight_files(folder)  # fail now, not after the model is sharded, when the weights are missing
         kwargs.update({k: v for k, v in overrides.items() if v is not None})
+        warn_if_past_positions(kwargs["max_seq_len"], source, folder / "config.json")
         super().__init__(**kwargs, init_device="meta")
         #: Where the weights come from, and its ``config.json`` (the export writes the same family).
         self.hf_folder = folder
