@@ -33,8 +33,12 @@ def _logits_both(folder: Path, ids: torch.Tensor) -> tuple[torch.Tensor, torch.T
     ("qwen2", {}),
     ("qwen2", {"tie_word_embeddings": True, "num_key_value_heads": 4}),
     ("llama", {"head_dim": 32}),
+    ("qwen3", {}),
+    ("qwen3", {"attention_bias": True, "tie_word_embeddings": True}),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}),
 ], ids=["llama2", "llama3-rope_scaling-tied", "llama-mqa-biases", "mistral-sliding_window", "qwen2-qkv_bias",
-        "qwen2-tied-mha", "llama-wide-heads"])
+        "qwen2-tied-mha", "llama-wide-heads", "qwen3-qk_norm-head_dim", "qwen3-attention_bias-tied",
+        "qwen3-sliding_window"])
 def test_import_gives_transformers_logits(tmp_path, monkeypatch, family, overrides):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     folder = write_tiny_hf_model(tmp_path / family, family, **overrides)
@@ -51,6 +55,9 @@ def test_import_gives_transformers_logits(tmp_path, monkeypatch, family, overrid
     if family == "qwen2":
         attn = model.blocks[0].attn
         assert attn.wqkv.bias is not None and attn.out_proj.bias is None
+    if family == "qwen3":
+        attn = model.blocks[0].attn
+        assert attn.q_norm is not None and attn.head_dim == 32 != model.d_model // model.n_heads
 
 
 def test_qwen2_sliding_window_on_every_layer_is_reproduced(tmp_path):
@@ -83,10 +90,36 @@ def test_fields_smalti_cannot_reproduce_fail_at_build_naming_them(tmp_path, chan
     assert str(folder / "config.json") in str(info.value)
 
 
-def test_qwen2_mixed_sliding_window_layers_are_refused(tmp_path):
-    folder = write_tiny_hf_model(tmp_path, "qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1)
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_mixed_sliding_window_layers_are_refused(tmp_path, family):
+    folder = write_tiny_hf_model(tmp_path, family, use_sliding_window=True, sliding_window=8, max_window_layers=1)
     with pytest.raises(ConversionError, match="max_window_layers=1"):
         PretrainedLLM(folder)
+
+
+@pytest.mark.parametrize("family", ["qwen3"])
+def test_export_of_an_imported_family_is_that_family_with_equal_logits(tmp_path, family):
+    """A trained step later, the export is the source's family again and transformers' logits equal smalti's,
+    through the source's config.json and, for a smalti-built model, through the family's own."""
+    from smalti.llm.hf import export_hf
+
+    source = write_tiny_hf_model(tmp_path / "src", family)
+    model = import_hf(source)
+    ids = torch.randint(0, 512, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    batch = {"input_ids": ids}
+    model.loss(model(batch), batch).backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    model.eval()
+    bare = import_hf(source).eval()
+    bare.load_state_dict(model.state_dict())
+    del bare.hf_folder, bare.hf_config  # as if built by smalti: the family comes from its shape
+    for name, which in (("from-source", model), ("from-shape", bare)):
+        out = export_hf(which, tmp_path / name)
+        assert json.loads((out / "config.json").read_text())["model_type"] == family
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
+        with torch.no_grad():
+            ours = model({"input_ids": ids})["logits"]
+            torch.testing.assert_close(hf(ids).logits, ours, atol=1e-4, rtol=1e-4)
 
 
 def test_hub_name_missing_tokenizer_and_missing_weights_are_explained(tmp_path, monkeypatch):

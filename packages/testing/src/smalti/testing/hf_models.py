@@ -2,7 +2,8 @@
 chat tokenizer (:func:`smalti.testing.hf_tokenizers.write_chat_tokenizer`) in the same folder. Offline.
 
 Families: ``llama`` (Llama 2 shape), ``llama3`` (Llama 3.1 shape: ``rope_scaling`` type llama3, large theta),
-``mistral`` (a sliding window of 16 positions unless overridden) and ``qwen2`` (q/k/v biases). Every weight,
+``mistral`` (a sliding window of 16 positions unless overridden), ``qwen2`` (q/k/v biases) and ``qwen3`` (QK-norm,
+heads of 32 wider than ``hidden_size / num_attention_heads``). Every weight,
 norms and biases included, is drawn at random, so that a wrong mapping of any tensor shows in the logits.
 """
 
@@ -18,6 +19,7 @@ FAMILIES = {
     "llama3": ("LlamaConfig", "llama3"),
     "mistral": ("MistralConfig", "mistral"),
     "qwen2": ("Qwen2Config", "chatml"),
+    "qwen3": ("Qwen3Config", "chatml"),
 }
 #: token named by each config id, per tokenizer style
 _TOKENS = {
@@ -40,6 +42,8 @@ def tiny_config(family: str, vocab_size: int = 512, **overrides: Any) -> dict[st
                                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
     if family == "mistral":
         kwargs["sliding_window"] = 16
+    if family == "qwen3":
+        kwargs["head_dim"] = 32  # wider than 64 / 4, as Qwen3's 128 is wider than most of its widths allow
     kwargs.update(overrides)
     return kwargs
 

@@ -20,12 +20,13 @@ from smalti.llm.hf.families.llama import FAMILY as LLAMA
 from smalti.llm.hf.families.mistral import FAMILY as MISTRAL
 from smalti.llm.hf.families.mpt import GPT2_FAMILY, MPT_FAMILY
 from smalti.llm.hf.families.qwen2 import FAMILY as QWEN2
+from smalti.llm.hf.families.qwen3 import FAMILY as QWEN3
 from smalti.llm.hf.family import Family
 
 log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "smalti.llm.hf_families"
-BUILTIN: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, MPT_FAMILY, GPT2_FAMILY)
+BUILTIN: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, MPT_FAMILY, GPT2_FAMILY)
 
 _registered: dict[str, Family] = {}
 _loaded = False
