@@ -1,0 +1,327 @@
+"""The ``blocks`` epoch order: any batch of the epoch computed directly, in memory that grows with shards only.
+
+mosaicml-streaming's shuffles (:mod:`smalti.streaming.order`) build the whole epoch as arrays of every sample
+id (about 73 bytes and 0.25 us per sample: 73 GB and four minutes at 1e9 samples, on every rank, every epoch
+and every resume). :class:`BlockOrder` keeps only per-span tables (a span is a shard, or the part of one on
+one canonical node) and computes the ids of global batches ``[k0, k1)``, or one rank's columns of them, when
+they are needed:
+
+1. Shards are put in a ``seed``-random order once per run and the sample sequence is cut into
+   ``num_canonical_nodes`` contiguous pieces of (nearly) equal sample counts; a shard cut by a piece border
+   becomes two spans. Each epoch permutes the spans inside every piece (``seed``, ``epoch``).
+2. Each piece's sample sequence is cut into blocks of ``block_size`` samples (default ``1 << 18``, a power
+   of four so a full block needs no cycle walking) and every block is permuted by a keyed bijection: a
+   four-round balanced Feistel network over ``4**h >= len(block)`` values keyed by (seed, epoch, node,
+   block), cycle-walking back into the block when it lands outside.
+3. The pieces are interleaved one sample each in turn (a piece that runs out drops out), padded with the
+   interleave's first samples to whole global batches, and inside each global batch the samples are grouped
+   by canonical node, as :mod:`smalti.streaming.order` does for the other shuffles, so global batches do not
+   depend on the node, rank or worker counts and a physical node reads only its canonical nodes' shards.
+
+How many samples of each piece the first ``x`` interleave positions hold is a closed form of ``x`` (see
+:meth:`BlockOrder._taken`), so a global batch is, per canonical node, one run of that node's sequence: any
+position is reached in O(num_canonical_nodes) without replaying the epoch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from smalti.streaming.errors import StreamingError
+
+DEFAULT_BLOCK = 1 << 18
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+_ROUNDS = 4
+_ROUND_KEYS = [np.uint64((i + 1) * 0x9E3779B97F4A7C15 % (1 << 64)) for i in range(_ROUNDS)]
+_CHUNK = 1 << 16  # samples decoded per vectorised pass: small enough for the CPU cache
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser, element-wise on uint64 (wrapping arithmetic)."""
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
+
+
+def _half_bits(n: np.ndarray) -> np.ndarray:
+    """Per entry, the smallest ``h >= 1`` with ``4**h >= n``."""
+    bits = np.ceil(np.log2(np.maximum(n, 2).astype(np.float64))).astype(np.int64)
+    return np.maximum((bits + 1) // 2, 1)
+
+
+def _feistel(v: np.ndarray, h: np.ndarray | np.uint64, keys: np.ndarray) -> np.ndarray:
+    """A balanced Feistel network over ``2h``-bit values: a keyed permutation of ``[0, 4**h)``."""
+    mask = (np.uint64(1) << h) - np.uint64(1)
+    shift = np.uint64(64) - h
+    left, right = v >> h, v & mask
+    f = np.empty_like(v)
+    for round_key in _ROUND_KEYS:
+        np.add(keys, round_key, out=f)
+        f ^= right
+        f *= _GOLDEN
+        f >>= shift
+        f ^= left
+        spare = left  # free once the halves swap: the next round's buffer
+        left, right = right, f
+        f = spare
+    left <<= h
+    left |= right
+    return left
+
+
+def permute_within(offsets: np.ndarray, sizes: np.ndarray | int, keys: np.ndarray) -> np.ndarray:
+    """A keyed bijection of ``[0, sizes[i])`` applied to ``offsets[i]``: each key gives another permutation.
+
+    A balanced Feistel network over ``2h``-bit values (``4**h >= size``) is a permutation of ``[0, 4**h)``;
+    applying it again to values that land at or beyond ``size`` (cycle walking) makes it one of ``[0, size)``.
+    ``sizes`` may be one number for all.
+    """
+    if np.ndim(sizes) == 0:
+        h: np.ndarray | np.uint64 = np.uint64(_half_bits(np.array([sizes]))[0])
+        size_u: np.ndarray | np.uint64 = np.uint64(sizes)
+    else:
+        h, size_u = _half_bits(sizes).astype(np.uint64), np.asarray(sizes).astype(np.uint64)
+    out = _feistel(offsets.astype(np.uint64), h, keys)
+    outside = np.flatnonzero(out >= size_u)
+    while len(outside):
+        hh = h if np.ndim(h) == 0 else h[outside]
+        lim = size_u if np.ndim(size_u) == 0 else size_u[outside]
+        v = _feistel(out[outside], hh, keys[outside])
+        out[outside] = v
+        outside = outside[v >= lim]
+    return out.view(np.int64)
+
+
+class BlockOrder:
+    """One epoch's order over shards of ``shard_sizes`` samples (see the module docstring).
+
+    ``shard_first_ids`` are each shard's first global sample id (default: the cumulative sizes), so a
+    stream's shards can keep the ids they have in a multi-stream dataset. Memory is O(shards + nodes);
+    :meth:`grid` and :meth:`ids` cost O(samples asked + nodes).
+    """
+
+    def __init__(self, shard_sizes: np.ndarray, *, seed: int, epoch: int, num_canonical_nodes: int,
+                 global_batch: int, block_size: int | None = None,
+                 shard_first_ids: np.ndarray | None = None) -> None:
+        sizes = np.asarray(shard_sizes, dtype=np.int64)
+        if num_canonical_nodes < 1:
+            raise StreamingError(f"num_canonical_nodes={num_canonical_nodes} must be a positive number")
+        if global_batch < 1:
+            raise StreamingError(f"global_batch={global_batch} must be a positive number of samples")
+        if block_size is not None and block_size < 1:
+            raise StreamingError(f"shuffle_block_size={block_size} must be a positive number of samples")
+        if (sizes < 0).any():
+            raise StreamingError("shard sizes must not be negative")
+        self.seed, self.epoch = int(seed), int(epoch)
+        self.num_nodes = num_canonical_nodes
+        self.global_batch = global_batch
+        self.block = int(block_size or DEFAULT_BLOCK)
+        first = np.concatenate([[0], np.cumsum(sizes)[:-1]]) if shard_first_ids is None else \
+            np.asarray(shard_first_ids, dtype=np.int64)
+        self.num_samples = int(sizes.sum())
+        n = self.num_samples
+        self.num_batches = -(-n // global_batch)
+        self.padded_size = self.num_batches * global_batch
+        seed_u = self.seed % (1 << 64)
+        run_rng = np.random.default_rng([seed_u, 0x5B10C5])
+        epoch_rng = np.random.default_rng([seed_u, self.epoch % (1 << 64), 0x5B10C5])
+        # 1. shards in a run order, cut into pieces of equal sample counts; a cut shard becomes two spans
+        perm = run_rng.permutation(len(sizes))
+        run_sizes = sizes[perm]
+        run_starts = np.concatenate([[0], np.cumsum(run_sizes)])
+        cuts = np.linspace(0, n, num_canonical_nodes + 1).round().astype(np.int64)
+        bounds = np.sort(np.concatenate([run_starts, cuts]))
+        bounds = bounds[np.concatenate([[True], bounds[1:] != bounds[:-1]])]
+        span_len = np.diff(bounds)
+        keep = span_len > 0
+        span_lo, span_len = bounds[:-1][keep], span_len[keep]
+        slot = np.searchsorted(run_starts, span_lo, side="right") - 1
+        span_first = first[perm][slot] + (span_lo - run_starts[slot])
+        span_node = np.searchsorted(cuts, span_lo, side="right") - 1
+        # ... and each epoch the spans of every piece in a new order
+        node_bounds = np.searchsorted(span_node, np.arange(num_canonical_nodes + 1))
+        order = np.concatenate([lo + epoch_rng.permutation(hi - lo) for lo, hi in zip(node_bounds[:-1], node_bounds[1:])])
+        self._span_first = span_first[order]
+        self._span_len = span_len[order]
+        self._pos = np.concatenate([[0], np.cumsum(self._span_len)])  # epoch sequence position of each span
+        self._lengths = np.diff(cuts)  # samples per canonical node
+        self._node_start = cuts[:-1]
+        self._key = _mix(np.array([seed_u ^ _mix(np.array([self.epoch % (1 << 64)], np.uint64))[0]], np.uint64))[0]
+        self._block_shift = self.block.bit_length() - 1 if self.block & (self.block - 1) == 0 else None
+        last = np.maximum(self._lengths - 1, 0) // self.block
+        self._short_block = np.where(self._lengths % self.block != 0, last, -1)
+        shorts = self._short_block[self._short_block >= 0]
+        self._first_short_row = int(shorts.min()) * self.block if len(shorts) else np.iinfo(np.int64).max
+        self._build_lookup()
+        self._build_interleave()
+
+    # ---------------------------------------------------------------- epoch sequence position -> sample id
+
+    def _build_lookup(self) -> None:
+        """A bucket table from epoch positions to spans: two gathers per sample instead of a binary search."""
+        spans, n = len(self._span_len), self.num_samples
+        self._bucket = max(1, n // max(2 * spans, 1))
+        buckets = n // self._bucket + 1
+        # first_span[j]: the last span starting at or before j * bucket (counted, not binary-searched)
+        at = -(-self._pos[:-1] // self._bucket)
+        self._first_span = np.cumsum(np.bincount(at, minlength=buckets)[:buckets]) - 1
+        hops = np.diff(self._first_span)
+        self._max_hops = int(hops.max()) if len(hops) else 0
+
+    def _span_of(self, pos: np.ndarray) -> np.ndarray:
+        if self._max_hops > 4:
+            return np.searchsorted(self._pos, pos, side="right") - 1
+        span = self._first_span[pos // self._bucket]
+        for _ in range(self._max_hops):
+            span += pos >= self._pos[span + 1]
+        return span
+
+    def _sample_ids(self, node: np.ndarray, row: np.ndarray) -> np.ndarray:
+        """The sample at row ``row`` of canonical node ``node``'s shuffled sequence."""
+        if self._block_shift is not None:
+            block = row >> self._block_shift
+            offset = row & (self.block - 1)
+        else:
+            block, offset = np.divmod(row, self.block)
+        keys = (node << 40) | block
+        keys = keys.view(np.uint64)
+        keys ^= self._key
+        keys *= _MIX1
+        keys ^= keys >> np.uint64(29)
+        short = None
+        if len(row) and row.max() >= self._first_short_row:  # a node's last block, when it is not full
+            short = np.flatnonzero(block == self._short_block[node])
+        if short is not None and len(short):
+            perm = np.empty_like(offset)
+            full = np.ones(len(row), dtype=bool)
+            full[short] = False
+            perm[full] = permute_within(offset[full], self.block, keys[full])
+            size = self._lengths[node[short]] - block[short] * self.block
+            perm[short] = permute_within(offset[short], size, keys[short])
+        else:
+            perm = permute_within(offset, self.block, keys)
+        pos = perm
+        pos += self._node_start[node]
+        pos += block * self.block
+        span = self._span_of(pos)
+        pos -= self._pos[span]
+        pos += self._span_first[span]
+        return pos
+
+    # ---------------------------------------------------------------- interleave of the canonical nodes
+
+    def _build_interleave(self) -> None:
+        """Phases of the interleave: between two distinct node lengths, the same nodes take turns."""
+        lengths = self._lengths
+        self._levels = np.unique(np.concatenate([[0], lengths]))
+        levels = self._levels[:-1]
+        self._phase_start = np.array([np.minimum(lengths, lv).sum() for lv in levels], dtype=np.int64)
+        alive = lengths[None, :] > levels[:, None]  # (phases, nodes)
+        self._alive_count = alive.sum(axis=1)
+        self._alive_rank = np.cumsum(alive, axis=1) - alive  # rank of a node among the alive ones
+        self._alive_nodes = np.zeros_like(alive, dtype=np.int64)
+        for j in range(len(levels)):
+            live = np.flatnonzero(alive[j])
+            self._alive_nodes[j, : len(live)] = live
+
+    def _phase(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        j = np.minimum(np.searchsorted(self._phase_start, x, side="right") - 1, len(self._phase_start) - 1)
+        step, rem = np.divmod(x - self._phase_start[j], self._alive_count[j])
+        return j, self._levels[j] + step, rem
+
+    def _taken(self, x: np.ndarray) -> np.ndarray:
+        """``(len(x), nodes)``: how many samples of each node the first ``x`` interleave positions hold."""
+        j, row, rem = self._phase(x)
+        row, rem = row[:, None], rem[:, None]
+        lengths = self._lengths[None, :]
+        return np.minimum(lengths, row) + ((lengths > row) & (self._alive_rank[j] < rem))
+
+    def _decode(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Interleave positions -> (node, row)."""
+        j, row, rem = self._phase(g)
+        return self._alive_nodes[j, rem], row
+
+    # ---------------------------------------------------------------- batches
+
+    def _grid_rows(self, k0: int, k1: int, c0: int, c1: int) -> tuple[np.ndarray, np.ndarray]:
+        """(node, row) of columns ``[c0, c1)`` of global batches ``[k0, k1)``, all full (no padding).
+
+        Inside a global batch each node's samples are one run of its rows; columns ``[c0, c1)`` cut a
+        piece out of some of these runs, and the pieces, batch after batch, are the answer.
+        """
+        G, C = self.global_batch, self.num_nodes
+        taken = self._taken(np.arange(k0, k1 + 1, dtype=np.int64) * G)  # (K + 1, nodes)
+        counts = np.diff(taken, axis=0)
+        inside = np.cumsum(counts, axis=1) - counts  # where each node's run starts inside its batch
+        lo = np.maximum(inside, c0)
+        piece = np.maximum(np.minimum(inside + counts, c1) - lo, 0).ravel()
+        first_row = (taken[:-1] + (lo - inside)).ravel()
+        out_start = np.cumsum(piece) - piece
+        node = np.repeat(np.tile(np.arange(C, dtype=np.int64), k1 - k0), piece)
+        row = np.repeat(first_row - out_start, piece)
+        row += np.arange(len(row), dtype=np.int64)
+        return node, row
+
+    def _last_rows(self, c0: int, c1: int) -> tuple[np.ndarray, np.ndarray]:
+        """(node, row) of columns ``[c0, c1)`` of the last global batch, padded with the epoch's first samples."""
+        G, n = self.global_batch, self.num_samples
+        g = np.arange((self.num_batches - 1) * G, self.num_batches * G, dtype=np.int64) % n
+        node, row = self._decode(g)
+        by_node = np.argsort(node, kind="stable")[c0:c1]
+        return node[by_node], row[by_node]
+
+    def grid(self, k0: int, k1: int, c0: int = 0, c1: int | None = None) -> np.ndarray:
+        """Sample ids of columns ``[c0, c1)`` of global batches ``[k0, k1)``, one row per batch.
+
+        Data-parallel rank ``r`` with ``batch_size`` samples per rank reads columns
+        ``[r * batch_size, (r + 1) * batch_size)``.
+        """
+        c1 = self.global_batch if c1 is None else c1
+        k0, k1 = max(k0, 0), min(k1, self.num_batches)
+        if not (0 <= c0 <= c1 <= self.global_batch):
+            raise StreamingError(f"columns [{c0}, {c1}) are not inside a global batch of {self.global_batch}")
+        if k1 <= k0 or c1 == c0:
+            return np.zeros((max(k1 - k0, 0), c1 - c0), dtype=np.int64)
+        padded = self.padded_size != self.num_samples
+        full_end = k1 - 1 if padded and k1 == self.num_batches else k1
+        parts = []
+        if full_end > k0:
+            node, row = self._grid_rows(k0, full_end, c0, c1)
+            parts.append(self._sample_ids(node, row))
+        if full_end < k1:
+            parts.append(self._sample_ids(*self._last_rows(c0, c1)))
+        return np.concatenate(parts).reshape(k1 - k0, c1 - c0)
+
+    def ids(self, lo: int, hi: int) -> np.ndarray:
+        """Sample ids of global positions ``[lo, hi)`` of the padded, node-grouped epoch order."""
+        lo, hi = max(lo, 0), min(hi, self.padded_size)
+        if hi <= lo:
+            return np.zeros(0, dtype=np.int64)
+        G = self.global_batch
+        k0, k1 = lo // G, -(-hi // G)
+        return self.grid(k0, k1).reshape(-1)[lo - k0 * G : hi - k0 * G]
+
+    def iter_rank(self, rank: int, batch_size: int, start_batch: int = 0,
+                  chunk_samples: int = _CHUNK) -> Iterator[np.ndarray]:
+        """Rank ``rank``'s columns of global batches ``start_batch, ...`` as arrays of many batches each."""
+        per = max(1, chunk_samples // batch_size)
+        for k in range(start_batch, self.num_batches, per):
+            yield self.grid(k, min(k + per, self.num_batches), rank * batch_size, (rank + 1) * batch_size)
+
+    def node_order(self, node: int) -> np.ndarray:
+        """Canonical node ``node``'s shuffled sequence of sample ids, whole (tests, analysis)."""
+        rows = np.arange(int(self._lengths[node]), dtype=np.int64)
+        return self._sample_ids(np.full(len(rows), node, dtype=np.int64), rows)
+
+    def node_rows(self, node: int, lo: int, hi: int) -> np.ndarray:
+        """Rows ``[lo, hi)`` of canonical node ``node``'s shuffled sequence."""
+        rows = np.arange(max(lo, 0), min(hi, int(self._lengths[node])), dtype=np.int64)
+        return self._sample_ids(np.full(len(rows), node, dtype=np.int64), rows)
+
+    def full(self) -> np.ndarray:
+        """The whole padded epoch order as one array (small datasets, tests)."""
+        return self.ids(0, self.padded_size)
