@@ -109,3 +109,48 @@ def test_an_exception_propagates_and_stops_the_call():
     with pytest.raises(ValueError, match="boom"):
         FastHook(pm, "on_event")(state=0, logger=0)
     assert calls == []
+
+
+class Blocks:
+    """An implementation that waits inside the hook until released, so another thread can look at it."""
+
+    def __init__(self):
+        import threading
+
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    @impl
+    def on_event(self, state):
+        self.entered.set()
+        self.release.wait(30)
+
+
+class Wraps:
+    @impl(wrapper=True)
+    def on_event(self, state):
+        return (yield)
+
+
+@pytest.mark.parametrize("path", ["fast", "pluggy"])
+def test_running_hooks_names_the_hook_and_the_plugin_a_thread_is_in(path):
+    """What the hang watchdog reports, read through the one function that knows the stack's shape, on both ways
+    a hook is called (FastHook's, and pluggy's when a wrapper makes FastHook hand over)."""
+    import threading
+
+    from smalti.core.dispatch import running_hooks
+
+    blocker, calls = Blocks(), []
+    plugins = [Recorder("a", calls), blocker] + ([Wraps()] if path == "pluggy" else [])
+    hook = FastHook(manager(*plugins), "on_event")
+    worker = threading.Thread(target=lambda: hook(state=1, logger=None), daemon=True)
+    worker.start()
+    try:
+        assert blocker.entered.wait(30)
+        (call,) = running_hooks(worker.ident)
+        assert (call.hook, call.plugin, call.where) == ("on_event", blocker, "Blocks.on_event")
+        assert call.impl_index == (0 if path == "fast" else 1)  # called first, or right after the wrapper
+    finally:
+        blocker.release.set()
+        worker.join(30)
+    assert running_hooks(worker.ident) == []
+

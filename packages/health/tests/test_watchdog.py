@@ -130,3 +130,14 @@ def test_set_timeout_applies_from_the_call_on(monkeypatch):
         assert watchdog.timeout_s == watchdog.first_batch_timeout_s == 0.3
     finally:
         watchdog.on_close()
+
+
+def test_the_hang_report_reads_no_dispatch_internals():
+    """The watchdog asks smalti.core.dispatch.running_hooks which hooks a hung thread is in; it names no frame
+    local, code name or file of dispatch's (or pluggy's), so renaming them cannot blind the hang report."""
+    import smalti.health.watchdog as watchdog
+
+    source = Path(watchdog.__file__).read_text(encoding="utf-8")
+    for internal in ("f_locals", "hook_impls", "hook_name", "dispatch.py", "_multicall", "FastHook"):
+        assert internal not in source, internal
+    assert "running_hooks" in source

@@ -11,7 +11,10 @@ re-read whenever it changes, so plugins registered or unregistered mid-run are s
 
 from __future__ import annotations
 
+import sys
+from dataclasses import dataclass
 from operator import itemgetter
+from types import CodeType, FrameType
 from typing import Any
 
 import pluggy
@@ -51,8 +54,7 @@ class FastHook:
             self._calls = [_plan(impl) for impl in reversed(impls)] if plain else None
         if self._calls is None or self._pm._inner_hookexec is not _PLAIN_HOOKEXEC:
             return self._caller(**kwargs)
-        # Named as in pluggy's _multicall: smalti-health's watchdog reads them from a hung rank's live stack to
-        # say which hook and which plugin it is stuck in.
+        # Named as in pluggy's _multicall, so that running_hooks() reads both kinds of frame alike.
         hook_name, hook_impls = self._name, impls  # noqa: F841
         # Arguments picked without building a list per call: one name is a key, more an itemgetter.
         if self._first:
@@ -74,3 +76,53 @@ def _plan(impl: Any) -> tuple[Any, Any, int, Any]:
     names = tuple(impl.argnames)
     pick = names[0] if len(names) == 1 else itemgetter(*names) if names else None
     return impl, impl.function, len(names), pick
+
+
+@dataclass(frozen=True)
+class RunningHook:
+    """A hook call in progress on some thread: the hook, the implementation running now and its place.
+
+    ``impl_index`` counts in call order (0 = called first; -1 when not known); ``plugin`` is the object whose
+    method runs (``None`` for a plain function); ``where`` names the running code (``Class.method``).
+    """
+
+    hook: str
+    plugin: Any
+    where: str
+    impl_index: int
+
+
+def _hook_call_codes() -> tuple[CodeType, ...]:
+    """The code objects that call hook implementations: pluggy's (a plugin manager's plain hook executor,
+    ``_multicall``) and :meth:`FastHook.__call__`."""
+    return (FastHook.__call__.__code__, _PLAIN_HOOKEXEC.__code__)
+
+
+def running_hooks(thread_id: int) -> list[RunningHook]:
+    """The hooks thread ``thread_id`` is running now, outermost first (for a hang report: costs nothing until
+    asked). The one place that knows how a hook call looks on a live stack, so callers (smalti-health's
+    watchdog) depend on this function, not on the names of this module's or pluggy's internals."""
+    frame: FrameType | None = sys._current_frames().get(thread_id)
+    chain: list[FrameType] = []
+    while frame is not None:
+        chain.append(frame)
+        frame = frame.f_back
+    chain.reverse()
+    if not chain:  # the thread has ended
+        return []
+    codes = _hook_call_codes()
+    running = []
+    for outer, inner in zip(chain, [*chain[1:], None], strict=True):
+        if outer.f_code not in codes:
+            continue
+        local = outer.f_locals
+        if "hook_name" not in local:  # a FastHook that handed the call to pluggy: pluggy's frame follows
+            continue
+        impls, current = list(local.get("hook_impls") or ()), local.get("hook_impl")
+        # implementations run last-registered first: the index says how far through the hook the thread got
+        order = next((len(impls) - 1 - i for i, impl in enumerate(impls) if impl is current), -1)
+        plugin = inner.f_locals.get("self") if inner is not None else None
+        code = inner.f_code.co_name if inner is not None else "?"
+        where = f"{type(plugin).__name__}.{code}" if plugin is not None else code
+        running.append(RunningHook(str(local.get("hook_name")), plugin, where, order))
+    return running

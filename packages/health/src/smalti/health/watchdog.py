@@ -290,45 +290,23 @@ def hooks_in_progress(thread_id: int, pm: Any = None) -> list[dict[str, Any]]:
     """The hooks thread ``thread_id`` is running now, outermost first, each with the plugin whose code runs and
     that plugin's place in the hook's call order (``impl_index``, 0 = called first).
 
-    ``pm`` (default: the process's plugin manager) names the plugins. Read from the thread's live stack: every
-    hook call frame (pluggy's ``_multicall`` or core's ``FastHook``) names its hook, and the frame it called is
-    the running implementation (its ``self`` is the plugin). Costs nothing until a rank hangs.
+    ``pm`` (default: the process's plugin manager) names the plugins. The calls are read by
+    :func:`smalti.core.dispatch.running_hooks`, which owns the knowledge of how a hook call looks on a stack.
     """
-    frame = sys._current_frames().get(thread_id)
-    chain = []
-    while frame is not None:
-        chain.append(frame)
-        frame = frame.f_back
-    chain.reverse()
+    from smalti.core.dispatch import running_hooks
+
     hooks: list[dict[str, Any]] = []
-    for outer, inner in zip(chain, chain[1:] + [None], strict=True):
-        if not _is_hook_call(outer.f_code):
-            continue
-        local = outer.f_locals
-        hook_name = local.get("hook_name")
-        impls, current = list(local.get("hook_impls") or ()), local.get("hook_impl")
-        # pluggy calls the impls last-registered first; the index says how far through the hook this rank got
-        order = next((len(impls) - 1 - i for i, impl in enumerate(impls) if impl is current), -1)
-        plugin_name = None
-        if inner is not None:
-            impl = inner.f_locals.get("self")
+    for call in running_hooks(thread_id):
+        plugin_name = call.where
+        if call.plugin is not None:
             if pm is None:
                 from smalti.core.plugins.manager import get_plugin_manager
 
                 pm = get_plugin_manager()
-            name = pm.get_name(impl) if impl is not None and pm.is_registered(impl) else None
-            where = f"{type(impl).__name__}.{inner.f_code.co_name}" if impl is not None else inner.f_code.co_name
-            plugin_name = f"{name}: {where}" if name else where
-        hooks.append({"hook": str(hook_name), "plugin": plugin_name, "impl_index": order})
+            name = pm.get_name(call.plugin) if pm.is_registered(call.plugin) else None
+            plugin_name = f"{name}: {call.where}" if name else call.where
+        hooks.append({"hook": call.hook, "plugin": plugin_name, "impl_index": call.impl_index})
     return hooks
-
-
-def _is_hook_call(code: Any) -> bool:
-    """Whether a frame's code calls a hook's implementations: pluggy's ``_multicall``, or smalti-core's
-    ``FastHook`` (which the training loop uses for plain hooks; it keeps the same local names)."""
-    if code.co_name == "_multicall":
-        return "pluggy" in code.co_filename
-    return code.co_name == "__call__" and code.co_filename.replace("\\", "/").endswith("smalti/core/dispatch.py")
 
 
 def _flush_loggers(timeout_s: float, pm: Any) -> None:
