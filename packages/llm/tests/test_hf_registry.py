@@ -117,3 +117,19 @@ def test_a_model_no_family_fits_is_refused_with_each_familys_reason():
     config = LLM(d_model=32, n_heads=4, n_layers=1, position="alibi", norm_type="rmsnorm", init_device="meta").config
     with pytest.raises(ConversionError, match=r"llama: position='alibi'.*mpt: norm_type='rmsnorm'"):
         registry.family_of(config)
+
+
+def test_parts_lay_out_fused_transposed_and_stacked_tensors():
+    """What an MoE family relies on: a ``stacked`` part is one expert (index ``start``) of a stacked weight,
+    a ``transposed`` part a ``Conv1D``'s columns, a plain part a row range of a fused weight."""
+    from smalti.llm.hf.family import Part
+
+    experts = torch.arange(2 * 3 * 4.0).reshape(2, 3, 4)
+    second = Part("experts.1.w1.weight", 1, 2, stacked=True)
+    assert second.hf_shape(list(experts.shape)) == [3, 4]
+    assert torch.equal(second.of(experts), experts[1])
+    fused = torch.arange(6 * 2.0).reshape(6, 2)
+    conv = Part("c_attn.weight", 2, 6, transposed=True)
+    assert conv.hf_shape([6, 2]) == [2, 4] and torch.equal(conv.of(fused), fused[2:6].t())
+    rows = Part("k_proj.weight", 2, 4)
+    assert rows.hf_shape([6, 2]) == [2, 2] and torch.equal(rows.of(fused), fused[2:4])
