@@ -34,6 +34,31 @@ def _sequence_parallel(info: ValidationInfo) -> int:
     return sp if isinstance(sp, int) and sp > 0 else 1
 
 
+class LoRASchema(Schema):
+    """``model.lora`` (:class:`smalti.llm.lora.LoRAConfig`): adapters on the block linear layers, base frozen."""
+
+    r: PositiveInt = 16
+    alpha: PositiveFloat = 32.0
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.05
+    targets: list[str] | str = "all_linear"
+    modules_to_save: list[str] | str | None = None
+    rslora: bool = False
+    base_dtype: Literal["bfloat16", "float32", "nf4"] = "bfloat16"
+    init_from: ExistingPath | None = None
+
+    @model_validator(mode="after")
+    def _names_known(self) -> LoRASchema:
+        from smalti.llm.errors import LoRAError
+        from smalti.llm.lora.config import LoRAConfig
+
+        try:
+            LoRAConfig.from_any({"targets": self.targets, "modules_to_save": self.modules_to_save})
+        except LoRAError as exc:
+            key = "modules_to_save" if "modules_to_save" in str(exc) else "targets"
+            raise field_error(key, getattr(self, key), str(exc).split(": ", 1)[-1]) from None
+        return self
+
+
 class LLMSchema(Schema):
     """:class:`smalti.llm.LLM`'s arguments and the rules between them (and ``parallelism.sp``)."""
 
@@ -58,6 +83,7 @@ class LLMSchema(Schema):
     moe: MoESchema | None = None
     init_std: PositiveFloat = 0.02
     head_dim: PositiveInt | None = None
+    lora: LoRASchema | None = None
 
     @model_validator(mode="after")
     def _shapes_agree(self, info: ValidationInfo) -> LLMSchema:
@@ -80,6 +106,7 @@ class PretrainedLLMSchema(Schema):
     pretrained: ExistingPath
     max_seq_len: PositiveInt | None = None
     require_tokenizer: bool = True
+    lora: LoRASchema | None = None
 
 
 class SequenceParallelSchema(Schema):
@@ -127,6 +154,7 @@ class PreparedTextSchema(Schema):
 
 class HFExportSchema(Schema):
     dtype: _DTYPES | None = None
+    merge: bool = True
     max_shard_size: Annotated[int, Field(gt=0)] | Annotated[str, Field(pattern=r"(?i)^\s*[0-9.]+\s*(b|kb|mb|gb|tb)?\s*$")] = "2GB"
 
 

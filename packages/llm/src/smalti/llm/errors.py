@@ -27,3 +27,7 @@ class ICLError(LLMError, ConfigError):
 
 class ConversionError(LLMError):
     """A model cannot be converted to or from the Hugging Face layout."""
+
+
+class LoRAError(LLMError, ConfigError):
+    """A LoRA/QLoRA setting, adapter folder or checkpoint does not fit the model it is applied to."""

@@ -27,10 +27,14 @@ class HFExport(Callback):
         dtype: ``float32``, ``bfloat16`` or ``float16``; default: the source model's ``torch_dtype``.
         max_shard_size: above this (bytes, or e.g. ``"2GB"``) the weights go into several files with
             ``model.safetensors.index.json``.
+        merge: for a LoRA model (``model.lora``), also write the base with the adapters merged in to ``folder``
+            (the adapters always go to ``adapter`` beside it, in PEFT's format).
     """
 
-    def __init__(self, folder: str | None = None, dtype: str | None = None, max_shard_size: int | str = "2GB") -> None:
+    def __init__(self, folder: str | None = None, dtype: str | None = None, max_shard_size: int | str = "2GB",
+                 merge: bool = True) -> None:
         self.folder = folder
+        self.merge = merge
         self.dtype = dtype
         self.max_shard_size = max_shard_size
         parse_size(max_shard_size)
@@ -53,7 +57,13 @@ class HFExport(Callback):
             log.warning("hf_export: the model is a %s, not a smalti-llm LLM; nothing exported", type(model).__name__)
             return None
         out = Path(self.folder) if self.folder else _run_folder(state) / "hf"
-        export_model(model, out, self.dtype, self.max_shard_size, shard_model=state.model)
+        if model.lora_config is not None:
+            from smalti.llm.lora.export import export_lora
+
+            export_lora(model, out.parent / "adapter", out if self.merge else None, state.model, self.dtype,
+                        self.max_shard_size)
+        else:
+            export_model(model, out, self.dtype, self.max_shard_size, shard_model=state.model)
         if distributed.is_initialized():
             torch.distributed.barrier()  # no rank goes on (e.g. to log the folder) before rank 0 wrote it
         self._done = (batch, out)

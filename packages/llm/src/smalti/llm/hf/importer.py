@@ -20,6 +20,7 @@ from smalti.llm.errors import ConversionError
 from smalti.llm.hf.context_length import warn_if_past_positions
 from smalti.llm.hf.folder import read_config, resolve_folder, weight_files
 from smalti.llm.hf.registry import family_for_config, llm_kwargs
+from smalti.llm.lora.naming import is_adapter_parameter
 from smalti.llm.model.transformer import LLM
 
 
@@ -57,6 +58,8 @@ def load_hf_weights(model: LLM, folder: Path) -> None:
             return handles[path].get_slice(hf_name)
 
         for name, param in model.named_parameters():
+            if is_adapter_parameter(name):
+                continue  # LoRA adapters are not in the base's files (finish_adapters fills them)
             if name not in parts:
                 raise ConversionError(f"smalti parameter {name!r} has no Hugging Face counterpart")
             local, lo, hi = _local_rows(param)
@@ -90,10 +93,10 @@ class PretrainedLLM(LLM):
         require_tokenizer: refuse a folder without ``tokenizer.json`` (the chat data and the export need it).
         init_device: ``meta`` (the trainer fills it) or ``cpu`` (filled now).
         **overrides: :class:`LLM` arguments that do not change the model's function: ``max_seq_len``,
-            ``activation_checkpointing``, ``attn_uses_sequence_id``.
+            ``activation_checkpointing``, ``attn_uses_sequence_id``; and ``lora`` (adapters on the frozen base).
     """
 
-    OVERRIDABLE = ("max_seq_len", "activation_checkpointing", "attn_uses_sequence_id")
+    OVERRIDABLE = ("max_seq_len", "activation_checkpointing", "attn_uses_sequence_id", "lora")
 
     def __init__(self, pretrained: str | os.PathLike, require_tokenizer: bool = True, init_device: str = "meta",
                  **overrides: Any) -> None:
@@ -125,6 +128,7 @@ class PretrainedLLM(LLM):
     def init_weights(self) -> None:
         """Fill every parameter (or this rank's shard of it) with the pretrained weights."""
         load_hf_weights(self, self.hf_folder)
+        self.finish_adapters()
 
 
 def import_hf(folder: str | os.PathLike, **overrides: Any) -> LLM:

@@ -46,9 +46,17 @@ class LMOutputs(dict):
     def __missing__(self, key: str) -> Any:
         if key != "logits":
             raise KeyError(key)
-        logits = F.linear(self["hidden"], self["output_weight"])
+        logits = _project(self["hidden"], self["output_weight"])
         self["logits"] = logits
         return logits
+
+
+def _project(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Logits ``hidden @ weight.T``; a head held in lower precision than the run (a LoRA model's frozen bf16
+    head outside autocast) is used in the hidden states' dtype."""
+    if weight.dtype != hidden.dtype and not torch.is_autocast_enabled(hidden.device.type):
+        weight = weight.to(hidden.dtype)
+    return F.linear(hidden, weight)
 
 
 #: ``torch.compile(Block._forward, **kwargs)`` per set of kwargs, shared by every block that compiles.
@@ -132,6 +140,8 @@ class LLM(nn.Module):
             rows (:mod:`smalti.llm.model.fused_loss`) so the ``[B, T, vocab]`` logits are never held; outputs
             then carry the final hidden states, and ``outputs["logits"]`` is computed only if asked for.
         head_dim: the size of each attention head; default ``d_model // n_heads`` (Qwen3 and Gemma differ).
+        lora: LoRA/QLoRA adapters on the block linear layers, with the base frozen (``model.lora``: r, alpha,
+            dropout, targets, modules_to_save, rslora, base_dtype, init_from; see :mod:`smalti.llm.lora`).
     """
 
     def __init__(
@@ -168,6 +178,7 @@ class LLM(nn.Module):
         init_std: float = 0.02,
         fused_loss: bool = True,
         head_dim: int | None = None,
+        lora: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         n_kv_heads = n_kv_heads or n_heads
@@ -231,6 +242,12 @@ class LLM(nn.Module):
         self.sp: SequenceParallelGroup | None = None
         self.n_params = sum(p.numel() for p in self.parameters())
         self.n_active_params = self._active_params()
+        #: The ``model.lora`` settings once adapters are applied (:mod:`smalti.llm.lora`), else None.
+        self.lora_config: Any = None
+        if lora:
+            from smalti.llm.lora import apply_lora
+
+            apply_lora(self, lora)
         if device is None or device.type != "meta":
             self.init_weights()
 
@@ -291,6 +308,15 @@ class LLM(nn.Module):
         # meta-built model they hold whatever the allocator left there.
         for buf in self.buffers():
             buf.zero_()
+        self.finish_adapters()
+
+    def finish_adapters(self) -> None:
+        """Start the LoRA adapters once the base weights are in (see :func:`smalti.llm.lora.finish_lora_init`);
+        every ``init_weights`` calls it last."""
+        if self.lora_config is not None:
+            from smalti.llm.lora import finish_lora_init
+
+            finish_lora_init(self)
 
     def enable_sequence_parallel(self, group: Any) -> None:
         """Split every sequence over the ranks of ``group`` (Ulysses), or switch it off with ``None``.
@@ -381,7 +407,7 @@ class LLM(nn.Module):
             out["fused_labels"] = batch.get("labels", batch["input_ids"])  # what the targets were made from
             out["fused_ce"] = self._fused_ce(x, self.output_weight, targets, sp is not None)
         else:
-            out = {"logits": F.linear(x, self.output_weight)}
+            out = {"logits": _project(x, self.output_weight)}
         if sp is not None:
             out["sequence_slice"] = (start, stop, sp.size)
         if aux_losses:

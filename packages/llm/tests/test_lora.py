@@ -1,0 +1,161 @@
+"""LoRA (``model.lora``): smalti's adapters load in PEFT and PEFT's in smalti with equal logits (Llama, Mistral,
+Qwen2 shapes), the merged export equals PEFT's ``merge_and_unload()``, only the adapters train (gradients and
+optimizer state) while the base stays bit-identical, and bad settings fail naming the key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from smalti.llm.errors import LoRAError
+from smalti.llm.lora import LoRALinear, merged_model, save_adapter
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+from smalti.testing.hf_models import write_tiny_hf_model  # noqa: E402
+
+FAMILIES = ["llama3", "mistral", "qwen2"]
+LORA = {"r": 4, "alpha": 8, "dropout": 0.0, "base_dtype": "float32"}
+
+
+def _ids(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(seed))
+
+
+def _import(folder: Path, **lora) -> torch.nn.Module:
+    from smalti.llm.hf import import_hf
+
+    return import_hf(folder, lora={**LORA, **lora}).eval()
+
+
+def _hf(folder: Path) -> torch.nn.Module:
+    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True).eval()
+
+
+@torch.no_grad()
+def _randomise_adapters(model: torch.nn.Module, seed: int = 1) -> None:
+    """Non-zero B (fresh adapters start as the base, which would hide a wrong mapping)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_smalti_adapter_loads_in_peft_with_equal_logits(tmp_path, monkeypatch, family):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    source = write_tiny_hf_model(tmp_path / family, family)
+    model = _import(source, modules_to_save=["lm_head"])
+    _randomise_adapters(model)
+    with torch.no_grad():
+        model.lm_head.weight.add_(0.05)
+    folder = save_adapter(model, tmp_path / "adapter")
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8 and config["peft_type"] == "LORA"
+    theirs = peft.PeftModel.from_pretrained(_hf(source), str(folder)).eval()
+    ids = _ids()
+    with torch.no_grad():
+        ours = model({"input_ids": ids})["logits"]
+        base = _hf(source)(ids).logits
+        torch.testing.assert_close(ours, theirs(ids).logits, atol=1e-4, rtol=1e-4)
+    assert (ours - base).abs().max() > 1e-2  # the adapters change the model
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_peft_adapter_starts_a_smalti_model_and_merges_as_peft_does(tmp_path, monkeypatch, family):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    source = write_tiny_hf_model(tmp_path / family, family)
+    theirs = peft.get_peft_model(_hf(source), peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, use_rslora=True, target_modules=["q_proj", "v_proj", "down_proj"],
+        task_type="CAUSAL_LM"))
+    _randomise_adapters(theirs, seed=2)
+    theirs.save_pretrained(str(tmp_path / "peft"))
+    ours = _import(source, targets=["q", "v", "down"], rslora=True, init_from=str(tmp_path / "peft"))
+    ids = _ids(3)
+    with torch.no_grad():
+        expected = theirs.eval()(ids).logits
+        torch.testing.assert_close(ours({"input_ids": ids})["logits"], expected, atol=1e-4, rtol=1e-4)
+        assert (expected - _hf(source)(ids).logits).abs().max() > 1e-2
+        # merged export: transformers alone loads it, equal to PEFT's merge_and_unload()
+        from smalti.llm.hf import export_hf
+
+        export_hf(merged_model(ours), tmp_path / "merged", dtype="float32")
+        merged = theirs.merge_and_unload().eval()
+        torch.testing.assert_close(_hf(tmp_path / "merged")(ids).logits, merged(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_qkv_adapts_only_the_named_parts(tmp_path):
+    source = write_tiny_hf_model(tmp_path / "llama", "llama")
+    model = _import(source, targets="k")
+    wqkv = model.blocks[0].attn.wqkv
+    assert isinstance(wqkv, LoRALinear) and list(wqkv.lora_A) == ["k"]
+    _randomise_adapters(model)
+    delta = wqkv.delta_weight()
+    q, kv = 64, 32  # 4 heads and 2 key/value heads of 16
+    assert delta[:q].abs().max() == 0 and delta[q + kv:].abs().max() == 0 and delta[q:q + kv].abs().max() > 0
+
+
+def test_only_adapters_train_and_the_base_stays_bit_identical(tmp_path, monkeypatch):
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from smalti.core.config.build import build_trainer
+    from smalti.core.config.schema import register_configs
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    source = write_tiny_hf_model(tmp_path / "qwen2", "qwen2")
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="smalti.core.conf", version_base="1.3"):
+        cfg = compose("train", overrides=[
+            "experiment=finetune_hf_lora", f"model.pretrained={source}", "callbacks=[]", "logger=[]",
+            "run_name=lora-train", "trainer.max_duration=4ba", "trainer.eval_interval=null", "optimizer.lr=1e-2",
+            "model.max_seq_len=64", "data.global_train_batch_size=4", "model.lora.r=8"])
+    trainer = build_trainer(cfg)
+    try:
+        model = trainer.state.raw_model
+        base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+        adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        n_layers, n_linear = 2, 5  # wqkv (q, k, v), out_proj, gate, up, down
+        assert len(adapters) == n_layers * (n_linear + 2) * 2  # lora_A and lora_B per adapted part
+        assert all(".lora_A." in n or ".lora_B." in n for n in adapters)
+        assert {p.dtype for p in base.values() if p.dim() > 1} == {torch.bfloat16}
+        assert {p.dtype for p in adapters.values()} == {torch.float32}
+        trainer.fit()
+        (optimizer,) = trainer.state.optimizers
+        with_state = [p for group in optimizer.param_groups for p in group["params"] if optimizer.state.get(p)]
+        assert len(with_state) == len(adapters)
+        params = dict(model.named_parameters())
+        for name, before in base.items():
+            assert params[name].grad is None, name
+            assert torch.equal(params[name].detach(), before), name
+        assert any(not torch.equal(params[n].detach(), v) for n, v in adapters.items() if ".lora_B." in n)
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize(("lora", "named"), [
+    ({"targets": ["q", "qq"]}, "'qq' is not a target"),
+    ({"modules_to_save": ["norm_f"]}, "'norm_f' is not a module"),
+    ({"r": 0}, "model.lora.r=0"),
+    ({"base_dtype": "int8"}, "model.lora.base_dtype='int8'"),
+    ({"rank": 8}, "model.lora.rank is not a LoRA setting"),
+])
+def test_bad_lora_settings_name_the_key(lora, named):
+    from smalti.llm import LLM
+
+    with pytest.raises(LoRAError, match=named.replace("(", r"\(").replace("[", r"\[")):
+        LLM(d_model=64, n_heads=4, n_layers=1, vocab_size=64, ffn_type="glu", lora=lora, init_device="meta")
+
+
+def test_init_from_with_other_rank_says_which_setting_to_change(tmp_path):
+    source = write_tiny_hf_model(tmp_path / "llama", "llama")
+    save_adapter(_import(source), tmp_path / "adapter")
+    with pytest.raises(LoRAError, match=r"r=4 but model.lora.r=8; set model.lora.r=4"):
+        _import(source, r=8, init_from=str(tmp_path / "adapter"))
+    with pytest.raises(LoRAError, match="missing .*set model.lora.targets"):
+        _import(source, targets="q", init_from=str(tmp_path / "adapter"))
