@@ -33,7 +33,7 @@ def test_all_recipes_are_shipped():
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_experiment_composes_and_builds(name, tmp_path):
     extra = []
-    if name == "finetune_hf":  # the user gives the Hugging Face folder; a tiny one written by transformers here
+    if name.startswith("finetune_hf"):  # the user gives the Hugging Face folder; a tiny one made by transformers here
         pytest.importorskip("transformers")
         from smalti.testing.hf_models import write_tiny_hf_model
 
@@ -49,8 +49,12 @@ def test_experiment_composes_and_builds(name, tmp_path):
     instantiate(cfg.optimizer)  # a factory; FSDP needs one
     callbacks = {name: instantiate(node) for name, node in cfg.callbacks.items()}
     assert type(callbacks["mlflow_model"]).__name__ == "MLflowModelRegistry"  # registers when logger=mlflow
-    if name == "finetune_hf":  # hands back a Hugging Face folder at the end by default
+    if name.startswith("finetune_hf"):  # hands back a Hugging Face folder at the end by default
         assert type(callbacks["hf_export"]).__name__ == "HFExport"
+    if name == "finetune_hf_lora":  # PEFT's usual LoRA: r 16, alpha 32, dropout 0.05, every linear layer, lr 2e-4
+        assert model.lora_config.targets == ("q", "k", "v", "o", "gate", "up", "down")
+        assert (model.lora_config.r, model.lora_config.alpha, model.lora_config.dropout) == (16, 32, 0.05)
+        assert cfg.optimizer.lr == 2e-4
     instantiate(cfg.scheduler)
     if name in BIG:
         # As shipped (no override), the big recipes build on the meta device: no memory until FSDP has sharded.
