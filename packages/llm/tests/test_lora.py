@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from smalti.llm.errors import LoRAError
-from smalti.llm.lora import LoRALinear, merged_model, save_adapter
+from smalti.llm.lora import LoRALinear, save_adapter
+from smalti.llm.lora.export import merged_model
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -18,7 +18,7 @@ from torch import nn
 
 from smalti.llm.errors import LoRAError
 from smalti.llm.lora.config import TARGETS, LoRAConfig
-from smalti.llm.lora.layer import LoRALinear, is_nf4
+from smalti.llm.lora.layer import LoRALinear, is_nf4, lora_layers
 from smalti.llm.lora.naming import clean_name, is_adapter_parameter
 
 log = logging.getLogger(__name__)
@@ -98,11 +98,6 @@ def apply_lora(model: nn.Module, lora: Any) -> LoRAConfig:
     return config
 
 
-def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
-    """Every :class:`LoRALinear` of ``model`` by its path (wrapper segments removed)."""
-    return {clean_name(name): m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
-
-
 @torch.no_grad()
 def finish_lora_init(model: nn.Module) -> None:
     """After the base weights are in: start the adapters (PEFT's init, or ``init_from``'s adapter) and, for
@@ -175,15 +170,3 @@ def merged_state_dict(model: nn.Module, state: dict[str, torch.Tensor] | None = 
                 weight[a:b] += (lo_b @ lo_a) * layer.scaling
         out[f"{path}.weight"] = weight
     return out
-
-
-def merged_model(model: nn.Module, state: dict[str, torch.Tensor] | None = None) -> nn.Module:
-    """A plain fp32 :class:`~smalti.llm.LLM` (no adapters) equal to ``model`` with its adapters merged, carrying
-    the Hugging Face source (``hf_folder``, ``hf_config``) of ``model`` when it has one."""
-    from smalti.llm.export import build_with_weights
-
-    plain = build_with_weights(model.config, merged_state_dict(model, state), "the merged weights")
-    for attr in ("hf_folder", "hf_config"):
-        if getattr(model, attr, None) is not None:
-            setattr(plain, attr, getattr(model, attr))
-    return plain

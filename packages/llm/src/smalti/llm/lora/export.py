@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from smalti.core import distributed
-from smalti.llm.lora.apply import merged_model
+from smalti.llm.export import build_with_weights, full_state_dict
+from smalti.llm.lora.apply import merged_state_dict
 from smalti.llm.lora.naming import clean_name
 from smalti.llm.lora.peft_format import save_adapter
 
@@ -21,9 +22,17 @@ log = logging.getLogger(__name__)
 def gathered_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Whole CPU tensors of ``model`` by clean name (all-gathered from FSDP2 shards: collective, every rank calls
     it; ranks other than 0 get ``{}``)."""
-    from smalti.llm.export import full_state_dict
-
     return {clean_name(k): v for k, v in full_state_dict(model).items()}
+
+
+def merged_model(model: nn.Module, state: dict[str, torch.Tensor] | None = None) -> nn.Module:
+    """A plain fp32 :class:`~smalti.llm.LLM` (no adapters) equal to ``model`` with its adapters merged, carrying
+    the Hugging Face source (``hf_folder``, ``hf_config``) of ``model`` when it has one."""
+    plain = build_with_weights(model.config, merged_state_dict(model, state), "the merged weights")
+    for attr in ("hf_folder", "hf_config"):
+        if getattr(model, attr, None) is not None:
+            setattr(plain, attr, getattr(model, attr))
+    return plain
 
 
 def export_lora(raw_model: nn.Module, adapter_folder: str | os.PathLike, merged_folder: str | os.PathLike | None,

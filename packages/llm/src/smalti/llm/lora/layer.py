@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from smalti.llm.lora.naming import clean_name
+
 
 def is_nf4(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is torchao's 4-bit NormalFloat tensor (checked by name: torchao is optional)."""
@@ -116,3 +118,8 @@ class LoRALinear(nn.Linear):
     def extra_repr(self) -> str:
         adapted = ",".join(self.lora_A) or "none"
         return f"in={self.in_features}, out={self.out_features}, r={self.r}, scaling={self.scaling:g}, adapted={adapted}"
+
+
+def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
+    """Every :class:`LoRALinear` of ``model`` by its path (wrapper segments removed)."""
+    return {clean_name(name): m for name, m in model.named_modules() if isinstance(m, LoRALinear)}

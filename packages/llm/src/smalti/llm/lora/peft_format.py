@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from smalti.llm.errors import LoRAError
-from smalti.llm.lora.apply import lora_layers
 from smalti.llm.lora.config import LoRAConfig
+from smalti.llm.lora.layer import lora_layers
 from smalti.llm.lora.naming import clean_name
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"

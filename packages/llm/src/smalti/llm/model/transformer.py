@@ -245,7 +245,7 @@ class LLM(nn.Module):
         #: The ``model.lora`` settings once adapters are applied (:mod:`smalti.llm.lora`), else None.
         self.lora_config: Any = None
         if lora:
-            from smalti.llm.lora import apply_lora
+            from smalti.llm.lora.apply import apply_lora
 
             apply_lora(self, lora)
         if device is None or device.type != "meta":
@@ -314,7 +314,7 @@ class LLM(nn.Module):
         """Start the LoRA adapters once the base weights are in (see :func:`smalti.llm.lora.finish_lora_init`);
         every ``init_weights`` calls it last."""
         if self.lora_config is not None:
-            from smalti.llm.lora import finish_lora_init
+            from smalti.llm.lora.apply import finish_lora_init
 
             finish_lora_init(self)
 
