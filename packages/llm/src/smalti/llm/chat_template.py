@@ -37,6 +37,7 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
+from smalti.llm import template_limits as limits
 from smalti.llm.errors import TokenizerError
 
 Message = Mapping[str, Any]
@@ -78,8 +79,9 @@ def _build_environment() -> Any:
 
     def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
                sort_keys: bool = False) -> str:
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
+        limits.check_tojson_indent(indent)
+        return limits.check_result("tojson", json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                                                        separators=separators, sort_keys=sort_keys))
 
     def strftime_now(fmt: str) -> str:
         return datetime.now().strftime(fmt)
@@ -112,12 +114,48 @@ def _build_environment() -> Any:
             _check(name)
             jinja2.utils.Namespace.__setitem__(self, name, value)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationBlocks, jinja2.ext.loopcontrols])
+    class LimitedSandbox(ImmutableSandboxedEnvironment):
+        """The sandbox with :mod:`smalti.llm.template_limits` checked at every operator, call, filter and loop step."""
+
+        intercepted_binops = frozenset({"*", "+", "**", "%"})
+        smalti_loop_guard = staticmethod(limits.guard_loop)
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            limits.check_binop(operator, left, right)
+            return super().call_binop(context, operator, left, right)
+
+        def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+            limits.check_call(__obj, args, kwargs)
+            return super().call(__context, __obj, *args, **kwargs)
+
+        def _parse(self, source: str, name: str | None, filename: str | None) -> Any:
+            tree = super()._parse(source, name, filename)
+            for loop in tree.find_all(jinja2.nodes.For):  # every loop step passes the guard
+                loop.iter = jinja2.nodes.Call(jinja2.nodes.EnvironmentAttribute("smalti_loop_guard"), [loop.iter],
+                                              [], None, None, lineno=loop.lineno)
+            return tree
+
+    env = LimitedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationBlocks, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
+    env.filters.update({name: _limited_filter(name, f) for name, f in env.filters.items()})
     env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=SafeDict(),
                        namespace=SafeNamespace)
     return env
+
+
+def _limited_filter(name: str, func: Any) -> Any:
+    """``func`` (a Jinja filter) checked against the limits before it runs and on what it returns."""
+    from functools import wraps
+
+    skip = 0 if getattr(func, "jinja_pass_arg", None) is None else 1  # a context/environment comes first
+
+    @wraps(func)
+    def limited(*args: Any, **kwargs: Any) -> Any:
+        value = args[skip] if len(args) > skip else None
+        limits.check_filter(name, value, args[skip + 1 :], kwargs)
+        return limits.check_result(f"filter {name}", func(*args, **kwargs))
+
+    return limited
 
 
 @lru_cache(maxsize=1)
@@ -158,26 +196,43 @@ class ChatTemplate:
     def render(self, messages: Sequence[Message], add_generation_prompt: bool = False,
                variables: Mapping[str, Any] | None = None) -> str:
         """The conversation as text; ``variables`` holds the special tokens (``bos_token``, ...) and extras."""
-        return "".join(self._generate(messages, add_generation_prompt, variables))
+        emitted: list[str] = []
+        self._generate(messages, add_generation_prompt, variables, emitted)
+        return "".join(emitted)
 
     def _generate(self, messages: Sequence[Message], add_generation_prompt: bool,
-                  variables: Mapping[str, Any] | None) -> Iterator[str]:
-        import jinja2
+                  variables: Mapping[str, Any] | None, emitted: list[str]) -> None:
+        """Render into ``emitted``, a piece at a time, within the limits of :mod:`smalti.llm.template_limits`.
 
+        Any failure of the template (a limit, a sandbox refusal, or any exception its code raises, such as
+        the ``IndexError`` of ``'{0}'.format_map({})``) becomes a :class:`TokenizerError` naming the template.
+        """
         context = {"tools": None, "documents": None, **(variables or {}),
                    "messages": normalize_messages(messages), "add_generation_prompt": add_generation_prompt}
+
+        def produce(emit: Any) -> None:
+            for piece in self._template.generate(**context):
+                emit(piece)
+                emitted.append(piece)
+
         try:
-            yield from self._template.generate(**context)
-        except jinja2.exceptions.TemplateError as exc:
-            raise TokenizerError(f"{self.origin}: rendering the chat template failed: {exc}") from exc
+            limits.run(produce)
+        except limits.TemplateLimitError as exc:
+            raise TokenizerError(f"{self.origin}: rendering the chat template failed: it hit a limit: {exc}; "
+                                 "the template asks for more than any chat needs (fix or replace it)") from None
+        except RecursionError:
+            raise TokenizerError(f"{self.origin}: rendering the chat template failed: it recursed deeper than "
+                                 "Python allows") from None
+        except Exception as exc:  # the template's own code failed: its error, named as the template's
+            raise TokenizerError(f"{self.origin}: rendering the chat template failed: "
+                                 f"{type(exc).__name__}: {exc}") from exc
 
     def _render_tracked(self, messages: Sequence[Message], add_generation_prompt: bool,
                         variables: Mapping[str, Any] | None) -> tuple[str, list[tuple[int, int]]]:
         emitted: list[str] = []
         spans: list[tuple[int, int]] = []
         with _tracked(emitted, spans):
-            for piece in self._generate(messages, add_generation_prompt, variables):
-                emitted.append(piece)
+            self._generate(messages, add_generation_prompt, variables, emitted)
         return "".join(emitted), spans
 
     def assistant_spans(self, messages: Sequence[Message], add_generation_prompt: bool = False,
