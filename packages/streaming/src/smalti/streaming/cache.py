@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from smalti.storage import is_temp_name
 from smalti.storage.atomic import TEMP_MARKER
 from smalti.streaming.errors import ShardCorruptError, StreamingError
+from smalti.streaming.index_trust import no_links, open_no_links
 from smalti.streaming.mds import (
     ShardReader,
     check_copy,
@@ -140,7 +141,7 @@ class ShardCache:
         if not zip_info or raw.exists():
             return None
         stream = self.streams[si]
-        packed = stream.local_dir() / zip_info["basename"]
+        packed = no_links(stream.local_dir(), zip_info["basename"])
         if packed.exists():
             return packed, shard in self._zips_checked
         if not download or stream.remote_root() is None:
@@ -202,7 +203,11 @@ class ShardCache:
         mark = raw.parent / f".{raw.name}{TEMP_MARKER}claim-{os.getpid()}"
         try:
             raw.parent.mkdir(parents=True, exist_ok=True)
-            mark.touch()
+            fd = open_no_links(mark, os.O_WRONLY | os.O_CREAT, 0o600)  # never through a planted link
+            try:
+                os.utime(fd)
+            finally:
+                os.close(fd)
         except OSError as exc:
             log.debug("cannot claim %s: %r", raw, exc)
             return None
@@ -250,10 +255,10 @@ class ShardCache:
         si, entry = self.shards[shard]
         stream = self.streams[si]
         root = stream.local_dir()
-        raw = root / entry["raw_data"]["basename"]
+        raw = no_links(root, entry["raw_data"]["basename"])  # a planted link would be read, written or deleted
         zip_info = entry.get("zip_data")
         info = zip_info or entry["raw_data"]
-        fetched = root / info["basename"]
+        fetched = no_links(root, info["basename"])
         if raw.exists() and shard not in self._checked:
             if zip_info or stream.remote is not None:  # a copy this cache made: check it against its record
                 state = check_copy(raw, entry["raw_data"], stream.name)

@@ -23,6 +23,12 @@ from smalti.storage import is_temp_name
 from smalti.streaming import compression as comp
 from smalti.streaming.cache import ShardCache
 from smalti.streaming.errors import StreamingError
+from smalti.streaming.index_trust import (
+    check_local_lengths,
+    default_cache_root,
+    secure_stream_folder,
+    sync_index,
+)
 from smalti.streaming.mds import INDEX, check_columns, load_index, parse_size
 from smalti.streaming.order import (
     SHUFFLES,
@@ -94,12 +100,13 @@ class Stream:
             raise StreamingError(f"stream {self.remote or self.local}: give one of proportion/repeat/choose, not {given}")
         if self.remote is None and self.local is None:
             raise StreamingError("a stream needs remote, local or both")
+        self._private_root: str | None = None  # the per-user default cache this stream's local folder is in
         if self.local is None:
             import hashlib
-            import tempfile
 
             tag = hashlib.sha1(str(self.remote).encode()).hexdigest()[:16]
-            self.local = os.path.join(tempfile.gettempdir(), "smalti-streaming", tag)
+            self._private_root = str(default_cache_root())
+            self.local = os.path.join(self._private_root, tag)
 
     @property
     def weight(self) -> tuple[str, float | int | None]:
@@ -579,15 +586,20 @@ class StreamingDataset(IterableDataset):
     # ------------------------------------------------------------------ index and shards
 
     def _load_stream_index(self, stream: Stream) -> list[dict[str, Any]]:
+        """The shard entries of ``stream``'s index, checked; with a remote, the remote's index is fetched and the
+        local copy made equal to it (a cached index is never trusted over the remote's)."""
         local = stream.local_dir() / INDEX
         remote = stream.remote_root()
-        if remote is not None and not local.exists():
-            self._fetcher.get(remote, INDEX, local)
+        secure_stream_folder(stream)
+        if remote is not None:
+            sync_index(stream, self._fetcher.get_bytes(remote, INDEX))
         if not local.exists():
             raise StreamingError(f"stream {stream.name}: no {INDEX} at {local} and no remote to fetch it from")
         entries = load_index(local)
-        for entry in entries:
+        for i, entry in enumerate(entries):
             check_columns(entry, self.allow_unsafe_types, f"stream {stream.name} ({local})")
+            if remote is None:
+                check_local_lengths(stream.local_dir(), entry, local, i)
         return entries
 
     def _locate(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -210,17 +210,65 @@ def _encode_image(encoding: str, value: Any) -> bytes:
     raise StreamingError(f"unknown encoding {encoding!r}")
 
 
+MAX_PIL_PIXELS = 1 << 28  # pixels of one ``pil`` image at most (PIL's own limit applies too, when it is set)
+
+
+def _pil_bytes(mode: str, width: int, height: int) -> int:
+    """The bytes ``Image.tobytes()`` gives for an image of ``mode`` and size (raise ``ValueError`` if unknown)."""
+    from PIL import ImageMode
+
+    if mode == "1":
+        return (width + 7) // 8 * height
+    info = ImageMode.getmode(mode)  # KeyError for an unknown mode
+    return width * height * len(info.bands) * np.dtype(info.typestr).itemsize
+
+
+def _pixel_limit() -> int:
+    from PIL import Image
+
+    return MAX_PIL_PIXELS if Image.MAX_IMAGE_PIXELS is None else min(MAX_PIL_PIXELS, 2 * Image.MAX_IMAGE_PIXELS)
+
+
+def _decode_pil(data: bytes) -> Any:
+    """A ``pil`` value, with its declared size checked against its bytes before any image is allocated."""
+    from PIL import Image
+
+    if len(data) < 12:
+        raise StreamingError(f"a pil value of {len(data)} bytes is shorter than its 12-byte header")
+    w, h, n = struct.unpack("<III", data[:12])
+    try:
+        mode = data[12 : 12 + n].decode()
+    except UnicodeDecodeError:
+        raise StreamingError(f"a pil value's mode {data[12 : 12 + n][:16]!r} is not text") from None
+    if w * h > _pixel_limit():
+        raise StreamingError(f"a pil value declares {w}x{h} = {w * h} pixels, more than the limit of "
+                             f"{_pixel_limit()} (MAX_PIL_PIXELS / PIL's Image.MAX_IMAGE_PIXELS x2)")
+    try:
+        expected = _pil_bytes(mode, w, h)
+    except (KeyError, ValueError, TypeError):
+        raise StreamingError(f"a pil value has the unknown image mode {mode[:16]!r}") from None
+    pixels = data[12 + n :]
+    if len(pixels) != expected:
+        raise StreamingError(f"a pil value declares a {w}x{h} {mode} image ({expected} bytes) but holds "
+                             f"{len(pixels)} bytes of pixels")
+    return Image.frombytes(mode, (w, h), pixels)
+
+
 def _decode_image(encoding: str, data: bytes) -> Any:
     from PIL import Image
 
     if encoding == "pil":
-        w, h, n = struct.unpack("<III", data[:12])
-        return Image.frombytes(data[12 : 12 + n].decode(), (w, h), data[12 + n :])
+        return _decode_pil(data)
     if encoding in ("jpeg", "png"):
-        return Image.open(BytesIO(data))
+        try:  # PIL refuses more than twice Image.MAX_IMAGE_PIXELS here, from the header, before decoding
+            return Image.open(BytesIO(data))
+        except Image.DecompressionBombError as exc:
+            raise StreamingError(f"a {encoding} value is a decompression bomb: {exc}") from None
     if encoding.startswith("list[") or encoding in ("jpeg_array", "jpegarray"):
         offset = 4 if encoding.startswith("list[") else 0
         (n,) = struct.unpack("<I", data[offset : offset + 4])
+        if offset + 4 + 4 * n > len(data):
+            raise StreamingError(f"a {encoding} value declares {n} items, more than its {len(data)} bytes can hold")
         sizes = struct.unpack(f"<{n}I", data[offset + 4 : offset + 4 + 4 * n])
         pos, out = offset + 4 + 4 * n, []
         inner = encoding[5:-1] if encoding.startswith("list[") else "jpeg"

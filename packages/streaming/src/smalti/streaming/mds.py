@@ -21,10 +21,18 @@ from typing import Any
 
 import numpy as np
 
-from smalti.storage import StorageError, atomic_write, atomic_write_bytes, open_store, split_url
+from smalti.storage import (
+    StorageError,
+    UnsafeLocalPathError,
+    atomic_write,
+    atomic_write_bytes,
+    open_beneath,
+    open_store,
+    split_url,
+)
 from smalti.streaming import compression as comp
 from smalti.streaming import encodings, seekable
-from smalti.streaming.errors import ShardCorruptError, StreamingError, UploadError
+from smalti.streaming.errors import ShardCorruptError, StreamingError, UnsafePathError, UploadError
 from smalti.streaming.hashing import digest
 from smalti.streaming.paths import check_name
 
@@ -41,6 +49,10 @@ for _power, _letter in enumerate("kmgtpe", start=1):
     for _suffix in (_letter, _letter + "b", _letter + "ib"):
         _UNITS[_suffix] = 1 << (10 * _power)
 MAX_SHARD_BYTES = (1 << 32) - 1  # MDS sample offsets are 32-bit
+# A zip whose index says it decompresses to more than this many times its own size (and past SMALL_SHARD_BYTES)
+# is refused before it is decompressed: real shards compress 1-50x; zstd reaches ~14000x on all zeros.
+MAX_COMPRESSION_RATIO = 2048
+SMALL_SHARD_BYTES = 1 << 20
 
 
 def parse_size(value: int | str | None, what: str = "size") -> int | None:
@@ -236,7 +248,54 @@ def load_index(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         for key in ("raw_data", "zip_data"):
             if key == "raw_data" or shard.get(key):
                 check_name((shard.get(key) or {}).get("basename"), path, f"shard {i} {key}.basename")
+        check_declared_sizes(shard, path, i)
     return obj["shards"]
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_declared_sizes(entry: dict[str, Any], path: object, i: int) -> None:
+    """Refuse shard ``i`` of index ``path`` when the sizes and counts it declares cannot be true of an MDS shard.
+
+    Checked before anything is allocated, downloaded or decompressed from them: ``raw_data.bytes`` at most
+    :data:`MAX_SHARD_BYTES` (32-bit offsets) and, for a shard of more than one sample, at most its
+    ``size_limit`` (the writer starts a new shard before passing it); ``samples`` no more than the raw bytes
+    can hold (each sample takes its 4-byte offset plus its fixed-size columns and the 4-byte lengths of its
+    variable-size ones); ``zip_data.bytes`` decompressing to at most :data:`MAX_COMPRESSION_RATIO` times itself.
+    """
+    where = f"{path}: shard {i}"
+    raw = entry.get("raw_data") or {}
+    size, samples = raw.get("bytes"), entry.get("samples")
+    if not _whole(size) or size > MAX_SHARD_BYTES:
+        raise StreamingError(f"{where} raw_data.bytes={size!r} is not a shard size: an MDS shard holds 0 to "
+                             f"{MAX_SHARD_BYTES} bytes (its offsets are 32-bit); the index is damaged or hostile")
+    if not _whole(samples):
+        raise StreamingError(f"{where} samples={samples!r} is not a count of samples; the index is damaged")
+    limit = entry.get("size_limit")
+    if samples > 1 and _whole(limit) and limit and size > limit:
+        raise StreamingError(f"{where} declares raw_data.bytes={size} for {samples} samples, more than its "
+                             f"size_limit={limit} (only a shard of one sample may pass it); the index is damaged "
+                             "or hostile")
+    sizes = entry.get("column_sizes") or []
+    if not all(s is None or _whole(s) for s in sizes):
+        raise StreamingError(f"{where} column_sizes={sizes!r} must be byte counts or null")
+    smallest = 4 + sum(4 if s is None else s for s in sizes)  # offset entry + fixed columns + variable lengths
+    if 8 + samples * smallest > size:
+        raise StreamingError(f"{where} declares {samples} samples in raw_data.bytes={size}, but each sample takes "
+                             f"at least {smallest} bytes (its offset and columns), so at most "
+                             f"{max(0, (size - 8) // smallest)} fit; the index is damaged or hostile")
+    zip_info = entry.get("zip_data")
+    if zip_info:
+        packed = zip_info.get("bytes")
+        if not _whole(packed) or packed > MAX_SHARD_BYTES:
+            raise StreamingError(f"{where} zip_data.bytes={packed!r} is not a shard size (0 to {MAX_SHARD_BYTES})")
+        if size > max(SMALL_SHARD_BYTES, packed * MAX_COMPRESSION_RATIO):
+            raise StreamingError(f"{where} declares that its {packed}-byte zip decompresses to {size} bytes, more "
+                                 f"than MAX_COMPRESSION_RATIO={MAX_COMPRESSION_RATIO} times its size; refused before "
+                                 "decompressing (the index is damaged or hostile; data that really compresses so "
+                                 "well, such as all zeros, is written without compression)")
 
 
 def check_columns(entry: dict[str, Any], allow_unsafe_types: bool, where: object) -> None:
@@ -263,7 +322,7 @@ class ShardReader:
         if data is not None:  # the raw shard's bytes in memory (see smalti.streaming.partial)
             self.data = data
         else:
-            with open(path, "rb") as f:  # mapped, not read: opening a shard costs nothing until samples are touched
+            with _open_nofollow(path) as f:  # mapped, not read: opening a shard costs nothing until samples are touched
                 st = os.fstat(f.fileno())
                 self.identity = (st.st_dev, st.st_ino)  # tells a replaced file from this one
                 self.data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if st.st_size else b""
@@ -310,7 +369,11 @@ class ShardReader:
         pos = 4 * len(self.variable)
         sample = {}
         for name, decode, size in zip(self.names, self._decoders, sizes):
-            sample[name] = decode(data[pos : pos + size])
+            try:
+                sample[name] = decode(data[pos : pos + size])
+            except StreamingError as exc:
+                raise ShardCorruptError(f"shard {self.path} of stream {self.stream or self.path.parent}: sample {i} "
+                                        f"column {name!r}: {exc}") from None
             pos += size
         if pos != len(data):
             raise ShardCorruptError(f"shard {self.path} of stream {self.stream or self.path.parent}: sample {i} "
@@ -373,13 +436,21 @@ def verify_file(path: Path, info: dict[str, Any], stream: str = "", shown_as: Pa
 
     ``shown_as`` is the name to report when ``path`` is a temporary copy of that shard.
     """
-    with open(path, "rb") as f:
+    with _open_nofollow(path) as f:
         data = _map(f)
     try:
         verify_buffer(data, info, shown_as or path, stream)
     finally:
         if isinstance(data, mmap.mmap):
             data.close()
+
+
+def _open_nofollow(path: Path) -> Any:
+    """``open(path, "rb")``, refusing a link (:class:`UnsafePathError`): cached shards are never links."""
+    try:
+        return os.fdopen(open_beneath(path.parent, path.name), "rb")
+    except UnsafeLocalPathError as exc:
+        raise UnsafePathError(str(exc)) from None
 
 
 def _map(f: Any) -> mmap.mmap | bytes:
@@ -440,7 +511,7 @@ def remove_copy(raw: Path) -> None:
 
 
 def file_digest(path: Path, algo: str = COPY_HASH) -> str:
-    with open(path, "rb") as f:
+    with _open_nofollow(path) as f:
         size = os.fstat(f.fileno()).st_size
         data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
     try:
@@ -500,7 +571,7 @@ def decompress_shard(root: Path, entry: dict[str, Any], stream: str = "", valida
                                     "it and fetch the dataset again")
     elif not zip_info:
         raise StreamingError(f"shard {raw} of stream {stream or root} is missing")
-    with open(packed, "rb") as f:
+    with _open_nofollow(packed) as f:
         # one mapping of the zip serves the hash check and the decompression (zstd reads it in place)
         packed_data = _map(f)
     try:

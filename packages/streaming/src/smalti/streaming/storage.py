@@ -60,6 +60,16 @@ class Fetcher:
                     self._stores[root] = store
         return store
 
+    def get_bytes(self, root: str, key: str) -> bytes:
+        """The contents of ``key`` under ``root`` (a small file: an index)."""
+        store = self.store(root)
+        try:
+            return store.get_bytes(key)
+        except ObjectNotFoundError as exc:
+            raise DownloadError(f"{store.url_of(key)} does not exist") from exc
+        except StorageError as exc:
+            raise DownloadError(f"could not download {store.url_of(key)}: {exc}") from exc
+
     def get(self, root: str, key: str, local: Path, check: Callable[[Path], None] | None = None) -> Path:
         """Download ``key`` under ``root`` to ``local`` atomically; see :func:`download_file` for ``check``."""
         return _get(self.store(root), key, local, check, self.retries)
