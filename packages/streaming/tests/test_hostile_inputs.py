@@ -175,3 +175,21 @@ def test_links_in_a_cache_are_refused(make_dataset, upload_dataset, tmp_path):
     with pytest.raises(UnsafePathError, match=r"split-cache/train is a symbolic link"):
         StreamingDataset(remote=remote.rsplit("/", 1)[0], local=str(split), split="train", batch_size=2)
     assert listing(victim) == ["data"]
+
+
+def test_a_shared_cache_checks_copies_against_the_index_not_their_records(make_dataset, upload_dataset, tmp_path):
+    from smalti.streaming.mds import file_digest, record_copy
+
+    remote = upload_dataset(make_dataset(tmp_path / "real", n=10))  # its index lists xxh64 hashes
+    cache = tmp_path / "shared"
+    cache.mkdir()
+    cache.chmod(0o777)  # a team cache any user may write to
+    ds = StreamingDataset(remote=remote, local=str(cache), batch_size=2)
+    assert _ids(ds) == list(range(10))
+    raw = cache / "shard.00000.mds"
+    data = bytearray(raw.read_bytes())
+    (first,) = struct.unpack_from("<I", data, 4)
+    struct.pack_into("<q", data, first, 777)  # sample 0's id, same size ...
+    raw.write_bytes(bytes(data))
+    record_copy(raw, file_digest(raw))  # ... and a record forged to match it
+    assert _ids(StreamingDataset(remote=remote, local=str(cache), batch_size=2)) == list(range(10))

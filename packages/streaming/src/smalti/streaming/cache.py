@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from smalti.storage import is_temp_name
 from smalti.storage.atomic import TEMP_MARKER
 from smalti.streaming.errors import ShardCorruptError, StreamingError
-from smalti.streaming.index_trust import no_links, open_no_links
+from smalti.streaming.index_trust import no_links, open_no_links, others_may_write
 from smalti.streaming.mds import (
     ShardReader,
     check_copy,
@@ -261,7 +261,9 @@ class ShardCache:
         fetched = no_links(root, info["basename"])
         if raw.exists() and shard not in self._checked:
             if zip_info or stream.remote is not None:  # a copy this cache made: check it against its record
-                state = check_copy(raw, entry["raw_data"], stream.name)
+                # in a folder other users may write to, a planted copy can come with a forged record
+                trust = stream.remote is None or not others_may_write(root)
+                state = check_copy(raw, entry["raw_data"], stream.name, trust_record=trust)
                 if state == "bad" or (state == "unknown" and (stream.remote is not None or fetched.exists())):
                     if zip_info and not fetched.exists() and stream.remote is None:
                         raise ShardCorruptError(

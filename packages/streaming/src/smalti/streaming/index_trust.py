@@ -78,6 +78,15 @@ def secure_stream_folder(stream: Stream) -> None:
     no_links(Path(stream.local), f"{stream.split}/{INDEX}" if stream.split else INDEX)  # type: ignore[arg-type]
 
 
+def others_may_write(folder: Path) -> bool:
+    """Whether a user other than this one owns ``folder`` or may write to it (so may have planted its files)."""
+    try:
+        st = os.stat(folder)
+    except FileNotFoundError:
+        return False
+    return bool(st.st_mode & 0o022) or (hasattr(os, "getuid") and st.st_uid != os.getuid())
+
+
 def _read_nofollow(path: Path) -> bytes | None:
     try:
         fd = open_no_links(path)

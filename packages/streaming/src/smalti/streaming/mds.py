@@ -521,14 +521,16 @@ def file_digest(path: Path, algo: str = COPY_HASH) -> str:
             data.close()
 
 
-def check_copy(raw: Path, info: dict[str, Any], stream: str = "") -> str:
+def check_copy(raw: Path, info: dict[str, Any], stream: str = "", trust_record: bool = True) -> str:
     """Whether the local copy ``raw`` of a shard is what was written: ``"ok"``, ``"bad"`` or ``"unknown"``.
 
     It is compared with the hash recorded when the copy was made. A copy without a record (made by an
     older version or another tool) is checked against the index's hashes for it (``info``), and recorded
-    when they match; without those it is ``"unknown"``.
+    when they match; without those it is ``"unknown"``. ``trust_record=False`` (a cache other users may
+    write to, where a record could be forged with the copy) checks against the index's hashes when it
+    lists any, whatever the record says.
     """
-    recorded = _recorded(raw)
+    recorded = _recorded(raw) if trust_record or not info.get("hashes") else None
     if recorded is not None:
         if file_digest(raw) == recorded:
             return "ok"
