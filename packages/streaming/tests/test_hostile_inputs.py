@@ -13,7 +13,13 @@ import time
 import numpy as np
 import pytest
 
-from smalti.streaming import MDSWriter, ShardCorruptError, Stream, StreamingDataset, StreamingError, UnsafePathError
+from smalti.streaming import (
+    MDSWriter,
+    ShardCorruptError,
+    StreamingDataset,
+    StreamingError,
+    UnsafePathError,
+)
 
 
 def tamper(folder, **changes):
