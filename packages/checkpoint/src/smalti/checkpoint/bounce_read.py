@@ -235,7 +235,7 @@ class ReadPipeline:
                 # O_DIRECT refused for this read: the page cache it is, for the rest of the file
                 with self._cond:
                     if job.direct:
-                        buffered = os.open(job.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                        buffered = os.open(job.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
                         os.close(fd)
                         job.fd, job.direct = buffered, False
                 continue
@@ -289,7 +289,8 @@ class ReadPipeline:
 
 def _open_for_reading(path: Path) -> tuple[int, bool]:
     """``(fd, whether it reads with O_DIRECT)``: ``O_DIRECT`` where the file system takes it."""
-    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+    # O_NOFOLLOW: a checkpoint's file that is a link (out of its folder) is refused (ELOOP), not read
+    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
     direct = getattr(os, "O_DIRECT", 0)
     if direct:
         try:
@@ -434,7 +435,7 @@ class FileStream:
     def _pread(self, offset: int, view: memoryview) -> int:
         if self._fallback_fd is None:
             try:
-                self._fallback_fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                self._fallback_fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
             except OSError as exc:
                 raise CheckpointError(f"cannot read checkpoint file {self.path}: {exc}") from None
         done = 0

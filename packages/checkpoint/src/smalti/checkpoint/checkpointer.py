@@ -97,7 +97,7 @@ class Checkpointer(SaveSchedule, LoadAndResume, CommitProtocol, Callback):
             file. Off: such files are refused, naming the file and the class (see
             :mod:`smalti.checkpoint.safe_load`). Only for checkpoints from a trusted source, e.g. ones written
             before smalti-checkpoint stored its rank-local state without pickled NumPy arrays.
-        local_cache_dir: where remote checkpoints are staged and downloaded (default: a temp dir per folder).
+        local_cache_dir: where remote checkpoints are staged and downloaded (default: a folder per save folder in this user's own 0700 cache, see ``default_cache_dir``).
         thread_count: DCP writer threads per rank (one file each).
         direct_io: ``true`` (default): saves write with ``O_DIRECT`` where the file system allows it (every byte
             copied into reused huge-page buffers and hashed there, a helper thread writes each full one; no

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,8 +23,9 @@ from typing import Any
 
 from smalti.checkpoint.errors import CheckpointCorruptError, UncommittedCheckpointError, UnsafeCheckpointError
 from smalti.checkpoint.hashes import DEFAULT_ALGORITHM, entry_digest, new_hasher, tagged
+from smalti.checkpoint.limits import check_extent, decode_bounded, decoded_limit
 from smalti.checkpoint.naming import MANIFEST_NAME
-from smalti.checkpoint.safe_load import check_inside
+from smalti.checkpoint.safe_load import check_inside, no_link_inside
 from smalti.storage import atomic_write_text
 
 FORMAT = "smalti-checkpoint/3"
@@ -163,10 +165,16 @@ def verify_folder(
         return manifest
     files: dict[str, dict[str, Any]] = manifest["files"]
     for rel, entry in files.items():
+        where = f"listed in the manifest {folder / MANIFEST_NAME}"
         path = folder / check_inside(rel, f"manifest {folder / MANIFEST_NAME}")
-        if not path.is_file():
-            raise CheckpointCorruptError(f"checkpoint file {path} listed in the manifest is missing", str(path))
-        size = path.stat().st_size
+        try:
+            no_link_inside(folder, rel, where)  # a link would read from outside the checkpoint
+            info = os.lstat(path)
+        except FileNotFoundError:
+            info = None
+        if info is None or not stat.S_ISREG(info.st_mode):
+            raise CheckpointCorruptError(f"checkpoint file {path} {where} is missing (or not a file)", str(path))
+        size = info.st_size
         if size != entry["size"]:
             raise CheckpointCorruptError(
                 f"checkpoint file {path} has {size} bytes but the manifest says {entry['size']} (truncated or overwritten)",
@@ -250,37 +258,48 @@ def _verify_dcp_metadata(folder: Path, files: dict[str, dict[str, Any]], trust_p
         rel = info.relative_path
         if rel not in files:
             raise CheckpointCorruptError(f"{where} refers to {rel} (for {index.fqn}), which the manifest does not list", str(folder / rel))
-        if info.offset + info.length > files[rel]["size"]:
-            raise CheckpointCorruptError(
-                f"{folder / rel} is too short for {index.fqn} (needs bytes up to {info.offset + info.length})",
-                str(folder / rel),
-            )
+        check_extent(info, files[rel]["size"], f"the entry {index.fqn!r} of {folder / rel}")
     _verify_dcp_objects(folder, metadata, trust_pickles)
 
 
 def _verify_dcp_objects(folder: Path, metadata: Any, trust_pickles: bool = False) -> None:
     """The objects DCP stored beside the tensors (optimizer hyperparameters: small ``torch.save`` records in the
-    data files) read with torch's weights-only loader, as the load reads them."""
+    data files) read with torch's weights-only loader, as the load reads them; every transformed (zstd) entry,
+    tensor or object, decoded within its bound (:mod:`smalti.checkpoint.limits`) and a tensor's checked to
+    hold its chunk's shape and dtype."""
     import io
 
+    import torch
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from smalti.checkpoint.safe_load import load_torch
+    from smalti.checkpoint.safe_load import load_torch, open_inside
 
     for index, info in sorted((metadata.storage_data or {}).items(), key=lambda kv: (kv[1].relative_path, kv[1].offset)):
         entry = metadata.state_dict_metadata.get(index.fqn)
-        if not isinstance(entry, BytesStorageMetadata) or getattr(info, "transform_descriptors", None):
-            continue
-        with open(folder / info.relative_path, "rb") as f:
+        transformed = getattr(info, "transform_descriptors", None)
+        if not isinstance(entry, BytesStorageMetadata) and not transformed:
+            continue  # an untransformed tensor: its bytes are the file's, digest-checked above
+        where = f"the entry {index.fqn!r} of {folder / info.relative_path}"
+        with open_inside(folder, info.relative_path, "named by DCP's metadata") as f:
             f.seek(info.offset)
             record = f.read(info.length)
-        where = f"the entry {index.fqn!r} of {folder / info.relative_path}"
+        if transformed:
+            record = decode_bounded(record, transformed, decoded_limit(metadata, index, where), where)
         try:
-            load_torch(io.BytesIO(record), where, trust_pickles)
+            loaded = load_torch(io.BytesIO(record), where, trust_pickles)
         except (CheckpointCorruptError, UnsafeCheckpointError):
             raise
         except Exception as exc:  # noqa: BLE001 - a damaged record fails in many ways
             raise CheckpointCorruptError(f"cannot read {where}: {exc!r}", str(folder / info.relative_path)) from None
+        if not isinstance(entry, BytesStorageMetadata):
+            chunk = next(c for c in entry.chunks if c.offsets == index.offset)  # decoded_limit found it
+            if not (isinstance(loaded, torch.Tensor) and loaded.dtype == entry.properties.dtype
+                    and tuple(loaded.shape) == tuple(chunk.sizes)):
+                got = f"{type(loaded).__name__} {getattr(loaded, 'dtype', '')} {tuple(getattr(loaded, 'shape', ()))}"
+                raise CheckpointCorruptError(
+                    f"{where} holds a {got}, not the {entry.properties.dtype} {tuple(chunk.sizes)} chunk its "
+                    "metadata declares", str(folder / info.relative_path),
+                )
 
 
 def _verify_rank_files(folder: Path, files: dict[str, dict[str, Any]], trust_pickles: bool = False) -> None:

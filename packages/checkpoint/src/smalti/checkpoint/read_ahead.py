@@ -17,6 +17,7 @@ load are read the same way, only hashed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import os
@@ -34,7 +35,7 @@ from smalti.checkpoint import bounce_read
 from smalti.checkpoint.bounce_read import FileStream, ReadPipeline
 from smalti.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from smalti.checkpoint.hashes import check_algorithm, new_hasher
-from smalti.checkpoint.safe_load import SafeFileSystemReader
+from smalti.checkpoint.safe_load import SafeFileSystemReader, no_link_inside
 
 #: how much of this rank's files is read ahead of the load (the size of the read buffers), unless told otherwise
 DEFAULT_WINDOW_BYTES = 64 << 20
@@ -103,6 +104,8 @@ class ReadAhead:
         self.order = [f.relpath for f in files]
         self.window_bytes = window_bytes
         for f in files:  # an algorithm missing here fails now, in the caller's thread, naming the fix
+            with contextlib.suppress(FileNotFoundError):  # (a missing file: the verdict names it)
+                no_link_inside(folder, f.relpath, "listed in the manifest")  # a link out of the folder fails now
             if f.hash is not None:
                 check_algorithm(f.hash.partition(":")[0], f"the manifest entry of {folder / f.relpath}")
         self._checks = {f.relpath: FileCheck(folder / f.relpath, f) for f in files}
@@ -264,6 +267,7 @@ class ReadAheadFileSystemReader(SafeFileSystemReader):
         per_file: dict[str, list[Any]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        self.check_plan(plan)  # names inside the folder, no links, byte ranges inside the files
         live = ahead is not None and ahead.pipeline is not None and not ahead.pipeline.closed
         checked = list(ahead.order) if live and ahead is not None else []
         others = [rel for rel in per_file if rel not in checked]
@@ -306,7 +310,7 @@ class ReadAheadFileSystemReader(SafeFileSystemReader):
         """What DCP's reader does with one item's bytes: hand them over, or load the tensor into its target."""
         stream = self.transforms.transform_load_stream(item, info.transform_descriptors or (), span)
         if item.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(item, io.BytesIO(span.read_all() if stream is span else stream.read(-1)))
+            planner.load_bytes(item, io.BytesIO(span.read_all()) if stream is span else stream)
             return
         if stream is span:
             if self._copy_in_place(item, span, planner):

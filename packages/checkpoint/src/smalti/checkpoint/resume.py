@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,6 +12,7 @@ from smalti.checkpoint.errors import CheckpointCorruptError, CheckpointError, Un
 from smalti.checkpoint.manifest import data_files, verify_folder
 from smalti.checkpoint.naming import MANIFEST_NAME, parse_folder_name
 from smalti.checkpoint.storage import Store, is_remote, open_store
+from smalti.storage import UnsafeLocalPathError, check_private_dir, user_cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +34,14 @@ class Found:
 
 
 def default_cache_dir(url: str) -> Path:
-    """A per-save-folder local directory for downloads and the staging of remote saves."""
+    """A per-save-folder local directory for downloads and the staging of remote saves, in this user's own
+    cache (smalti-storage's ``user_cache_dir("checkpoint")``: ``0700``, refused if another user owns it or may
+    write into it, so nobody else can plant a link where a download writes)."""
     digest = hashlib.sha1(url.encode()).hexdigest()[:12]
-    return Path(tempfile.gettempdir()) / "smalti-checkpoint" / f"{os.getuid() if hasattr(os, 'getuid') else 0}-{digest}"
+    try:
+        return check_private_dir(user_cache_dir("checkpoint") / digest)
+    except UnsafeLocalPathError as exc:
+        raise CheckpointError(f"checkpoint cache: {exc}") from None
 
 
 def fetch(

@@ -19,6 +19,7 @@ checkpoints' rank-local files hold NumPy arrays, which need it).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
@@ -26,6 +27,7 @@ import pathlib
 import pickle
 import re
 from collections import OrderedDict
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from smalti.checkpoint.errors import (
@@ -41,6 +44,8 @@ from smalti.checkpoint.errors import (
     UnsafeCheckpointError,
     UnsafePathError,
 )
+from smalti.checkpoint.limits import EntryTooLargeError, check_extent, decode_bounded, decoded_limit
+from smalti.storage import UnsafeLocalPathError, check_no_links, open_beneath
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +180,25 @@ def check_inside(rel: Any, where: str, what: str = "lists") -> str:
     return rel
 
 
+def no_link_inside(folder: str | os.PathLike[str], rel: str, where: str) -> Path:
+    """``folder / rel`` once no component of ``rel`` is a symbolic link (``lstat``), else
+    :class:`UnsafePathError` naming the link and ``where`` (what named the file): a link would read or write
+    outside the checkpoint's folder. A missing component raises ``FileNotFoundError``."""
+    try:
+        return check_no_links(folder, rel, where)
+    except UnsafeLocalPathError as exc:
+        raise UnsafePathError(f"{exc}; this checkpoint is refused", exc.url) from None
+
+
+def open_inside(folder: str | os.PathLike[str], rel: str, where: str) -> io.BufferedReader:
+    """File ``rel`` of ``folder`` opened for reading following no symbolic link on the way (``O_NOFOLLOW``
+    per component, so a link swapped in after :func:`no_link_inside` is refused too: :class:`UnsafePathError`)."""
+    try:
+        return os.fdopen(open_beneath(folder, rel, os.O_RDONLY, where=where), "rb")
+    except UnsafeLocalPathError as exc:
+        raise UnsafePathError(f"{exc}; this checkpoint is refused", exc.url) from None
+
+
 def read_dcp_metadata(path: str | os.PathLike[str], trust_pickles: bool = False) -> Metadata:
     """DCP's ``Metadata`` from the pickle at ``path``, admitting only the classes DCP's metadata holds.
 
@@ -184,7 +208,7 @@ def read_dcp_metadata(path: str | os.PathLike[str], trust_pickles: bool = False)
     """
     path = Path(path)
     try:
-        with open(path, "rb") as f:
+        with open_inside(path.parent, path.name, "DCP's metadata") as f:
             metadata = _MetadataUnpickler(f).load()
     except _Refused as exc:
         if not trust_pickles:
@@ -196,14 +220,17 @@ def read_dcp_metadata(path: str | os.PathLike[str], trust_pickles: bool = False)
         log.warning("trust_pickles: unpickling %s, which wants %s (not DCP metadata's own class)", path, exc.wanted)
         with open(path, "rb") as f:
             metadata = pickle.load(f)  # noqa: S301 - the user said they trust this checkpoint
+    except (FileNotFoundError, CheckpointCorruptError):
+        raise
     except Exception as exc:  # noqa: BLE001 - a damaged pickle fails in many ways
         raise CheckpointCorruptError(f"cannot read DCP metadata {path}: {exc!r}", str(path)) from None
     if not isinstance(metadata, Metadata):
         raise CheckpointCorruptError(f"{path} holds a {type(metadata).__name__}, not DCP's Metadata", str(path))
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
-    for rel in {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}:
-        check_inside(rel, str(path), "refers to")
+    for index, info in (metadata.storage_data or {}).items():
+        check_inside(getattr(info, "relative_path", None), str(path), "refers to")
+        check_extent(info, None, f"the entry {getattr(index, 'fqn', index)!r} of {info.relative_path} in {path}")
     return metadata
 
 
@@ -216,7 +243,7 @@ def _unsafe_globals(source: Any) -> list[str]:
         return []
 
 
-def load_torch(source: str | os.PathLike[str] | io.BytesIO, where: str, trust_pickles: bool = False) -> Any:
+def load_torch(source: str | os.PathLike[str] | io.IOBase, where: str, trust_pickles: bool = False) -> Any:
     """``torch.load(source, weights_only=True)`` on the CPU; what that refuses raises
     :class:`UnsafeCheckpointError` naming ``where`` and the globals it wanted, or, with ``trust_pickles``,
     is loaded with full unpickling."""
@@ -236,19 +263,78 @@ def load_torch(source: str | os.PathLike[str] | io.BytesIO, where: str, trust_pi
         return torch.load(source, map_location="cpu", weights_only=False)
 
 
+class _NoLinkFileSystem(FileSystem):
+    """DCP's local file access opening every file of the checkpoint ``O_NOFOLLOW``: a data file that is a
+    symbolic link (to a file outside the checkpoint) is refused, not read."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+        path = Path(path)
+        if mode != "rb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with open_inside(path.parent, path.name, "DCP's reader") as stream:
+            yield stream
+
+
+class _BoundedTransforms:
+    """DCP's undoing of an entry's transforms (zstd), bounded: the entry decodes to at most what its tensor's
+    metadata (or the object-record limit) allows, see :mod:`smalti.checkpoint.limits`."""
+
+    def __init__(self, reader: SafeFileSystemReader) -> None:
+        self.reader = reader
+
+    def transform_load_stream(self, read_item: Any, transform_descriptors: Any, raw_stream: Any) -> Any:
+        """``raw_stream`` itself when the entry has no transform, else its decoded bytes (a ``BytesIO``)."""
+        if not transform_descriptors:
+            return raw_stream
+        index = read_item.storage_index
+        info = self.reader.storage_data[index]
+        where = f"the entry {index.fqn!r} of {Path(self.reader.path) / info.relative_path}"
+        limit = decoded_limit(self.reader.dcp_metadata, index, where)
+        raw = raw_stream.read_all() if hasattr(raw_stream, "read_all") else raw_stream.read(info.length)
+        if len(raw) != info.length:
+            raise CheckpointCorruptError(f"{where} ends after {len(raw)} of its {info.length} bytes (truncated)", where)
+        return io.BytesIO(decode_bounded(raw, transform_descriptors, limit, where))
+
+
 class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader reading ``.metadata`` through :func:`read_dcp_metadata`."""
+    """DCP's file reader reading ``.metadata`` through :func:`read_dcp_metadata`, no file through a link, no
+    entry outside its file and no transformed entry past its bound (:mod:`smalti.checkpoint.limits`)."""
 
     def __init__(self, path: str | os.PathLike[str], trust_pickles: bool = False) -> None:
         super().__init__(path)
+        self.fs = _NoLinkFileSystem()
+        self.transforms = _BoundedTransforms(self)  # type: ignore[assignment]
         self.trust_pickles = trust_pickles
+        self.dcp_metadata: Metadata | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The checkpoint's (or with ``rank=``, that rank's) metadata, read without running code from it."""
         rank = kwargs.get("rank")
         metadata = read_dcp_metadata(self._get_metadata_path(rank), self.trust_pickles)
         metadata.storage_meta.load_id = self.load_id
+        if rank is None:
+            self.dcp_metadata = metadata
         return metadata
+
+    def check_plan(self, plan: Any) -> None:
+        """Before anything is read: every file ``plan`` reads is inside the folder and no link, and every
+        entry's byte range lies inside its file (as long as the file is now)."""
+        sizes: dict[str, int] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            rel = info.relative_path
+            if rel not in sizes:
+                path = no_link_inside(self.path, check_inside(rel, "DCP's metadata"), "named by DCP's metadata")
+                sizes[rel] = os.lstat(path).st_size
+            check_extent(info, sizes[rel], f"the entry {item.storage_index.fqn!r} of {Path(self.path) / rel}")
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        """DCP's read, once :meth:`check_plan` passes."""
+        self.check_plan(plan)
+        return super().read_data(plan, planner)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -272,9 +358,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = obj
 
 
-def unwrap_unsafe(exc: BaseException) -> UnsafeCheckpointError | None:
-    """The :class:`UnsafeCheckpointError` inside ``exc`` (DCP wraps what a rank raised while reading in a
-    ``CheckpointException`` of every rank's failures), or ``None``."""
+def unwrap_unsafe(exc: BaseException) -> CheckpointError | None:
+    """The refusal inside ``exc`` (DCP wraps what a rank raised while reading in a ``CheckpointException`` of
+    every rank's failures): an :class:`UnsafeCheckpointError`, :class:`UnsafePathError` or
+    :class:`EntryTooLargeError`, or ``None``."""
     seen: set[int] = set()
     todo: list[Any] = [exc]
     while todo:
@@ -284,7 +371,7 @@ def unwrap_unsafe(exc: BaseException) -> UnsafeCheckpointError | None:
         if not isinstance(item, BaseException) or id(item) in seen:
             continue
         seen.add(id(item))
-        if isinstance(item, UnsafeCheckpointError):
+        if isinstance(item, (UnsafeCheckpointError, UnsafePathError, EntryTooLargeError)):
             return item
         todo += [item.__cause__, item.__context__, *(getattr(item, "failures", None) or {}).values()]
     return None

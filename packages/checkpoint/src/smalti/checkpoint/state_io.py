@@ -45,6 +45,7 @@ from smalti.checkpoint.safe_load import (
     dump_safe,
     from_safe_tree,
     load_torch,
+    open_inside,
     unwrap_unsafe,
 )
 from smalti.checkpoint.writer import HashingFileSystemWriter, ReusedHostStager
@@ -318,9 +319,11 @@ def read_rank_local(folder: Path, rank: int, trust_pickles: bool = False) -> dic
     """Rank ``rank``'s non-DCP state in checkpoint ``folder``, read without running code from it (older
     checkpoints' files hold NumPy arrays as pickles: they need ``trust_pickles``)."""
     path = folder / extra_relpath(rank)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {folder} has no {extra_relpath(rank)} for rank {rank}")
-    extra = from_safe_tree(load_torch(path, str(path), trust_pickles))
+    try:
+        with open_inside(folder, extra_relpath(rank), f"rank {rank}'s state") as f:  # no link out of the folder
+            extra = from_safe_tree(load_torch(f, str(path), trust_pickles))
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {folder} has no {extra_relpath(rank)} for rank {rank}") from None
     if not isinstance(extra, dict):
         raise CheckpointError(f"{path} holds a {type(extra).__name__}, not a rank's state")
     return extra

@@ -20,7 +20,7 @@ from typing import Any
 from smalti.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointUploadError
 from smalti.checkpoint.manifest import algorithm_of, hash_file, mismatch, parse_manifest, write_json_atomic
 from smalti.checkpoint.naming import LATEST_NAME, MANIFEST_NAME, checkpoint_names
-from smalti.checkpoint.safe_load import check_inside
+from smalti.checkpoint.safe_load import check_inside, no_link_inside
 from smalti.storage import ObjectNotFoundError, RetryPolicy, StorageError, split_url
 from smalti.storage import open_store as _open_object_store
 
@@ -189,6 +189,8 @@ class CheckpointStore:
         """Fetch every file the manifest lists (and the manifest, last) into local folder ``dest``."""
         for rel, entry in manifest["files"].items():
             local = dest / check_inside(rel, f"manifest {self._where(f'{name}/{MANIFEST_NAME}')}")
+            with contextlib.suppress(FileNotFoundError):  # a link planted in the cache: never written through
+                no_link_inside(dest, rel, "in the download cache")
             if (local.is_file() and local.stat().st_size == entry["size"]
                     and mismatch(local, entry, hash_file(local, algorithm_of(entry))[1]) is None):
                 continue  # already here from an earlier download
