@@ -87,6 +87,20 @@ def test_slurm_setup_lines_give_torchrun_the_first_host_and_node_count(tmp_path)
     assert parsed.rdzv_endpoint == f"gpu3:{derived_port('41234')}"
 
 
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_every_torchrun_setting_stays_inside_its_setup_line(tmp_path):
+    """The settings land inside ``export SMALTI_TORCHRUN_ARGS="..."``: no value may run a command there."""
+    marker = tmp_path / "pwned"
+    for bad in ({"rdzv_backend": f"c10d$(touch {marker})"}, {"rdzv_backend": f'c10d"; touch {marker}; "'},
+                {"monitor_interval": f"1`touch {marker}`"}, {"max_restarts": f"1$(touch {marker})"}):
+        for build in (TorchrunSettings.from_config, lambda values: TorchrunSettings(**values)):
+            with pytest.raises(ConfigError, match=r"hydra\.launcher\.torchrun.*(rdzv.backend|monitor.interval|max.re)"):
+                lines = slurm_setup_lines(build(bad), None)
+                subprocess.run(["bash", "-c", lines[2]], timeout=30)  # what the job's first node would run
+    assert not marker.exists()
+    assert "--rdzv-backend=etcd-v2" in slurm_setup_lines(TorchrunSettings(rdzv_backend="etcd-v2"), None)[2]
+
+
 def test_slurm_params_keep_one_task_per_node_and_exclude_cordoned_hosts(tmp_path):
     cordon = tmp_path / "cordon.json"
     cordon.write_text(json.dumps([{"host": "gpu7", "reason": "XID 79"}, "gpu9"]))

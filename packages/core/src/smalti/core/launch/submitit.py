@@ -58,6 +58,11 @@ def slurm_setup_lines(settings: TorchrunSettings, gpus_per_node: int | None) -> 
                 f"hydra.launcher.torchrun.extra_args: {arg!r} has characters that would need shell quoting; "
                 "use --option=value forms without spaces or quotes"
             )
+    # Every argument a setting gives goes inside the double quotes below, where bash still runs $(...) and `...`.
+    for arg in settings.args(nnodes=1, nproc_per_node=1, endpoint="host:1", rdzv_id="id"):
+        if not _SAFE_ARG.match(arg):
+            raise ConfigError(f"hydra.launcher.torchrun: {arg!r} has characters that would need shell quoting; "
+                              "it is refused, since it is written into the job script")
     port = str(settings.rdzv_port) if settings.rdzv_port else f"$(({PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN}))"
     args = settings.args(
         nnodes="$SLURM_JOB_NUM_NODES",

@@ -6,6 +6,7 @@ and :func:`run_torchrun` runs its elastic agent in this process exactly as the `
 
 from __future__ import annotations
 
+import re
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -19,6 +20,8 @@ TRAIN_MODULE = "smalti.core.cli.train"
 #: sharing a head node (array tasks on a non-exclusive partition) do not collide.
 PORT_BASE = 20000
 PORT_SPAN = 20000
+#: A rendezvous backend's name (c10d, static, etcd, etcd-v2): it is written into job scripts.
+_BACKEND = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 
 @dataclass(kw_only=True)
@@ -47,6 +50,14 @@ class TorchrunSettings:
         if unknown:
             raise ConfigError(f"unknown key(s) {', '.join(unknown)} in `{where}`; known keys: {', '.join(sorted(known))}")
         values["extra_args"] = [str(a) for a in values.get("extra_args") or []]
+        for key in ("nproc_per_node", "rdzv_port", "max_restarts", "min_nodes", "monitor_interval"):
+            value = values.get(key)
+            kinds = (int, float) if key == "monitor_interval" else (int,)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, kinds)):
+                raise ConfigError(f"`{where}.{key}` must be a number, got {value!r}")
+        backend = values.get("rdzv_backend", "c10d")
+        if not isinstance(backend, str) or not _BACKEND.match(backend):
+            raise ConfigError(f"`{where}.rdzv_backend` must be a backend name such as c10d, got {backend!r}")
         settings = cls(**values)
         if settings.max_restarts < 0:
             raise ConfigError(f"`{where}.max_restarts` must be >= 0, got {settings.max_restarts}")
