@@ -86,3 +86,24 @@ def test_an_escaping_run_name_stops_the_run_before_any_folder_is_made(tmp_path):
     out = train([*QUICK, "run_name=../up"], work)
     assert out.returncode == 2 and "run_name='../up' is not a valid run name" in out.stderr, out.stderr[-3000:]
     assert not (tmp_path / "escaped").exists() and not (work / "up").exists() and not (work / "outputs").exists()
+
+
+def test_the_python_api_holds_run_names_to_one_folder_name_too(tmp_path, monkeypatch):
+    """``Trainer(...)`` without Hydra: the environment's name and a given one are checked before any folder."""
+    import torch
+
+    from smalti.core import Trainer
+    from smalti.core.data import build_dataloader
+    from smalti.core.examples import MLPRegressor, SyntheticRegression
+
+    work = tmp_path / "a" / "work"
+    work.mkdir(parents=True)
+    monkeypatch.chdir(work)
+    loader = build_dataloader(SyntheticRegression(16), 8, seed=0)
+    monkeypatch.setenv("SMALTI_RUN_NAME", "../../escaped")
+    with pytest.raises(ConfigError, match=r"\$SMALTI_RUN_NAME='../../escaped' is not a valid run name"):
+        Trainer(MLPRegressor(), loader, "1ba", optimizers=lambda p: torch.optim.SGD(p, lr=0.1))
+    monkeypatch.delenv("SMALTI_RUN_NAME")
+    with pytest.raises(ConfigError, match=r"Trainer\(run_name=\.\.\.\)='a/../../b' is not a valid run name"):
+        Trainer(MLPRegressor(), loader, "1ba", optimizers=lambda p: torch.optim.SGD(p, lr=0.1), run_name="a/../../b")
+    assert not (tmp_path / "escaped").exists() and not (work / "outputs").exists()

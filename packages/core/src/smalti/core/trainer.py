@@ -150,7 +150,7 @@ class Trainer:
         device = torch.device(device) if device is not None else distributed.default_device()
 
         micro, auto = self._parse_microbatch(device_train_microbatch_size)
-        run_name = run_name or os.environ.get("SMALTI_RUN_NAME") or _default_run_name()
+        run_name = _given_run_name(run_name) if run_name else _default_run_name()
         self.output_dir = Path(output_dir) if output_dir is not None else Path("outputs") / run_name
         self.state = State(
             model=model,
@@ -845,6 +845,13 @@ def _safe_len(loader: Any) -> int | None:
         return len(loader)
     except TypeError:
         return None
+
+
+def _given_run_name(name: str) -> str:
+    """``name`` when it is one safe folder name (it names ``outputs/<run_name>``), else a :class:`ConfigError`."""
+    from smalti.core.run_name import check_run_name
+
+    return check_run_name(str(name), "Trainer(run_name=...)")
 
 
 def _default_run_name() -> str:
