@@ -115,6 +115,22 @@ def test_more_secret_keys_values_and_bytes():
     assert redact("Timestamp(batch=2, token=512)") == "Timestamp(batch=2, token=512)"  # counts are no secret
 
 
+def test_quoted_values_http_credentials_and_flags_are_redacted():
+    """Hydra's quoted overrides, Authorization headers, ``--password value`` and SAS ``sig=`` keep no secret."""
+    assert redact("#0 : +x.db_password='p w1' lr=1") == f"#0 : +x.db_password='{REDACTED}' lr=1"
+    assert redact('db_password="pw2" token: \'a b\'') == f'db_password="{REDACTED}" token: \'{REDACTED}\''
+    assert redact("curl -H 'Authorization: Bearer tk3' x") == f"curl -H 'Authorization: {REDACTED}' x"
+    assert redact("{'Authorization': 'Basic dXM6cHc='}") == f"{{'Authorization': '{REDACTED}'}}"
+    assert redact("sent bearer tk4 to h") == f"sent bearer {REDACTED} to h"
+    assert redact("app --password pw5 --api-key 'k 6' --max-restarts 3") == \
+        f"app --password {REDACTED} --api-key '{REDACTED}' --max-restarts 3"
+    assert redact("api_key = k7") == f"api_key = {REDACTED}"
+    assert redact("https://acct.blob.core.windows.net/c/o?sv=2022&sig=abcDEF%3D") == \
+        f"https://acct.blob.core.windows.net/c/o?sv=2022&sig={REDACTED}"
+    assert redact("+x.url='https://h/?a=1&password=pw8'") == f"+x.url='https://h/?a=1&password={REDACTED}'"
+    assert redact("tokenizer: gpt2, x = 1, --nnodes 2") == "tokenizer: gpt2, x = 1, --nnodes 2"
+
+
 def test_remembered_secrets_and_log_records_are_redacted(caplog):
     import logging
 
@@ -133,11 +149,12 @@ WITH_AT = "cnryat7a1"  # the tail of a URL password that holds '@'
 QUERY_PW = "cnryqry2b"  # password= after another query parameter
 DB_PWD = "cnrypwd5c"  # a key the old rule did not count as secret
 BAD_VALUE = "cnrybad8d"  # quoted back by a config error
-MORE = [WITH_AT, QUERY_PW, DB_PWD, BAD_VALUE]
+QUOTED = "cnryquo3e"  # a secret override quoted by the user, as Hydra's grammar allows
+MORE = [WITH_AT, QUERY_PW, DB_PWD, BAD_VALUE, QUOTED]
 
 
 def secret_overrides():
-    return ["+logger.mlflow.tags.db_pwd=" + DB_PWD,
+    return ["+logger.mlflow.tags.db_pwd=" + DB_PWD, f"+logger.mlflow.tags.db_password='{QUOTED} x'",
             f"+logger.mlflow.tags.endpoint='https://svc:pa@{WITH_AT}@host/x?a=1&password={QUERY_PW}'"]
 
 
@@ -159,6 +176,14 @@ def test_sweeps_failures_and_config_errors_print_and_save_no_canary(tmp_path, ml
     assert f"tags.db_pwd={REDACTED}" in sweep.stdout + sweep.stderr
     saved = sorted((tmp_path / "sweep" / "multirun").glob("*/*/.hydra/*.yaml"))
     assert len(saved) == 6 and {p.stat().st_mode & 0o777 for p in saved} == {0o600}
+    # A Slurm sweep's dry run starts no job: Hydra's sweeper still saves multirun.yaml, and lists the points.
+    dry = run_train(tmp_path / "dry", uri, ["-m", "hydra/launcher=submitit_slurm", "hydra.launcher.dry_run=true",
+                                           "optimizer.lr=1e-3,2e-3", *base])
+    assert dry.returncode == 0 and "dry run" in dry.stdout + dry.stderr, dry.stderr[-4000:]
+    for sweep_file in [*(tmp_path / "sweep" / "multirun").glob("*/multirun.yaml"),
+                       *(tmp_path / "dry" / "multirun").glob("*/multirun.yaml")]:
+        assert not sweep_file.is_symlink() and sweep_file.stat().st_mode & 0o777 == 0o600
+        assert "db_password: '***'" in sweep_file.read_text()
     # A job that fails after it started: Hydra prints its overrides and the traceback.
     failed = run_train(tmp_path / "fail", uri, ["-m", *base, "checkpoint=dcp", "checkpoint.save_folder=/dev/null/ck"])
     assert failed.returncode != 0 and "Error executing job with overrides" in failed.stderr, failed.stderr[-4000:]
@@ -166,5 +191,13 @@ def test_sweeps_failures_and_config_errors_print_and_save_no_canary(tmp_path, ml
     bad = run_train(tmp_path / "bad", uri, [*base, f"trainer.max_duration={BAD_VALUE}",
                                            f"+logger.mlflow.tags.auth={BAD_VALUE}"])
     assert bad.returncode == 2 and "max_duration" in bad.stderr, bad.stderr[-4000:]
-    for out in (sweep, failed, bad):
+    for out in (sweep, dry, failed, bad):
         no_canary_anywhere(out, tmp_path, mlflow_server.root)
+
+
+def test_hydra_cfg_prints_the_config_without_secrets(tmp_path):
+    """``--cfg job`` prints the composed config with ``print``, outside logging: it is redacted too."""
+    out = subprocess.run([sys.executable, "-m", "smalti.core.cli.train", "--cfg", "job", *secret_overrides()],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "db_pwd: ***" in out.stdout, out.stderr[-3000:]
+    assert [c for c in MORE if c in out.stdout + out.stderr] == []

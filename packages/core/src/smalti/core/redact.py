@@ -10,7 +10,7 @@ A key names a secret when, ignoring case and with ``-`` read as ``_``, it contai
 ``passphrase``, ``secret``, ``credential``, ``api_key``, ``access_key``, ``private_key``, ``authorization``,
 ``cookie``, ``bearer``, ``signature``, ``connection_string``, ``webhook_url`` or ``token`` (except ``tokens`` and
 ``tokenizer``, which count or split text); when one of its words (split at ``_``, ``.``, digits and case changes)
-is ``auth``, ``pwd``, ``pass``, ``session``, ``sas`` or ``dsn``; or when it ends in ``_key`` (except the data
+is ``auth``, ``pwd``, ``pass``, ``session``, ``sas``, ``sig`` or ``dsn``; or when it ends in ``_key`` (except the data
 column names ``prompt_key``, ``response_key``, ``text_key``, ``messages_key`` and OmegaConf's ``full_key``).
 
 Besides the patterns, the values found under secret keys of a run's config are remembered
@@ -21,11 +21,12 @@ that quotes the bad value, an exception message, a command line.
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import re
 import threading
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import IO, Any
 
 #: What a secret is replaced with.
 REDACTED = "***"
@@ -35,7 +36,7 @@ _SECRET_PART = re.compile(
     r"|signature|connection_?string|webhook_?url|token(?!s|iz)",
     re.IGNORECASE,
 )
-_SECRET_WORDS = frozenset({"auth", "pwd", "pass", "session", "sas", "dsn"})
+_SECRET_WORDS = frozenset({"auth", "pwd", "pass", "session", "sas", "sig", "dsn"})
 #: ``*_key`` names that are data column names, not secrets.
 _NOT_SECRET_KEYS = frozenset({"prompt_key", "response_key", "text_key", "messages_key", "full_key"})
 _WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
@@ -43,10 +44,16 @@ _WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
 # authority, so a password holding '@' is taken whole.
 _URL_USERINFO = re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.\-]*://)[^/?#\s]*@")
 # key=value inside a string (Hydra overrides, override_dirname, command lines, URL queries) whose key names a
-# secret; the value stops at whitespace, ',', '&' and ';' (the separators of overrides and queries).
-_ASSIGNMENT = re.compile(r"([\w.+~/\-]+)=([^\s,&;'\"]*)")
-# "key": "value" and key: value (JSON, YAML and Python reprs in messages).
-_COLON_ASSIGNMENT = re.compile(r"""(["']?)([\w.\-]+)\1(\s*:\s*)(["']?)([^\s,"'}\]]+)\4""")
+# secret; a quoted value is taken to its closing quote (Hydra's '+x.db_password='a b''), an unquoted one stops at
+# whitespace, ',', '&' and ';' (the separators of overrides and queries).
+_ASSIGNMENT = re.compile(r"""([\w.+~/\-]+)( ?= ?)(?:(["'])(.*?)\3|([^\s,&;'"]*))""")
+# "key": "value" and key: value (JSON, YAML and Python reprs in messages); quoted values to their closing quote.
+_COLON_ASSIGNMENT = re.compile(r"""(["']?)([\w.\-]+)\1(\s*:\s*)(?:(["'])(.*?)\4|([^\s,"'}\]]+))""")
+# An HTTP credential: an Authorization header's whole value, and the token after the Bearer or Basic scheme.
+_AUTH_HEADER = re.compile(r"""((?:proxy-)?authorization["']?\s*[:=]\s*["']?)([^"'\r\n,}]+)""", re.IGNORECASE)
+_AUTH_SCHEME = re.compile(r"\b(bearer|basic)(\s+)([A-Za-z0-9._~+/\-]+=*)", re.IGNORECASE)
+# A command-line flag naming a secret followed by its value as the next word: ``--password hunter2``.
+_FLAG_VALUE = re.compile(r"""(?<![\w-])(--?[A-Za-z][\w.\-]*)(\s+)(?:(["'])(.*?)\3|([^\s"'-][^\s]*))""")
 # A plain number after a secret-looking key is a count (``Timestamp(token=512)``), not a secret; a number given
 # as a secret in the config is still remembered and replaced (:func:`remember_secrets`).
 _NUMBER = re.compile(r"^-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?[)\]}]*$")
@@ -76,20 +83,33 @@ def redact_url(text: str) -> str:
 
 
 def redact_text(text: str) -> str:
-    """A string with URL userinfo, the values of ``secret_key=value`` and ``secret_key: value`` assignments, and
-    every remembered secret value (:func:`remember_secrets`) in it replaced."""
+    """A string with URL userinfo, HTTP credentials (``Authorization:`` values, ``Bearer <token>``), the values of
+    ``secret_key=value``, ``secret_key: value`` and ``--secret-flag value``, and every remembered secret value
+    (:func:`remember_secrets`) in it replaced; a quoted value keeps its quotes."""
     text = redact_url(text)
-    text = _ASSIGNMENT.sub(
-        lambda m: f"{m[1]}={REDACTED}" if is_secret_key(m[1]) and m[2] and not _NUMBER.match(m[2]) else m[0], text)
-    text = _COLON_ASSIGNMENT.sub(
-        lambda m: f"{m[1]}{m[2]}{m[1]}{m[3]}{m[4]}{REDACTED}{m[4]}"
-        if is_secret_key(m[2]) and not _NUMBER.match(m[5]) else m[0], text)
+    text = _AUTH_HEADER.sub(rf"\g<1>{REDACTED}", text)
+    text = _AUTH_SCHEME.sub(rf"\g<1>\g<2>{REDACTED}", text)
+    text = _ASSIGNMENT.sub(lambda m: _replace_value(m, m[1], f"{m[1]}{m[2]}"), text)
+    text = _COLON_ASSIGNMENT.sub(lambda m: _replace_value(m, m[2], f"{m[1]}{m[2]}{m[1]}{m[3]}"), text)
+    text = _FLAG_VALUE.sub(lambda m: _replace_value(m, m[1].lstrip("-"), f"{m[1]}{m[2]}"), text)
     with _remembered_lock:
         remembered = sorted(_remembered, key=len, reverse=True)
     for secret in remembered:
         if secret in text:
             text = text.replace(secret, REDACTED)
     return text
+
+
+def _replace_value(m: re.Match[str], key: str, prefix: str) -> str:
+    """The text of ``m`` (a key, a separator and a quoted or bare value: its last three groups) with the value
+    replaced when ``key`` names a secret; an empty value or a bare number is left as it is."""
+    quote, quoted, bare = m.groups()[-3:]
+    value = quoted if quote else bare
+    if not is_secret_key(key):  # a quoted value may hold assignments of its own (a URL's query)
+        return f"{prefix}{quote}{redact_text(quoted)}{quote}" if quote else m[0]
+    if not value or (not quote and _NUMBER.match(value)) or value == REDACTED:
+        return m[0]
+    return f"{prefix}{quote}{REDACTED}{quote}" if quote else f"{prefix}{REDACTED}"
 
 
 def redact_bytes(data: bytes) -> bytes:
@@ -107,7 +127,7 @@ def remember_secrets(value: Any) -> None:
             found.add(str(item))
         if isinstance(item, str):
             found.update(m.group(0)[len(m.group(1)):-1] for m in _URL_USERINFO.finditer(item))
-            found.update(m[2] for m in _ASSIGNMENT.finditer(item) if m[2] and is_secret_key(m[1]))
+            found.update(v for m in _ASSIGNMENT.finditer(item) if (v := m[4] if m[3] else m[5]) and is_secret_key(m[1]))
     found = {f for f in found if len(f) >= MIN_REMEMBERED and f != REDACTED}
     for f in list(found):  # user:password userinfo: the password alone too
         if ":" in f:
@@ -155,6 +175,27 @@ def install_log_redaction() -> None:
 
     logging.setLogRecordFactory(factory)
     _record_factory_installed = True
+
+
+class RedactedStream(io.TextIOBase):
+    """A text stream that passes each write to ``stream`` through :func:`redact_text`.
+
+    For whole blocks printed at once, such as Hydra's ``--cfg job`` (which prints the config with ``print``, not
+    through logging); a secret split across two writes would pass.
+    """
+
+    def __init__(self, stream: IO[str]) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        self._stream.write(redact_text(text))
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()
 
 
 def redact_exception(exc: BaseException) -> BaseException:

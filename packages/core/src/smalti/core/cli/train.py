@@ -75,8 +75,20 @@ def _container(cfg: DictConfig) -> object:
         return OmegaConf.to_container(cfg, resolve=False)
 
 
+#: Hydra's flags that print the config or the run's settings with ``print`` rather than through logging.
+_PRINTING_FLAGS = ("--cfg", "-c", "--info", "-i", "--resolve", "-p", "--package")
+
+
 def main() -> None:
     """Console-script entry point."""
+    if any(arg.split("=", 1)[0] in _PRINTING_FLAGS for arg in sys.argv[1:]):
+        import contextlib
+
+        from smalti.core.redact import RedactedStream
+
+        with contextlib.redirect_stdout(RedactedStream(sys.stdout)):
+            _train()
+        return
     _train()
 
 
