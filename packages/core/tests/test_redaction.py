@@ -121,14 +121,17 @@ def test_quoted_values_http_credentials_and_flags_are_redacted():
     assert redact('db_password="pw2" token: \'a b\'') == f'db_password="{REDACTED}" token: \'{REDACTED}\''
     assert redact("curl -H 'Authorization: Bearer tk3' x") == f"curl -H 'Authorization: {REDACTED}' x"
     assert redact("{'Authorization': 'Basic dXM6cHc='}") == f"{{'Authorization': '{REDACTED}'}}"
-    assert redact("sent bearer tk4 to h") == f"sent bearer {REDACTED} to h"
+    assert redact("sent bearer tk4abcdef to h") == f"sent bearer {REDACTED} to h"
+    assert redact("Cannot convert 'dict' to string: '{'api_key': 'k9'}'") == \
+        f"Cannot convert 'dict' to string: '{{'api_key': '{REDACTED}'}}'"
     assert redact("app --password pw5 --api-key 'k 6' --max-restarts 3") == \
         f"app --password {REDACTED} --api-key '{REDACTED}' --max-restarts 3"
     assert redact("api_key = k7") == f"api_key = {REDACTED}"
     assert redact("https://acct.blob.core.windows.net/c/o?sv=2022&sig=abcDEF%3D") == \
         f"https://acct.blob.core.windows.net/c/o?sv=2022&sig={REDACTED}"
     assert redact("+x.url='https://h/?a=1&password=pw8'") == f"+x.url='https://h/?a=1&password={REDACTED}'"
-    assert redact("tokenizer: gpt2, x = 1, --nnodes 2") == "tokenizer: gpt2, x = 1, --nnodes 2"
+    for prose in ("tokenizer: gpt2, x = 1, --nnodes 2", "see .../override_grammar/basic for details", "bearer of news"):
+        assert redact(prose) == prose
 
 
 def test_remembered_secrets_and_log_records_are_redacted(caplog):

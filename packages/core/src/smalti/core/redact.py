@@ -49,9 +49,10 @@ _URL_USERINFO = re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.\-]*://)[^/?#\s]*@")
 _ASSIGNMENT = re.compile(r"""([\w.+~/\-]+)( ?= ?)(?:(["'])(.*?)\3|([^\s,&;'"]*))""")
 # "key": "value" and key: value (JSON, YAML and Python reprs in messages); quoted values to their closing quote.
 _COLON_ASSIGNMENT = re.compile(r"""(["']?)([\w.\-]+)\1(\s*:\s*)(?:(["'])(.*?)\4|([^\s,"'}\]]+))""")
-# An HTTP credential: an Authorization header's whole value, and the token after the Bearer or Basic scheme.
+# An HTTP credential: an Authorization header's whole value (any scheme), and a token after "Bearer" anywhere
+# (8 characters or more, so that prose such as "bearer of" is left alone).
 _AUTH_HEADER = re.compile(r"""((?:proxy-)?authorization["']?\s*[:=]\s*["']?)([^"'\r\n,}]+)""", re.IGNORECASE)
-_AUTH_SCHEME = re.compile(r"\b(bearer|basic)(\s+)([A-Za-z0-9._~+/\-]+=*)", re.IGNORECASE)
+_AUTH_SCHEME = re.compile(r"\b(bearer)(\s+)([A-Za-z0-9._~+/\-]{8,}=*)", re.IGNORECASE)
 # A command-line flag naming a secret followed by its value as the next word: ``--password hunter2``.
 _FLAG_VALUE = re.compile(r"""(?<![\w-])(--?[A-Za-z][\w.\-]*)(\s+)(?:(["'])(.*?)\3|([^\s"'-][^\s]*))""")
 # A plain number after a secret-looking key is a count (``Timestamp(token=512)``), not a secret; a number given
@@ -89,9 +90,9 @@ def redact_text(text: str) -> str:
     text = redact_url(text)
     text = _AUTH_HEADER.sub(rf"\g<1>{REDACTED}", text)
     text = _AUTH_SCHEME.sub(rf"\g<1>\g<2>{REDACTED}", text)
-    text = _ASSIGNMENT.sub(lambda m: _replace_value(m, m[1], f"{m[1]}{m[2]}"), text)
-    text = _COLON_ASSIGNMENT.sub(lambda m: _replace_value(m, m[2], f"{m[1]}{m[2]}{m[1]}{m[3]}"), text)
-    text = _FLAG_VALUE.sub(lambda m: _replace_value(m, m[1].lstrip("-"), f"{m[1]}{m[2]}"), text)
+    text = _replace_values(_ASSIGNMENT, text, key=1, separator=2)
+    text = _replace_values(_COLON_ASSIGNMENT, text, key=2, separator=3)
+    text = _replace_values(_FLAG_VALUE, text, key=1, separator=2)
     with _remembered_lock:
         remembered = sorted(_remembered, key=len, reverse=True)
     for secret in remembered:
@@ -100,16 +101,27 @@ def redact_text(text: str) -> str:
     return text
 
 
-def _replace_value(m: re.Match[str], key: str, prefix: str) -> str:
-    """The text of ``m`` (a key, a separator and a quoted or bare value: its last three groups) with the value
-    replaced when ``key`` names a secret; an empty value or a bare number is left as it is."""
-    quote, quoted, bare = m.groups()[-3:]
-    value = quoted if quote else bare
-    if not is_secret_key(key):  # a quoted value may hold assignments of its own (a URL's query)
-        return f"{prefix}{quote}{redact_text(quoted)}{quote}" if quote else m[0]
-    if not value or (not quote and _NUMBER.match(value)) or value == REDACTED:
-        return m[0]
-    return f"{prefix}{quote}{REDACTED}{quote}" if quote else f"{prefix}{REDACTED}"
+def _replace_values(pattern: re.Pattern[str], text: str, key: int, separator: int) -> str:
+    """``text`` with the value of every ``pattern`` match whose ``key`` group names a secret replaced.
+
+    ``pattern``'s last three groups are the value's quote, the quoted value and the bare value. After a key that
+    names no secret the scan goes on just past the separator, so a secret inside that value (a query in a quoted
+    URL, a quoted dict: ``'{'api_key': 'v'}'``) is still found.
+    """
+    out: list[str] = []
+    pos = 0
+    while (m := pattern.search(text, pos)) is not None:
+        quote, quoted, bare = m.groups()[-3:]
+        value = quoted if quote else bare
+        if not is_secret_key(m[key].lstrip("-")) or not value or value == REDACTED \
+                or (not quote and _NUMBER.match(value)):
+            out.append(text[pos:m.end(separator)])
+            pos = max(m.end(separator), m.start() + 1)
+            continue
+        out.append(f"{text[pos:m.end(separator)]}{quote}{REDACTED}{quote}" if quote
+                   else f"{text[pos:m.end(separator)]}{REDACTED}")
+        pos = m.end()
+    return "".join(out) + text[pos:]
 
 
 def redact_bytes(data: bytes) -> bytes:
