@@ -42,6 +42,7 @@ def test_submitit_local_job_runs_torchrun_with_two_ranks(tmp_path):
     loss = json.loads((job_dir / ".result.json").read_text())["loss"]
     assert f"with loss {loss:.4f}" in rank0
     (result_pickle,) = (job_dir.parent / ".submitit").glob("*/*_0_result.pkl")
+    assert (job_dir.parent / ".submitit").stat().st_mode & 0o777 == 0o700  # the job pickles hold real secrets
     status, job_return = pickle.loads(result_pickle.read_bytes())
     assert status == "success" and job_return.return_value == loss
     assert "optimizer.lr=0.003" in (job_dir / ".hydra" / "overrides.yaml").read_text()
@@ -57,6 +58,7 @@ def test_slurm_dry_run_writes_the_sbatch_script(tmp_path):
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     assert "validated against ConfigStore schema" not in out.stderr
     (script_path,) = (tmp_path / "multirun").glob("*/.submitit/dry-run/job.sbatch")
+    assert script_path.parent.parent.stat().st_mode & 0o777 == 0o700  # submitit's job pickles: owner only
     script = script_path.read_text()
     flags = dict(re.findall(r"^#SBATCH --([\w-]+)=(.*)$", script, flags=re.M))
     assert flags["nodes"] == "4" and flags["ntasks-per-node"] == "1" and flags["gpus-per-node"] == "8"

@@ -80,9 +80,15 @@ if _submitit is not None:
             self.params = prepare_slurm_params(self.params, self.torchrun, cordon_file)
 
         def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+            from smalti.core.launch.submitit import (
+                describe_jobs,
+                make_private_job_root,
+                write_dry_run_scripts,
+            )
+
             if not self.dry_run:
+                make_private_job_root(str(self.params["submitit_folder"]))
                 return super().launch(job_overrides, initial_job_idx)
-            from smalti.core.launch.submitit import describe_jobs, write_dry_run_scripts
 
             assert self.config is not None
             script = write_dry_run_scripts(self.params, Path(str(self.config.hydra.sweep.dir)), len(job_overrides))
@@ -99,6 +105,12 @@ if _submitit is not None:
             super().__init__(**params)
             self.torchrun = _settings(torchrun)
             check_one_task_per_node(self.params)
+
+        def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+            from smalti.core.launch.submitit import make_private_job_root
+
+            make_private_job_root(str(self.params["submitit_folder"]))
+            return super().launch(job_overrides, initial_job_idx)
 
     _store = ConfigStore.instance()
     _store.store(group="hydra/launcher", name="submitit_slurm", node=SmaltiSlurmQueueConf, provider="smalti")

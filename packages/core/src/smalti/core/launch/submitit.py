@@ -106,6 +106,20 @@ def prepare_slurm_params(
     return params
 
 
+def make_private_job_root(submitit_folder: str) -> Path:
+    """Create the folder above submitit's per-job folders (``<sweep dir>/.submitit``) readable by its owner only.
+
+    submitit pickles each job's config there, real secrets included (the job needs them): no other user may read
+    them. Returns the folder.
+    """
+    parts = Path(submitit_folder).parts
+    fixed = next((i for i, part in enumerate(parts) if "%" in part), len(parts))  # up to the first %j
+    root = Path(*parts[:fixed]) if fixed else Path(".")
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    root.chmod(0o700)
+    return root
+
+
 def write_dry_run_scripts(params: dict[str, Any], sweep_dir: Path, num_jobs: int) -> Path:
     """Write the sbatch script submitit would submit for ``num_jobs`` sweep points (one array job); return its path.
 
@@ -118,7 +132,7 @@ def write_dry_run_scripts(params: dict[str, Any], sweep_dir: Path, num_jobs: int
         def affinity(cls) -> int:  # the real one refuses to build an executor where ``srun`` is missing
             return 1
 
-    folder = sweep_dir / ".submitit" / "dry-run"
+    folder = make_private_job_root(str(sweep_dir / ".submitit" / "%j")) / "dry-run"
     folder.mkdir(parents=True, exist_ok=True)
     executor = _NoSrunCheck(folder=folder, max_num_timeout=int(params.get("max_num_timeout", 0)))
     given = {k: v for k, v in params.items() if v is not None}  # unset options keep submitit's defaults
