@@ -56,7 +56,7 @@ def reference_losses(shared_tmp_path, _single_process_run):
     return json.loads(path.read_text())
 
 
-def distributed_losses(parallelism, micro=None):
+def distributed_losses(parallelism, micro=None, callbacks=()):
     import functools
 
     from smalti.core import Callback, Trainer
@@ -72,7 +72,7 @@ def distributed_losses(parallelism, micro=None):
     loader = build_dataloader(SyntheticRegression(256), 16, dp_rank=dist.get_rank(), dp_world_size=2, seed=5)
     torch.manual_seed(0)
     trainer = Trainer(MLPRegressor(), loader, "12ba", optimizers=functools.partial(torch.optim.AdamW, lr=1e-2),
-                      callbacks=[Rec()], parallelism=parallelism, device_train_microbatch_size=micro)
+                      callbacks=[Rec(), *callbacks], parallelism=parallelism, device_train_microbatch_size=micro)
     trainer.fit()
     return losses, trainer
 
@@ -121,6 +121,35 @@ def test_fsdp_matches_single_process(reference_losses):
     losses, trainer = distributed_losses(FSDP())
     assert all(isinstance(p, DTensor) for p in trainer.state.model.parameters())
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference_losses), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.world_size(2)
+def test_fsdp_accumulation_reduce_scatters_each_micro_batch_with_the_same_losses(reference_losses):
+    """4 micro batches per rank: sharded accumulation (the default, torchtitan's) and one reduce-scatter per step
+    (unsharded gradients between micro batches) both follow the single process; only the first has gradients in
+    the parameters' shards after the first micro batch (each micro batch was reduce-scattered at once)."""
+    from smalti.core import Callback
+    from smalti.core.parallelism import FSDP
+
+    class ShardedGradsAfterFirstMicrobatch(Callback):
+        def __init__(self):
+            self.seen = []
+
+        def on_microbatch_end(self, state):
+            if state.timestamp.batch == 0 and state.microbatch_idx == 0:
+                grads = [p.grad for p in state.model.parameters()]
+                self.seen = [g is not None and g.to_local().shape == p.to_local().shape
+                             for g, p in zip(grads, state.model.parameters())]
+
+    runs = {}
+    for every in (True, False):
+        probe = ShardedGradsAfterFirstMicrobatch()
+        losses, trainer = distributed_losses(FSDP(reduce_every_microbatch=every), micro=4, callbacks=[probe])
+        assert trainer.state.num_microbatches == 4
+        runs[every] = losses
+        assert all(probe.seen) if every else not any(probe.seen), (every, probe.seen)
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference_losses), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(runs[True]), torch.tensor(runs[False]), rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.world_size(2)

@@ -45,9 +45,13 @@ def test_ddp_holds_everything_plus_gradient_buckets() -> None:
     }
 
 
-def test_fsdp_gradient_accumulation_keeps_unsharded_gradients_in_the_reduce_dtype() -> None:
+def test_fsdp_gradient_accumulation_keeps_unsharded_gradients_only_when_reducing_once_per_step() -> None:
     assert "unsharded accumulated gradients" not in memory("fsdp", n_micro=1).forward_backward
-    s = memory("fsdp", n_micro=4, weight_bytes=2, reduce_bytes=4)
+    # The default: each micro batch reduce-scattered into the sharded gradients (torchtitan's way).
+    assert "unsharded accumulated gradients" not in memory("fsdp", n_micro=4).forward_backward
+    layout = Layout("fsdp", 8, 8, 8, 1, reduce_every_microbatch=False)
+    s = state_memory(COUNTS, layout, master_bytes=4, weight_bytes=2, reduce_bytes=4, amp=False, compute_bytes=2,
+                     optimizer_state_tensors=2, num_microbatches=4)
     assert s.forward_backward["unsharded accumulated gradients"] == 8_000 * 4
 
 
@@ -69,7 +73,7 @@ def test_optimizer_state_tensors_by_class() -> None:
     assert optimizer_states("torch.optim.SGD", momentum=0.0) == 0
 
 
-def test_fsdp_collectives_gather_twice_per_micro_batch_and_reduce_once() -> None:
+def test_fsdp_collectives_gather_twice_and_reduce_once_per_micro_batch_or_per_step() -> None:
     gpu = ACCELERATORS["h100"]
     layout = Layout("fsdp", 8, 8, 8, 1)
     one = collective_seconds(COUNTS, layout, gpu, 2, 4, num_microbatches=1)
@@ -78,6 +82,11 @@ def test_fsdp_collectives_gather_twice_per_micro_batch_and_reduce_once() -> None
     assert one == pytest.approx(expected)
     across = collective_seconds(COUNTS, Layout("fsdp", 16, 8, 16, 1), gpu, 2, 4, num_microbatches=1)
     assert across > one * gpu.intra_node_bw / gpu.inter_node_bw * 0.9  # a 2-node ring runs at the NIC's speed
+    reduce = 8_000 * 4 * ring / gpu.intra_node_bw
+    four = collective_seconds(COUNTS, layout, gpu, 2, 4, num_microbatches=4)
+    assert four == pytest.approx(4 * one)  # a reduce-scatter per micro batch
+    once = Layout("fsdp", 8, 8, 8, 1, reduce_every_microbatch=False)
+    assert collective_seconds(COUNTS, once, gpu, 2, 4, num_microbatches=4) == pytest.approx(4 * one - 3 * reduce)
 
 
 def test_roofline_mfu_is_model_flops_over_peak_time() -> None:

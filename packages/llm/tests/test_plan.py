@@ -125,7 +125,8 @@ def test_cli_prints_the_mpt_7b_plan_beside_llm_foundrys_published_figures(capsys
     assert smalti_main(["plan", "experiment=mpt_7b", "plan.gpu=h100", "plan.gpus=8"]) == 0
     out = capsys.readouterr().out
     assert "1 node(s) x 8 H100 = 8 GPU(s)" in out
-    assert "unsharded accumulated gradients" in out  # 64 micro batches: FSDP2 keeps fp32 unsharded gradients
+    # 64 micro batches, each reduce-scattered into the sharded gradients: no unsharded fp32 gradients are kept
+    assert "unsharded accumulated gradients" not in out and "reduce-scattered every micro batch" in out
     assert "MFU 46.44%, 10,643 tokens/s/GPU" in out and "llm-anchors.md" in out
     assert "tokens/s/GPU, MFU" in out and "largest micro batch that fits" in out
 

@@ -115,6 +115,7 @@ class SequenceParallelSchema(Schema):
     sp: PositiveInt = 1
     param_dtype: _DTYPES | None = None
     reduce_dtype: _DTYPES | None = None
+    reduce_every_microbatch: bool = True
 
     @model_validator(mode="after")
     def _divides_world(self, info: ValidationInfo) -> SequenceParallelSchema:

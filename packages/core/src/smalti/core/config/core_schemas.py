@@ -125,6 +125,7 @@ class FSDPSchema(Schema):
     timeout_s: PositiveFloat = 600
     param_dtype: _DTYPE | None = None
     reduce_dtype: _DTYPE | None = None
+    reduce_every_microbatch: bool = True
 
 
 class HSDPSchema(FSDPSchema):

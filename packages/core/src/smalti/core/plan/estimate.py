@@ -26,6 +26,8 @@ class Layout:
     replicate: int = 1
     sp: int = 1
     reshard_after_forward: bool = True
+    #: FSDP reduce-scatters every micro batch's gradients (sharded accumulation) rather than only the last's.
+    reduce_every_microbatch: bool = True
 
     @property
     def dp(self) -> int:
@@ -93,8 +95,10 @@ def state_memory(
         amp: autocast is on; with parameters in forward wider than ``compute_bytes``, autocast keeps a
             ``compute_bytes`` copy of every linear weight for backward.
         optimizer_state_tensors: per-parameter state tensors (:func:`optimizer_states`).
-        num_microbatches: gradient accumulation steps per optimizer step. FSDP2 skips the reduce-scatter for
-            all but the last (``set_requires_gradient_sync(False)``) and so keeps unsharded gradients.
+        num_microbatches: gradient accumulation steps per optimizer step. With ``layout.reduce_every_microbatch``
+            each micro batch is reduce-scattered into the sharded gradients; otherwise FSDP2 skips the
+            reduce-scatter for all but the last (``set_requires_gradient_sync(False)``) and keeps unsharded
+            gradients in ``reduce_bytes`` between micro batches.
         foreach_step: the optimizer updates all parameters at once (torch's default on GPUs), allocating one
             parameter-sized temporary; otherwise it loops over tensors.
     """
@@ -113,7 +117,7 @@ def state_memory(
         gathered = counts.root + (2 * counts.largest_unit if layout.reshard_after_forward else units)
         s.forward_backward["gathered parameters"] = min(p, gathered) * weight_bytes
         s.forward_backward["reduce-scatter buffers"] = 2 * counts.largest_unit * (weight_bytes + reduce_bytes)
-        if num_microbatches > 1:
+        if num_microbatches > 1 and not layout.reduce_every_microbatch:
             s.forward_backward["unsharded accumulated gradients"] = p * reduce_bytes
     if amp and weight_bytes > compute_bytes:
         s.forward_backward["autocast weight copies"] = counts.linear * compute_bytes
@@ -147,8 +151,8 @@ def collective_seconds(
     """Seconds of collectives per optimizer step at the accelerator's assumed bus bandwidths.
 
     FSDP: all-gather of the parameters in forward (and again in backward when resharding), per micro batch;
-    one reduce-scatter of the gradients per step; HSDP adds an all-reduce of the shards over the replicas;
-    DDP all-reduces the gradients once per step.
+    a reduce-scatter of the gradients per micro batch (``layout.reduce_every_microbatch``) or per step; HSDP adds
+    an all-reduce of the shards over the replicas as often; DDP all-reduces the gradients once per step.
     """
     p = counts.total
     crosses_nodes = layout.nodes > 1
@@ -164,10 +168,11 @@ def collective_seconds(
         gathers = 2 if layout.reshard_after_forward else 1
         seconds += num_microbatches * gathers * (p - counts.root) * weight_bytes * ring / bandwidth(s)
         seconds += num_microbatches * counts.root * weight_bytes * ring / bandwidth(s)
-        seconds += p * reduce_bytes * ring / bandwidth(s)
+        reductions = num_microbatches if layout.reduce_every_microbatch else 1
+        seconds += reductions * p * reduce_bytes * ring / bandwidth(s)
         if layout.replicate > 1:
             r = layout.replicate
-            seconds += 2 * (p / s) * reduce_bytes * (r - 1) / r / bandwidth(layout.world)
+            seconds += reductions * 2 * (p / s) * reduce_bytes * (r - 1) / r / bandwidth(layout.world)
     elif layout.kind == "ddp" and layout.world > 1:
         w = layout.world
         seconds += 2 * p * reduce_bytes * (w - 1) / w / bandwidth(w)

@@ -181,9 +181,11 @@ def layout_of(parallelism: Any, world: int, gpus_per_node: int) -> Layout:
         raise ConfigError(f"parallelism.sp={sp} does not divide the planned world size {world} (plan.gpus x plan.nodes)")
     if isinstance(parallelism, HSDP):
         replicate, shard = parallelism.mesh_shape(world)
-        return Layout("hsdp", world, gpus_per_node, shard, replicate, sp, parallelism.reshard_after_forward)
+        return Layout("hsdp", world, gpus_per_node, shard, replicate, sp, parallelism.reshard_after_forward,
+                      parallelism.reduce_every_microbatch)
     if isinstance(parallelism, FSDP):
-        return Layout("fsdp", world, gpus_per_node, world, 1, sp, parallelism.reshard_after_forward)
+        return Layout("fsdp", world, gpus_per_node, world, 1, sp, parallelism.reshard_after_forward,
+                      parallelism.reduce_every_microbatch)
     if isinstance(parallelism, DDP):
         return Layout("ddp", world, gpus_per_node, 1, world, sp)
     if isinstance(parallelism, SingleDevice) or parallelism is None:
@@ -329,6 +331,8 @@ def _layout_text(layout: Layout) -> str:
         return "single (one device)"
     if layout.kind in ("fsdp", "hsdp"):
         text += ", reshard after forward" if layout.reshard_after_forward else ", no reshard after forward"
+        text += (", gradients reduce-scattered every micro batch" if layout.reduce_every_microbatch
+                 else ", gradients reduce-scattered once per step")
     if layout.sp > 1:
         text += f", sequence parallel over {layout.sp}"
     return text + ")"
