@@ -1,36 +1,44 @@
-"""smalti's LLM against transformers' LlamaForCausalLM: the same model, the same data, trained side by side.
+"""smalti's LLM against transformers' LlamaForCausalLM, on transformers' best plain settings and the same precision.
 
-Builds one Llama config with ``transformers`` (random init, seeded), saves it with ``save_pretrained`` to a
-temporary folder with random token data, and trains it for ``--steps`` steps with
+For each shape it builds one Llama config with ``transformers`` (random init, seeded), saves it with
+``save_pretrained`` to a temporary folder with random token data, and trains it for ``--steps`` steps with
 
-  (a) ``transformers.LlamaForCausalLM.from_pretrained`` (its defaults: SDPA attention, its own loss with
-      ``labels=input_ids``) and ``torch.optim.AdamW``;
+  (a) ``transformers.LlamaForCausalLM.from_pretrained(attn_implementation="sdpa")``, its own loss with
+      ``labels=input_ids``, the forward and loss under bf16 autocast (what ``TrainingArguments(bf16=True)`` does),
+      ``torch.optim.AdamW(fused=True)`` (``optim="adamw_torch_fused"``) and, whenever smalti checkpoints
+      activations (``--ac``), ``gradient_checkpointing_enable()``;
   (b) ``smalti.llm.hf.import_hf`` of the same folder through ``smalti.core.Trainer`` with smalti's defaults
-      (fused chunked linear + cross-entropy, ``amp_bf16`` as ``experiment=finetune_hf``: fp32 weights,
-      gradients and AdamW state, matrix products under bf16 autocast, attention in fp32 on CPU;
-      ``--precision fp32`` runs it all in fp32) and ``torch.optim.AdamW``
-      with the same hyper-parameters (``fused=True``, the default of smalti's ``optimizer=adamw``; ``--adamw`` picks
-      another).
+      (fused chunked linear + cross-entropy, ``precision=amp_bf16`` as ``experiment=finetune_hf``) and the same
+      ``torch.optim.AdamW``.
 
-The ratio line compares smalti's defaults with transformers in fp32 (the issue's baseline). So that speed bought
-with precision is in plain sight, ``--compare-precisions`` also runs smalti in fp32 and transformers under bf16
-autocast (``--hf-precision amp_bf16`` makes that the baseline) and prints the same-precision ratios; the
-first-step losses of every run are checked against transformers' fp32 one.
+Both sides run at the same precision (``--precision``, bf16 autocast by default) with the same AdamW
+implementation (``--adamw``); each worker reports the autocast state its model's forward actually ran under and its
+optimizer's implementation, and the bench refuses to print a ratio when they differ. ``--precision-bought fp32``
+also runs transformers in fp32 and prints that ratio, labelled as bought by precision (never the headline).
+
+Three shapes by default (``--shapes``):
+
+  head_heavy    vocab 128256, d_model 512, 4 layers, ffn 1536, 8/2 heads, seq 2048, batch 2: about three quarters
+                of the FLOPs in the LM head (the fused loss decides it)
+  llama1b_like  vocab 128256, d_model 1024, 8 layers, ffn 4096, 16/4 heads, seq 1024, batch 1: Llama-3.2-1B's
+                vocabulary and proportions scaled to this machine (the head costs about what the blocks cost)
+  long          the head_heavy model at seq 8192, batch 1 (attention-heavy)
+
+``--vocab --d-model --ffn --layers --heads --kv-heads --seq --batch`` replace them with one ``custom`` shape
+(the head_heavy values for what is not given).
 
 Each side runs in a fresh subprocess (its peak RSS is its own: ``ru_maxrss``; peak CUDA memory on a GPU), the
-order alternating over ``--rounds``. Every step's wall and process CPU time is printed (on a shared machine wall
-time includes waiting for a core; CPU time is the work done), and each round's hf/smalti ratio, the two runs
-of a round having seen the most similar load. Every run's first-step loss must agree to 1e-4 relative; with
-``--check-steps N`` the whole N-step loss curves must agree to 1e-3 relative. Prints median step time (the first
-``--warmup`` steps of each run not timed), tokens/s and peak memory of each, and ends with the ratio line.
+order alternating over ``--rounds``. Every step's wall and process CPU time is printed. The speed ratio of a shape is
+the ratio of median process CPU time per step (on a shared machine wall time includes waiting for a core; CPU
+time is the work done; the wall ratio is printed beside it), the memory ratio the ratio of peak RSS. Every run's
+first-step loss must agree with transformers' to 1e-4 relative; ``--check-steps N`` compares N-step curves to 1e-3.
+The last line is the worst speed and the worst memory ratio over the shapes:
 
-    OMP_NUM_THREADS=2 python bench/llm_vs_hf.py [--vocab 128256 --d-model 512 --layers 4 --heads 8
-        --kv-heads 2 --seq 2048 --batch 2 --steps 3 --rounds 2]
-    OMP_NUM_THREADS=2 python bench/llm_vs_hf.py --check-steps 50 --vocab 4096 --d-model 128 --ffn 384 --layers 2 \
-        --heads 4 --kv-heads 2 --seq 128
-    Levers on smalti's side: --precision fp32|amp_bf16, --adamw fused|foreach|loop, --ac block|attention|ffn,
-    --no-fused-loss, --compile
-    (--compile: ``LLM.compile``, each block through torch.compile; its time is in the untimed first step)
+    llm_vs_hf: worst speed X.XX worst memory X.XX (same precision)
+
+    OMP_NUM_THREADS=2 python bench/llm_vs_hf.py [--shapes head_heavy,llama1b_like,long --steps 3 --rounds 1]
+    Levers on smalti's side: --ac block|attention|ffn (transformers then checkpoints too), --no-fused-loss,
+    --compile; on both: --precision fp32|amp_bf16, --adamw fused|foreach|loop; --json PATH writes the results.
 """
 
 from __future__ import annotations
@@ -50,8 +58,16 @@ import torch
 
 LR = 1e-4
 BETAS = (0.9, 0.95)
-#: smalti's side by default runs at the precision of ``experiment=finetune_hf``.
-DEFAULT_PRECISION = "amp_bf16"
+PRECISIONS = ("fp32", "amp_bf16")
+SHAPE_KEYS = ("vocab", "d_model", "ffn", "layers", "heads", "kv_heads", "seq", "batch")
+SHAPES: dict[str, dict[str, int]] = {
+    "head_heavy": dict(vocab=128256, d_model=512, ffn=1536, layers=4, heads=8, kv_heads=2, seq=2048, batch=2),
+    "llama1b_like": dict(
+        vocab=128256, d_model=1024, ffn=4096, layers=8, heads=16, kv_heads=4, seq=1024, batch=1
+    ),
+    "long": dict(vocab=128256, d_model=512, ffn=1536, layers=4, heads=8, kv_heads=2, seq=8192, batch=1),
+}
+ADAMW = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}
 
 
 def _peak_memory_mb(device: torch.device) -> dict[str, float]:
@@ -66,25 +82,46 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _autocast(precision: str, device: torch.device):
-    """bf16 autocast of the forward and loss for ``amp_bf16`` (fp32 weights, gradients and AdamW state)."""
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "amp_bf16")
+def _adamw(params, name: str) -> torch.optim.AdamW:
+    return torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=1e-8, weight_decay=0.0, **ADAMW[name])
 
 
-def run_hf(folder: Path, steps: int, device: torch.device, precision: str = "fp32") -> dict:
-    """transformers' own training step: ``model(input_ids, labels=input_ids).loss``, AdamW; with ``amp_bf16``
-    the forward and loss under bf16 autocast (as ``Trainer(bf16=True)`` of transformers does)."""
+def _optimizer_impl(opt: torch.optim.Optimizer) -> str:
+    """Which AdamW implementation ``opt`` runs, read from the optimizer itself."""
+    if opt.defaults.get("fused"):
+        return "fused"
+    return "foreach" if opt.defaults.get("foreach") else "loop"
+
+
+def _watch_autocast(model: torch.nn.Module, device: torch.device, seen: list[str]) -> None:
+    """Record the autocast state each forward of ``model`` actually runs under (``bfloat16`` or ``off``)."""
+
+    def hook(module, args) -> None:
+        on = torch.is_autocast_enabled(device.type)
+        seen.append(str(torch.get_autocast_dtype(device.type)).removeprefix("torch.") if on else "off")
+
+    model.register_forward_pre_hook(hook)
+
+
+def run_hf(folder: Path, steps: int, device: torch.device, args: argparse.Namespace, precision: str) -> dict:
+    """transformers' training step at its best plain settings: SDPA, ``labels=input_ids``, fused AdamW, bf16
+    autocast of forward and loss for ``amp_bf16``, gradient checkpointing when smalti checkpoints activations."""
     from transformers import LlamaForCausalLM
 
     data = torch.load(folder / "tokens.pt")
-    model = LlamaForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=1e-8, weight_decay=0.0)
+    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+    model = model.to(device).train()
+    if args.ac:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    opt = _adamw(model.parameters(), args.adamw)
+    autocast: list[str] = []
+    _watch_autocast(model, device, autocast)
     losses, times, cpu_times = [], [], []
     for step in range(steps):
         ids = data[step].to(device)
         _sync(device)
         start, cpu = time.perf_counter(), time.process_time()
-        with _autocast(precision, device):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "amp_bf16"):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
@@ -96,7 +133,10 @@ def run_hf(folder: Path, steps: int, device: torch.device, precision: str = "fp3
         "losses": losses,
         "times": times,
         "cpu_times": cpu_times,
-        "attn": model.config._attn_implementation,
+        "autocast": sorted(set(autocast)),
+        "optimizer": _optimizer_impl(opt),
+        "attention": model.config._attn_implementation,
+        "checkpointing": bool(model.is_gradient_checkpointing),
         **_peak_memory_mb(device),
     }
 
@@ -129,22 +169,26 @@ def run_smalti(
     seq = data.shape[-1]
     model = import_hf(folder, max_seq_len=seq, activation_checkpointing=args.ac)
     model.fused_loss = not args.no_fused_loss
-    impl = {"fused": {"fused": True}, "foreach": {"foreach": True}, "loop": {"foreach": False}}[args.adamw]
-    loader = [{"input_ids": data[i]} for i in range(steps)]
+    autocast: list[str] = []
+    _watch_autocast(model, device, autocast)
+    built: list[torch.optim.Optimizer] = []
+
+    def make_optimizer(params):
+        built.append(_adamw(params, args.adamw))
+        return built[-1]
+
     record = Record()
     start = time.perf_counter()
     trainer = Trainer(
         model,
-        loader,
+        [{"input_ids": data[i]} for i in range(steps)],
         f"{steps}ba",
         eval_interval=None,
         device=device,
         compile=args.compile,
         precision=precision,
         callbacks={"record": record},
-        optimizers=lambda params: torch.optim.AdamW(
-            params, lr=LR, betas=BETAS, eps=1e-8, weight_decay=0.0, **impl
-        ),
+        optimizers=make_optimizer,
     )
     setup = time.perf_counter() - start
     trainer.fit()
@@ -152,27 +196,27 @@ def run_smalti(
         "losses": record.losses,
         "times": record.times,
         "cpu_times": record.cpu_times,
+        "autocast": sorted(set(autocast)),
+        "optimizer": _optimizer_impl(built[0]),
+        "attention": "sdpa",
+        "checkpointing": bool(args.ac),
         "setup_s": setup,
         **_peak_memory_mb(device),
     }
 
 
-def _median_cpu(res: dict, warmup: int) -> float:
-    return statistics.median(res["cpu_times"][warmup:])
-
-
-def make_folder(args: argparse.Namespace, folder: Path) -> None:
+def make_folder(shape: dict[str, int], steps: int, folder: Path) -> None:
     """A seeded random Llama saved by transformers, and the token batches both sides train on."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.d_model,
-        intermediate_size=args.ffn,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        max_position_embeddings=args.seq,
+        vocab_size=shape["vocab"],
+        hidden_size=shape["d_model"],
+        intermediate_size=shape["ffn"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        max_position_embeddings=shape["seq"],
         rope_theta=500000.0,
         tie_word_embeddings=False,
         rms_norm_eps=1e-5,
@@ -180,131 +224,69 @@ def make_folder(args: argparse.Namespace, folder: Path) -> None:
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder)
     gen = torch.Generator().manual_seed(1)
-    steps = max(args.steps, args.check_steps or 0)
-    torch.save(
-        torch.randint(0, args.vocab, (steps, args.batch, args.seq), generator=gen), folder / "tokens.pt"
-    )
+    tokens = torch.randint(0, shape["vocab"], (steps, shape["batch"], shape["seq"]), generator=gen)
+    torch.save(tokens, folder / "tokens.pt")
 
 
 def _child(side: str, precision: str, folder: Path, steps: int, args: argparse.Namespace) -> dict:
-    cmd = (
-        [
-            sys.executable,
-            __file__,
-            "--worker",
-            side,
-            "--worker-precision",
-            precision,
-            "--folder",
-            str(folder),
-            "--steps",
-            str(steps),
-            "--device",
-            args.device,
-            "--adamw",
-            args.adamw,
-        ]
-        + (["--compile"] if args.compile else [])
-        + (["--ac", args.ac] if args.ac else [])
-        + (["--no-fused-loss"] if args.no_fused_loss else [])
-    )
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        side,
+        "--worker-precision",
+        precision,
+        "--folder",
+        str(folder),
+        "--steps",
+        str(steps),
+        "--device",
+        args.device,
+        "--adamw",
+        args.adamw,
+    ]
+    cmd += (["--compile"] if args.compile else []) + (["--ac", args.ac] if args.ac else [])
+    cmd += ["--no-fused-loss"] if args.no_fused_loss else []
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode:
         raise SystemExit(f"{side} {precision} worker failed ({done.returncode}):\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-PRECISIONS = ("fp32", "amp_bf16")
-
-
 def _label(side: str, precision: str) -> str:
     return f"{side} {precision}"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--vocab", type=int, default=128256)
-    p.add_argument("--d-model", type=int, default=512)
-    p.add_argument(
-        "--ffn", type=int, default=1536, help="intermediate size (Llama 3's 8/3 d_model, rounded to 256)"
-    )
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=1, help="first steps of each run not timed")
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--check-steps", type=int, default=0, help="compare N-step loss curves (1e-3 relative)")
-    p.add_argument(
-        "--compile", action="store_true", help="torch.compile smalti's model (Trainer(compile=True))"
-    )
-    p.add_argument(
-        "--adamw",
-        choices=["fused", "foreach", "loop"],
-        default="fused",
-        help="smalti's AdamW implementation (transformers' side: torch's default, the per-tensor loop on CPU)",
-    )
-    p.add_argument("--ac", default=None, help="smalti's activation_checkpointing (block, attention, ffn)")
-    p.add_argument(
-        "--no-fused-loss", action="store_true", help="smalti with the plain linear + cross-entropy"
-    )
-    p.add_argument(
-        "--precision",
-        choices=PRECISIONS,
-        default=DEFAULT_PRECISION,
-        help="smalti's Trainer precision (default: experiment=finetune_hf's)",
-    )
-    p.add_argument(
-        "--hf-precision",
-        choices=PRECISIONS,
-        default="fp32",
-        help="transformers' side: fp32 (the issue's baseline) or bf16 autocast of forward and loss",
-    )
-    p.add_argument(
-        "--compare-precisions",
-        action="store_true",
-        help="also run both sides at fp32 and at amp_bf16 each round and print those ratios",
-    )
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--worker", choices=["hf", "smalti"], help=argparse.SUPPRESS)
-    p.add_argument("--worker-precision", choices=PRECISIONS, default="fp32", help=argparse.SUPPRESS)
-    p.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
-    args = p.parse_args()
-    device = torch.device(args.device)
-    if args.worker:
-        result = (
-            run_hf(args.folder, args.steps, device, args.worker_precision)
-            if args.worker == "hf"
-            else run_smalti(args.folder, args.steps, device, args, args.worker_precision)
-        )
-        print(json.dumps(result))
-        return
-    if args.warmup >= args.steps:
-        p.error(f"--warmup {args.warmup} must be below --steps {args.steps}")
-    main_pair = (("hf", args.hf_precision), ("smalti", args.precision))
-    configs = list(main_pair)
-    if args.compare_precisions:
-        configs += [
-            (side, prec) for prec in PRECISIONS for side in ("hf", "smalti") if (side, prec) not in configs
-        ]
+def _shapes(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, dict[str, int]]:
+    given = {k: getattr(args, k) for k in SHAPE_KEYS if getattr(args, k) is not None}
+    if given:
+        return {"custom": {**SHAPES["head_heavy"], **given}}
+    names = [n.strip() for n in args.shapes.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown or not names:
+        parser.error(f"--shapes {args.shapes!r}: unknown {unknown}; pick from {', '.join(SHAPES)}")
+    return {n: SHAPES[n] for n in names}
+
+
+def _check_same_terms(runs: dict[tuple[str, str], list[dict]], pair: tuple[tuple[str, str], ...]) -> None:
+    """Both sides of the headline pair ran under the same autocast and the same AdamW implementation."""
+    (hf, sm) = (runs[c][0] for c in pair)
+    for key in ("autocast", "optimizer", "checkpointing"):
+        if hf[key] != sm[key]:
+            raise SystemExit(f"unfair comparison: transformers ran {key}={hf[key]}, smalti {key}={sm[key]}")
+
+
+def bench_shape(name: str, shape: dict[str, int], args: argparse.Namespace, device: torch.device) -> dict:
+    """Train both sides on one shape over ``--rounds`` alternating rounds; print and return the ratios."""
+    pair = (("hf", args.precision), ("smalti", args.precision))
+    configs = list(pair)
+    if args.precision_bought and args.precision_bought != args.precision:
+        configs.append(("hf", args.precision_bought))
+    steps = max(args.steps, args.check_steps or 0)
+    print(f"== shape {name}: " + " ".join(f"{k}={v}" for k, v in shape.items()), flush=True)
     with tempfile.TemporaryDirectory(prefix="llm_vs_hf.") as tmp:
         folder = Path(tmp)
-        make_folder(args, folder)
-        import transformers
-
-        print(
-            f"config: vocab={args.vocab} d_model={args.d_model} ffn={args.ffn} layers={args.layers} "
-            f"heads={args.heads} kv_heads={args.kv_heads} seq={args.seq} batch={args.batch} {device.type} "
-            f"threads={os.environ.get('OMP_NUM_THREADS', torch.get_num_threads())} steps={args.steps}x"
-            f"{args.rounds} (first {args.warmup} not timed) torch={torch.__version__} "
-            f"transformers={transformers.__version__}; hf: precision={args.hf_precision}; smalti: "
-            f"precision={args.precision} compile={args.compile} adamw={args.adamw} "
-            f"activation_checkpointing={args.ac} fused_loss={not args.no_fused_loss}"
-            + (f"; also {', '.join(_label(*c) for c in configs[2:])}" if len(configs) > 2 else ""),
-            flush=True,
-        )
+        make_folder(shape, steps, folder)
         runs: dict[tuple[str, str], list[dict]] = {c: [] for c in configs}
         for r in range(args.rounds):
             for config in configs if r % 2 == 0 else configs[::-1]:
@@ -315,75 +297,153 @@ def main() -> None:
                     + " ".join(f"{t:.2f}" for t in res["times"])
                     + " s (CPU "
                     + " ".join(f"{t:.2f}" for t in res["cpu_times"])
-                    + f" s); peak RSS {res['rss_mb']:.0f} MB"
+                    + f" s); peak RSS "
+                    f"{res['rss_mb']:.0f} MB; autocast {','.join(res['autocast'])}, AdamW {res['optimizer']}, "
+                    f"attention {res['attention']}, checkpointing {res['checkpointing']}"
                     + (f"; setup {res['setup_s']:.1f} s" if "setup_s" in res else ""),
                     flush=True,
                 )
-            # The runs of one round ran back to back: their ratio sees the most similar machine load.
-            hf_r, sm_r = (statistics.median(runs[c][-1]["times"][args.warmup :]) for c in main_pair)
-            print(
-                f"round {r} ratio hf/smalti: wall {hf_r / sm_r:.2f}, CPU "
-                f"{_median_cpu(runs[main_pair[0]][-1], args.warmup) / _median_cpu(runs[main_pair[1]][-1], args.warmup):.2f}"
-            )
-        # Every run's first-step loss against transformers' (in fp32 when it ran): the same model, the same data.
-        # The limit is 1e-4 relative (as the curves' 1e-3 is); the absolute difference is printed beside it.
-        ref_config = ("hf", "fp32") if ("hf", "fp32") in runs else main_pair[0]
-        ref = runs[ref_config][0]["losses"][0]
-        worst_first = 0.0
+        _check_same_terms(runs, pair)
+        ref = runs[pair[0]][0]["losses"][0]
+        first: dict[str, float] = {}
         for config, results in runs.items():
-            diff = max(abs(res["losses"][0] - ref) for res in results)
-            worst_first = max(worst_first, diff / abs(ref))
+            diff = max(abs(res["losses"][0] - ref) for res in results) / abs(ref)
+            first[_label(*config)] = results[0]["losses"][0]
             print(
-                f"first-step loss {_label(*config):15s}: {results[0]['losses'][0]:.6f} "
-                f"(|diff| to {_label(*ref_config)} {diff:.2e}, relative {diff / abs(ref):.2e}, limit 1e-4)"
+                f"first-step loss {_label(*config):15s}: {results[0]['losses'][0]:.6f} (relative to "
+                f"{_label(*pair[0])} {diff:.2e}, limit 1e-4)"
             )
-        if worst_first > 1e-4:
-            raise SystemExit(f"first-step losses differ by {worst_first:.2e} relative (limit 1e-4)")
+            if diff > 1e-4:
+                raise SystemExit(f"{name}: first-step losses differ by {diff:.2e} relative (limit 1e-4)")
         if args.check_steps:
-            hf_c = _child(*main_pair[0], folder, args.check_steps, args)["losses"]
-            sm_c = _child(*main_pair[1], folder, args.check_steps, args)["losses"]
+            hf_c = _child(*pair[0], folder, args.check_steps, args)["losses"]
+            sm_c = _child(*pair[1], folder, args.check_steps, args)["losses"]
             worst = max(abs(a - b) / abs(a) for a, b in zip(hf_c, sm_c, strict=True))
             print(
-                f"{args.check_steps}-step loss curves: {_label(*main_pair[0])} {hf_c[0]:.4f} -> {hf_c[-1]:.4f}, "
-                f"{_label(*main_pair[1])} {sm_c[0]:.4f} -> {sm_c[-1]:.4f}; worst relative difference "
-                f"{worst:.2e} (limit 1e-3)"
+                f"{args.check_steps}-step loss curves: hf {hf_c[0]:.4f} -> {hf_c[-1]:.4f}, smalti {sm_c[0]:.4f} "
+                f"-> {sm_c[-1]:.4f}; worst relative difference {worst:.2e} (limit 1e-3)"
             )
             if worst > 1e-3:
                 raise SystemExit("loss curves differ by more than 1e-3 relative")
-        tokens = args.batch * args.seq
-        med, mem, cpu_med = {}, {}, {}
-        for config in configs:
-            med[config] = statistics.median(t for res in runs[config] for t in res["times"][args.warmup :])
-            cpu_med[config] = statistics.median(
-                t for res in runs[config] for t in res["cpu_times"][args.warmup :]
-            )
-            mem[config] = max(res["rss_mb"] for res in runs[config])
-            cuda = max((res.get("cuda_mb", 0.0) for res in runs[config]), default=0.0)
-            print(
-                f"{_label(*config):15s}: median step {med[config]:.2f} s, {tokens / med[config]:.0f} tokens/s, "
-                f"peak RSS {mem[config]:.0f} MB, median CPU time {cpu_med[config]:.2f} s/step"
-                + (f", peak CUDA {cuda:.0f} MB" if cuda else "")
-            )
-        if args.compile:  # the blocks compile during smalti's first step, which the medians leave out
-            firsts_s = " ".join(f"{res['times'][0]:.1f}" for res in runs[main_pair[1]])
-            print(
-                f"smalti first step (includes torch.compile of the blocks, not in the medians): {firsts_s} s"
-            )
-        # Speed bought with precision is shown, not hidden: the same-precision ratios when they ran.
-        for prec in PRECISIONS:
-            hf_c, sm_c = ("hf", prec), ("smalti", prec)
-            if hf_c in runs and sm_c in runs and (hf_c, sm_c) != main_pair:
-                print(
-                    f"same precision {prec}: speed ratio smalti/hf = {med[hf_c] / med[sm_c]:.2f} (CPU time "
-                    f"{cpu_med[hf_c] / cpu_med[sm_c]:.2f}), memory ratio smalti/hf = {mem[sm_c] / mem[hf_c]:.2f}"
-                )
-        hf_m, sm_m = main_pair
-        # On a shared machine wall time includes waiting for a core; CPU time per step is the work done.
-        print(f"CPU-time ratio {_label(*hf_m)}/{_label(*sm_m)} = {cpu_med[hf_m] / cpu_med[sm_m]:.2f}")
+    tokens = shape["batch"] * shape["seq"]
+    med, cpu, mem = {}, {}, {}
+    for config in configs:
+        med[config] = statistics.median(t for res in runs[config] for t in res["times"][args.warmup :])
+        cpu[config] = statistics.median(t for res in runs[config] for t in res["cpu_times"][args.warmup :])
+        mem[config] = max(res["rss_mb"] for res in runs[config])
         print(
-            f"llm_vs_hf: speed ratio smalti/hf = {med[hf_m] / med[sm_m]:.2f} (goal >= 1.40), "
-            f"memory ratio smalti/hf = {mem[sm_m] / mem[hf_m]:.2f} (goal <= 0.60)"
+            f"{_label(*config):15s}: median step {med[config]:.2f} s ({tokens / med[config]:.0f} tokens/s), "
+            f"median CPU {cpu[config]:.2f} s/step ({tokens / cpu[config]:.0f} tokens/CPU-s), "
+            f"peak RSS {mem[config]:.0f} MB"
         )
+    hf, sm = pair
+    out = {
+        "shape": name,
+        "speed": cpu[hf] / cpu[sm],
+        "wall_speed": med[hf] / med[sm],
+        "memory": mem[sm] / mem[hf],
+        "first_losses": first,
+        "terms": {
+            side: {k: runs[c][0][k] for k in ("autocast", "optimizer", "attention", "checkpointing")}
+            for side, c in (("hf", hf), ("smalti", sm))
+        },
+    }
+    print(
+        f"{name}: same precision ({args.precision}) speed smalti/hf {out['speed']:.2f} (CPU time; wall "
+        f"{out['wall_speed']:.2f}), memory smalti/hf {out['memory']:.2f}"
+    )
+    if len(configs) > 2:
+        bought = configs[2]
+        out["bought"] = {
+            "precision": bought[1],
+            "speed": cpu[bought] / cpu[sm],
+            "memory": mem[sm] / mem[bought],
+        }
+        print(
+            f"{name}: bought by precision (smalti {args.precision} vs hf {bought[1]}, NOT the headline): speed "
+            f"{out['bought']['speed']:.2f}, memory {out['bought']['memory']:.2f}"
+        )
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {', '.join(SHAPES)}")
+    for key in SHAPE_KEYS:
+        p.add_argument(
+            f"--{key.replace('_', '-')}", type=int, default=None, help="a custom shape (see above)"
+        )
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1, help="first steps of each run not timed")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--check-steps", type=int, default=0, help="compare N-step loss curves (1e-3 relative)")
+    p.add_argument(
+        "--compile", action="store_true", help="torch.compile smalti's blocks (Trainer(compile=True))"
+    )
+    p.add_argument("--adamw", choices=list(ADAMW), default="fused", help="both sides' AdamW implementation")
+    p.add_argument(
+        "--ac",
+        default=None,
+        help="smalti's activation_checkpointing (block, attention, ffn); "
+        "transformers then runs gradient_checkpointing_enable()",
+    )
+    p.add_argument(
+        "--no-fused-loss", action="store_true", help="smalti with the plain linear + cross-entropy"
+    )
+    p.add_argument("--precision", choices=PRECISIONS, default="amp_bf16", help="both sides' precision")
+    p.add_argument(
+        "--precision-bought",
+        choices=PRECISIONS,
+        default=None,
+        help="also run transformers at this precision and print that ratio, labelled (not the headline)",
+    )
+    p.add_argument("--json", type=Path, default=None, help="write every shape's ratios and terms here")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--worker", choices=["hf", "smalti"], help=argparse.SUPPRESS)
+    p.add_argument("--worker-precision", choices=PRECISIONS, default="fp32", help=argparse.SUPPRESS)
+    p.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    device = torch.device(args.device)
+    if args.worker:
+        run = run_hf if args.worker == "hf" else run_smalti
+        print(json.dumps(run(args.folder, args.steps, device, args, args.worker_precision)))
+        return
+    if args.warmup >= args.steps:
+        p.error(f"--warmup {args.warmup} must be below --steps {args.steps}")
+    shapes = _shapes(args, p)
+    import transformers
+
+    baseline = (
+        f"transformers {transformers.__version__}, precision {args.precision}"
+        + (" (bf16 autocast of forward and loss)" if args.precision == "amp_bf16" else "")
+        + f", optimizer torch.optim.AdamW({args.adamw}), attention sdpa, gradient checkpointing "
+        + ("on (smalti --ac " + args.ac + ")" if args.ac else "off (smalti checkpoints nothing)")
+    )
+    print(
+        f"{device.type} threads={os.environ.get('OMP_NUM_THREADS', torch.get_num_threads())} torch="
+        f"{torch.__version__} steps={args.steps}x{args.rounds} (first {args.warmup} not timed); smalti: "
+        f"compile={args.compile} activation_checkpointing={args.ac} fused_loss={not args.no_fused_loss}",
+        flush=True,
+    )
+    print(f"baseline: {baseline}", flush=True)
+    results = [bench_shape(name, shape, args, device) for name, shape in shapes.items()]
+    worst_speed = min(r["speed"] for r in results)
+    worst_memory = max(r["memory"] for r in results)
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "baseline": baseline,
+                    "precision": args.precision,
+                    "shapes": results,
+                    "worst_speed": worst_speed,
+                    "worst_memory": worst_memory,
+                },
+                indent=1,
+            )
+        )
+    print(f"baseline: {baseline}")
+    print(f"llm_vs_hf: worst speed {worst_speed:.2f} worst memory {worst_memory:.2f} (same precision)")
 
 
 if __name__ == "__main__":
