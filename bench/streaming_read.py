@@ -103,7 +103,8 @@ if kind == "litdata":
                                   storage_options=opts)
     loader = litdata.StreamingDataLoader(ds, batch_size=32, num_workers=2)
 else:
-    ds = StreamingDataset(remote=remote, local=local, batch_size=32, shuffle=True, shuffle_algo="py1e",
+    algo = os.environ.get("SMALTI_BENCH_SHUFFLE", "py1e")  # py1e: the same shuffle as mosaicml-streaming's
+    ds = StreamingDataset(remote=remote, local=local, batch_size=32, shuffle=True, shuffle_algo=algo,
                           num_canonical_nodes=1, predownload=256)
     loader = DataLoader(ds, batch_size=32, num_workers=2)
 first = None
@@ -313,6 +314,29 @@ def compare_remote(url: str, work: Path, data: Path, repeats: int, mb_per_sample
             server.stop()
 
 
+def compare_shuffles(algos: list[str], samples: int, repeats: int) -> None:
+    """One local epoch (batch 32, 2 workers) per shuffle algorithm, alternating ``repeats`` times; medians."""
+    work = Path(tempfile.mkdtemp(prefix="bench-streaming-"))
+    try:
+        data = work / "data"
+        size = write_data(data, samples)
+        print(f"dataset: {samples} samples x {SEQ} uint16 tokens, {size / 1e6:.0f} MB zstd")
+        rates: dict[str, list[float]] = {a: [] for a in algos}
+        firsts: dict[str, list[float]] = {a: [] for a in algos}
+        for _ in range(repeats):
+            for algo in algos:
+                res = run_once(sys.executable, "smalti", None, work / "copy", {"SMALTI_BENCH_SHUFFLE": algo}, data)
+                rates[algo].append(res["samples"] / res["seconds"])
+                firsts[algo].append(res["first_batch"])
+        for algo in algos:
+            print(f"{algo:7s} {np.median(rates[algo]):8.0f} samples/s (runs {', '.join(f'{r:.0f}' for r in rates[algo])}), "
+                  f"first batch {np.median(firsts[algo]):.2f} s")
+        ratio = np.median(rates[algos[-1]]) / np.median(rates[algos[0]])
+        print(f"streaming_read_shuffles: {algos[-1]}_vs_{algos[0]} {ratio:.3f}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--samples", type=int, default=200_000, help="dataset size (scale down on small machines)")
@@ -324,7 +348,13 @@ def main() -> None:
                         "shard, as mosaicml-streaming writes them); default: MDSWriter's")
     parser.add_argument("--remote", help="gs://bucket/ds, az://container/ds or s3://bucket/ds: a cold epoch from "
                         "that scheme's loopback server against loopback S3, smalti-streaming only")
+    parser.add_argument("--shuffles", help="e.g. py1e,blocks: a local epoch with each of smalti's shuffles, "
+                        "alternating, smalti-streaming only (no other library installed); prints each one's "
+                        "samples/s and the ratio of the last to the first")
     args = parser.parse_args()
+    if args.shuffles:
+        compare_shuffles(args.shuffles.split(","), args.samples, args.repeats)
+        return
     frame_size = None if args.zstd_frame_size.lower() in ("none", "0") else args.zstd_frame_size
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's request log
     sys.path.insert(0, str(ROOT / "packages" / "testing" / "src"))

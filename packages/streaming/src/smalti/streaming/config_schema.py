@@ -40,7 +40,7 @@ class StreamingDatasetSchema(BaseModel):
     split: str | None = None
     batch_size: Positive | None = None
     shuffle: bool = False
-    shuffle_algo: Literal[SHUFFLES] = "py1e"  # type: ignore[valid-type]
+    shuffle_algo: Literal[SHUFFLES] | None = None  # type: ignore[valid-type]  # None: blocks, or the checkpoint's
     shuffle_seed: Annotated[int, Field(ge=0)] = 9176
     shuffle_block_size: Positive | None = None
     num_canonical_nodes: Positive | None = None

@@ -31,6 +31,8 @@ from smalti.streaming.index_trust import (
 )
 from smalti.streaming.mds import INDEX, check_columns, load_index, parse_size
 from smalti.streaming.order import (
+    DEFAULT_SHUFFLE,
+    LEGACY_SHUFFLE,
     SHUFFLES,
     group_by_node,
     pad_to_batches,
@@ -202,7 +204,8 @@ class StreamingDataset(IterableDataset):
     Each rank reads ``batch_size`` samples of every global batch; the global batches depend only on the
     seed, ``num_canonical_nodes`` and ``batch_size * data-parallel ranks`` (see :mod:`smalti.streaming.order`).
     ``rank``/``world_size`` default to the process group or torchrun's environment, ``local_world_size`` (ranks
-    per node) to ``LOCAL_WORLD_SIZE``. ``num_canonical_nodes`` defaults to the node count (64x for
+    per node) to ``LOCAL_WORLD_SIZE``. ``shuffle_algo`` defaults to ``blocks`` (see
+    :mod:`smalti.streaming.order_blocks`), or the checkpoint's on resume. ``num_canonical_nodes`` defaults to the node count (64x for
     ``py1s``/``py2s``) and is kept from a checkpoint; ``partition_algo="orig"`` requires the node count to
     divide it or be a multiple of it, ``"relaxed"`` (default) does not. ``proportion_schedule`` entries
     (``{"at": "100ba" | "3200sp" | "2ep", "proportions": [...]}``) change the stream mix, mid-epoch
@@ -221,7 +224,7 @@ class StreamingDataset(IterableDataset):
         split: str | None = None,
         batch_size: int | None = None,
         shuffle: bool = False,
-        shuffle_algo: str = "py1e",
+        shuffle_algo: str | None = None,
         shuffle_seed: int = 9176,
         shuffle_block_size: int | None = None,
         num_canonical_nodes: int | None = None,
@@ -251,6 +254,8 @@ class StreamingDataset(IterableDataset):
             raise StreamingError(f"batching_method={batching_method!r} is not one of {', '.join(BATCHING_METHODS)}")
         if partition_algo not in PARTITION_ALGOS:
             raise StreamingError(f"partition_algo={partition_algo!r} is not one of {', '.join(PARTITION_ALGOS)}")
+        self._algo_given = shuffle_algo is not None
+        shuffle_algo = DEFAULT_SHUFFLE if shuffle_algo is None else shuffle_algo
         if shuffle_algo not in SHUFFLES:
             raise StreamingError(f"shuffle_algo={shuffle_algo!r} is not one of {', '.join(SHUFFLES)}")
         self.streams = streams
@@ -968,7 +973,8 @@ class StreamingDataset(IterableDataset):
             num_samples += resumed
         return {"epoch": self.epoch, "sample_in_epoch": int(num_samples),
                 "num_canonical_nodes": self.num_canonical_nodes, "shuffle_seed": self.shuffle_seed,
-                "partition_algo": self.partition_algo, "physical_nodes": self.physical_nodes}
+                "partition_algo": self.partition_algo, "physical_nodes": self.physical_nodes,
+                "shuffle_algo": self.shuffle_algo}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at ``state``: the next iteration of that epoch starts after ``sample_in_epoch`` global samples.
@@ -988,9 +994,32 @@ class StreamingDataset(IterableDataset):
                 f"shuffle_seed={state.get('shuffle_seed')}; this dataset has {self.num_canonical_nodes} and "
                 f"{self.shuffle_seed}: the sample order would differ"
             )
+        self._adopt_shuffle_algo(state)
         self.epoch = int(state["epoch"])
         self._consumed = 0
         self._resume = (self.epoch, int(state["sample_in_epoch"]))
+
+
+    def _adopt_shuffle_algo(self, state: dict[str, Any]) -> None:
+        """Keep the checkpoint's shuffle algorithm unless one was given; a given one that differs from the
+        checkpoint's is refused. A smalti state that names none (it has ``partition_algo``) was taken with
+        ``py1e``, the default until ``blocks``; a hand-made one without either keeps this dataset's algorithm."""
+        saved = state.get("shuffle_algo")
+        if saved is None and "partition_algo" in state:
+            saved = LEGACY_SHUFFLE
+        if self._algo_given:
+            if saved is not None and saved != self.shuffle_algo:
+                raise StreamingError(f"checkpoint was taken with shuffle_algo={saved!r}; this dataset has "
+                                     f"{self.shuffle_algo!r}: the sample order would differ (drop shuffle_algo "
+                                     "to keep the checkpoint's)")
+            return
+        if saved is None:
+            return
+        if saved not in SHUFFLES:
+            raise StreamingError(f"checkpoint names shuffle_algo={saved!r}, not one of {', '.join(SHUFFLES)}")
+        if saved != self.shuffle_algo:
+            self.shuffle_algo = saved
+            self._order_cache = {}
 
 
 class _FetchPlan:

@@ -22,7 +22,10 @@ import numpy.random  # noqa: F401  (NumPy loads it lazily: here, on import, not 
 
 from smalti.streaming.errors import StreamingError
 
-SHUFFLES = ("naive", "py1s", "py2s", "py1br", "py1e")
+MOSAIC_SHUFFLES = ("naive", "py1s", "py2s", "py1br", "py1e")  # mosaicml-streaming's: their orders unchanged
+SHUFFLES = (*MOSAIC_SHUFFLES, "blocks")
+DEFAULT_SHUFFLE = "blocks"  # for new runs; a checkpoint keeps the algorithm it was taken with
+LEGACY_SHUFFLE = "py1e"  # what a checkpoint that names no algorithm was taken with (the default until then)
 
 
 def default_block_size(num_canonical_nodes: int) -> int:
@@ -40,11 +43,15 @@ def shuffle_order(shards: list[np.ndarray], algo: str, seed: int, epoch: int, nu
     (``py1s``), inside whole shards and again inside spans (``py2s``), inside blocks of random size around
     ``block_size`` (``py1br``), or by a random shift of up to ``block_size / 2`` positions (``py1e``).
     The pieces are then interleaved sample by sample. Returns the order and each entry's canonical node.
+    ``blocks`` is :class:`~smalti.streaming.order_blocks.BlockOrder`'s order over the same samples (the
+    shards' arrays in the given order), materialised.
     """
     if algo not in SHUFFLES:
         raise StreamingError(f"shuffle_algo={algo!r} is not one of {', '.join(SHUFFLES)}")
     if not shards:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    if algo == "blocks":
+        return _blocks_order(shards, seed, epoch, num_canonical_nodes, block_size)
     ids = np.concatenate(shards).astype(np.int64)
     epoch_rng = np.random.default_rng(seed + epoch)
     if algo == "naive":
@@ -74,6 +81,18 @@ def shuffle_order(shards: list[np.ndarray], algo: str, seed: int, epoch: int, nu
             node = node[np.argsort(keys, kind="stable")]
         nodes.append(node)
     return interleave(nodes)
+
+
+def _blocks_order(shards: list[np.ndarray], seed: int, epoch: int, num_canonical_nodes: int,
+                  block_size: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """The ``blocks`` order of ``shards`` as arrays, unpadded and interleaved (the dataset pads and groups it)."""
+    from smalti.streaming.order_blocks import BlockOrder
+
+    sizes = np.array([len(s) for s in shards], dtype=np.int64)
+    blocks = BlockOrder(sizes, seed=seed, epoch=epoch, num_canonical_nodes=num_canonical_nodes, global_batch=1,
+                        block_size=block_size)
+    flat = np.concatenate(shards).astype(np.int64)
+    return interleave([flat[blocks.node_order(c)] for c in range(num_canonical_nodes)])
 
 
 def _sorted_unique(values: np.ndarray) -> np.ndarray:

@@ -313,9 +313,12 @@ class BlockOrder:
             yield self.grid(k, min(k + per, self.num_batches), rank * batch_size, (rank + 1) * batch_size)
 
     def node_order(self, node: int) -> np.ndarray:
-        """Canonical node ``node``'s shuffled sequence of sample ids, whole (tests, analysis)."""
-        rows = np.arange(int(self._lengths[node]), dtype=np.int64)
-        return self._sample_ids(np.full(len(rows), node, dtype=np.int64), rows)
+        """Canonical node ``node``'s shuffled sequence of sample ids, whole (made in cache-sized pieces)."""
+        length = int(self._lengths[node])
+        out = np.empty(length, dtype=np.int64)
+        for lo in range(0, length, 16 * _CHUNK):
+            out[lo : lo + 16 * _CHUNK] = self.node_rows(node, lo, lo + 16 * _CHUNK)
+        return out
 
     def node_rows(self, node: int, lo: int, hi: int) -> np.ndarray:
         """Rows ``[lo, hi)`` of canonical node ``node``'s shuffled sequence."""
