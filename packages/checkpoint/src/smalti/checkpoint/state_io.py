@@ -65,12 +65,24 @@ def extra_relpath(rank: int) -> str:
     return f"{EXTRA_DIR}/rank{rank}.pt"
 
 
+def trainable_only(state: State) -> bool:
+    """Whether the model asks for its frozen parameters to stay out of checkpoints (a LoRA model's base: it is
+    read from its own files at every start, and the model checks on load that it is the same base)."""
+    return bool(getattr(state.raw_model, "checkpoint_trainable_only", False))
+
+
+def model_options(state: State, **kwargs: Any) -> StateDictOptions:
+    """The state-dict options for ``state``'s model (see :func:`trainable_only`)."""
+    return StateDictOptions(ignore_frozen_params=trainable_only(state), **kwargs)
+
+
 def dcp_state_dict(state: State) -> dict[str, Any]:
-    """``{"model": ..., "optim": ...}`` as DCP wants it: sharded (DTensor) entries under FSDP, plain tensors otherwise."""
+    """``{"model": ..., "optim": ...}`` as DCP wants it: sharded (DTensor) entries under FSDP, plain tensors otherwise.
+    Frozen parameters are left out when the model asks for it (:func:`trainable_only`)."""
     if state.optimizers:
-        model_sd, optim_sd = get_state_dict(state.model, state.optimizers)
+        model_sd, optim_sd = get_state_dict(state.model, state.optimizers, options=model_options(state))
         return {"model": model_sd, "optim": optim_sd}
-    return {"model": get_model_state_dict(state.model)}
+    return {"model": get_model_state_dict(state.model, options=model_options(state))}
 
 
 def rank_local_state(state: State) -> dict[str, Any]:
@@ -258,7 +270,7 @@ def load_checkpoint(
     reader = ReadAheadFileSystemReader(folder, read_ahead, trust_pickles)
     metadata = reader.read_metadata()
     stored = set(metadata.state_dict_metadata)
-    model_sd = get_model_state_dict(state.model)
+    model_sd = get_model_state_dict(state.model, options=model_options(state))
     wanted = {k: v for k, v in model_sd.items() if not matches(f"model.{k}", ignore)}
     stored_model = {k.removeprefix("model.") for k in stored if k.startswith("model.")}
     missing = sorted(set(wanted) - stored_model)
@@ -285,7 +297,7 @@ def load_checkpoint(
                 # DCP creates an empty optimizer's state (a zero-lr step) only when no parameter holds a gradient;
                 # with gradients left from earlier use of the model it would ask for, and load, no optimizer state
                 optimizer.zero_grad(set_to_none=True)
-        _, optim_sd = get_state_dict(state.model, state.optimizers)
+        _, optim_sd = get_state_dict(state.model, state.optimizers, options=model_options(state))
         to_load["optim"] = optim_sd
     planner = SafeLoadPlanner(allow_partial_load=True, trust_pickles=trust_pickles)
     # the new optimizer state's pages are mapped while DCP plans and the disk reads the weights ahead of them
@@ -302,7 +314,7 @@ def load_checkpoint(
     finally:
         prefaulter.join()
     partial = len(wanted) != len(model_sd)
-    options = StateDictOptions(strict=not partial)
+    options = model_options(state, strict=not partial and not trainable_only(state))
     if load_optim:
         set_state_dict(state.model, state.optimizers, model_state_dict=to_load["model"], optim_state_dict=to_load["optim"], options=options)
     else:

@@ -18,6 +18,7 @@ from torch import nn
 
 from smalti.llm.errors import LoRAError
 from smalti.llm.lora.config import TARGETS, LoRAConfig
+from smalti.llm.lora.fingerprint import BaseFingerprint
 from smalti.llm.lora.layer import LoRALinear, is_nf4, lora_layers
 from smalti.llm.lora.naming import clean_name, is_adapter_parameter
 
@@ -94,6 +95,7 @@ def apply_lora(model: nn.Module, lora: Any) -> LoRAConfig:
             param.requires_grad_(False)
     if dtype != torch.float32 and "wte" not in savable:
         model.wte.register_forward_hook(_upcast_output)
+    model.lora_base = BaseFingerprint(device=model.wte.weight.device)
     model.lora_config = config
     return config
 
@@ -103,6 +105,7 @@ def finish_lora_init(model: nn.Module) -> None:
     """After the base weights are in: start the adapters (PEFT's init, or ``init_from``'s adapter) and, for
     ``base_dtype=nf4``, quantise the frozen linear weights to NF4."""
     config: LoRAConfig = model.lora_config
+    model.lora_base.set_from(getattr(model, "hf_folder", None))
     for layer in lora_layers(model).values():
         layer.reset_adapters()
     for name in config.modules_to_save:  # trained in full from the base's values, in fp32
@@ -159,7 +162,7 @@ def merged_state_dict(model: nn.Module, state: dict[str, torch.Tensor] | None = 
         state = {clean_name(k): v for k, v in model.state_dict().items()}
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
-        if is_adapter_parameter(key):
+        if is_adapter_parameter(key) or key.startswith("lora_base."):
             continue
         out[key] = (value.get_original_weight() if is_nf4(value) else value).float()
     for path, layer in layers.items():

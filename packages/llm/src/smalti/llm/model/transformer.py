@@ -310,6 +310,11 @@ class LLM(nn.Module):
             buf.zero_()
         self.finish_adapters()
 
+    @property
+    def checkpoint_trainable_only(self) -> bool:
+        """A LoRA model's checkpoints hold the adapters only (the frozen base is read from its files at start)."""
+        return self.lora_config is not None
+
     def finish_adapters(self) -> None:
         """Start the LoRA adapters once the base weights are in (see :func:`smalti.llm.lora.finish_lora_init`);
         every ``init_weights`` calls it last."""
