@@ -36,9 +36,12 @@ def _logits_both(folder: Path, ids: torch.Tensor) -> tuple[torch.Tensor, torch.T
     ("qwen3", {}),
     ("qwen3", {"attention_bias": True, "tie_word_embeddings": True}),
     ("qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}),
+    ("gemma3", {}),
+    ("gemma3", {"tie_word_embeddings": True, "num_hidden_layers": 3,
+                "layer_types": ["full_attention", "sliding_attention", "sliding_attention"]}),
 ], ids=["llama2", "llama3-rope_scaling-tied", "llama-mqa-biases", "mistral-sliding_window", "qwen2-qkv_bias",
         "qwen2-tied-mha", "llama-wide-heads", "qwen3-qk_norm-head_dim", "qwen3-attention_bias-tied",
-        "qwen3-sliding_window"])
+        "qwen3-sliding_window", "gemma3-local-global", "gemma3-tied-3-layers"])
 def test_import_gives_transformers_logits(tmp_path, monkeypatch, family, overrides):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     folder = write_tiny_hf_model(tmp_path / family, family, **overrides)
@@ -90,6 +93,19 @@ def test_fields_smalti_cannot_reproduce_fail_at_build_naming_them(tmp_path, chan
     assert str(folder / "config.json") in str(info.value)
 
 
+@pytest.mark.parametrize(("changes", "named"), [
+    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping=30.0"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping=50.0"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention=true"),
+    ({"hidden_activation": "gelu"}, "hidden_activation='gelu'"),
+])
+def test_gemma3_fields_smalti_cannot_reproduce_fail_at_build_naming_them(tmp_path, changes, named):
+    folder = _edit_config(write_tiny_hf_model(tmp_path, "gemma3"), **changes)
+    with pytest.raises(ConversionError, match=named) as info:
+        PretrainedLLM(folder)
+    assert str(folder / "config.json") in str(info.value)
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_qwen_mixed_sliding_window_layers_are_refused(tmp_path, family):
     folder = write_tiny_hf_model(tmp_path, family, use_sliding_window=True, sliding_window=8, max_window_layers=1)
@@ -97,7 +113,7 @@ def test_qwen_mixed_sliding_window_layers_are_refused(tmp_path, family):
         PretrainedLLM(folder)
 
 
-@pytest.mark.parametrize("family", ["qwen3"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
 def test_export_of_an_imported_family_is_that_family_with_equal_logits(tmp_path, family):
     """A trained step later, the export is the source's family again and transformers' logits equal smalti's,
     through the source's config.json and, for a smalti-built model, through the family's own."""
@@ -115,7 +131,8 @@ def test_export_of_an_imported_family_is_that_family_with_equal_logits(tmp_path,
     del bare.hf_folder, bare.hf_config  # as if built by smalti: the family comes from its shape
     for name, which in (("from-source", model), ("from-shape", bare)):
         out = export_hf(which, tmp_path / name)
-        assert json.loads((out / "config.json").read_text())["model_type"] == family
+        source_type = json.loads((source / "config.json").read_text())["model_type"]
+        assert json.loads((out / "config.json").read_text())["model_type"] == source_type
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
         with torch.no_grad():
             ours = model({"input_ids": ids})["logits"]

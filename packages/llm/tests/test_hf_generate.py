@@ -23,7 +23,7 @@ def _hf_generate(folder, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("family", ["llama3", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama3", "mistral", "qwen2", "qwen3", "gemma3"])
 def test_greedy_generation_equals_transformers(tmp_path, monkeypatch, capsys, family):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     from smalti.llm.hf_tokenizer import HFTokenizer

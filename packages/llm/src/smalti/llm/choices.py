@@ -8,6 +8,6 @@ that trains no LLM. The model modules take their lists from here, so the two can
 from __future__ import annotations
 
 POSITIONS = ("alibi", "rope", "learned", "none")
-NORM_TYPES = ("layernorm", "rmsnorm", "low_precision_layernorm", "low_precision_rmsnorm")
+NORM_TYPES = ("layernorm", "rmsnorm", "low_precision_layernorm", "low_precision_rmsnorm", "rmsnorm_plus_one")
 FFN_TYPES = ("mlp", "glu", "moe")
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")

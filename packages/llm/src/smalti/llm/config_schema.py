@@ -84,6 +84,10 @@ class LLMSchema(Schema):
     init_std: PositiveFloat = 0.02
     head_dim: PositiveInt | None = None
     lora: LoRASchema | None = None
+    embed_scale: PositiveFloat | None = None
+    post_norms: bool = False
+    window_layers: list[bool] | None = None
+    rope_local_theta: PositiveFloat | None = None
 
     @model_validator(mode="after")
     def _shapes_agree(self, info: ValidationInfo) -> LLMSchema:

@@ -3,7 +3,8 @@ chat tokenizer (:func:`smalti.testing.hf_tokenizers.write_chat_tokenizer`) in th
 
 Families: ``llama`` (Llama 2 shape), ``llama3`` (Llama 3.1 shape: ``rope_scaling`` type llama3, large theta),
 ``mistral`` (a sliding window of 16 positions unless overridden), ``qwen2`` (q/k/v biases) and ``qwen3`` (QK-norm,
-heads of 32 wider than ``hidden_size / num_attention_heads``). Every weight,
+heads of 32 wider than ``hidden_size / num_attention_heads``) and ``gemma3`` (text: a local layer with a window of
+8 and its own RoPE base, then a global one; ``query_pre_attn_scalar`` apart from ``head_dim``). Every weight,
 norms and biases included, is drawn at random, so that a wrong mapping of any tensor shows in the logits.
 """
 
@@ -20,6 +21,7 @@ FAMILIES = {
     "mistral": ("MistralConfig", "mistral"),
     "qwen2": ("Qwen2Config", "chatml"),
     "qwen3": ("Qwen3Config", "chatml"),
+    "gemma3": ("Gemma3TextConfig", "chatml"),
 }
 #: token named by each config id, per tokenizer style
 _TOKENS = {
@@ -44,6 +46,11 @@ def tiny_config(family: str, vocab_size: int = 512, **overrides: Any) -> dict[st
         kwargs["sliding_window"] = 16
     if family == "qwen3":
         kwargs["head_dim"] = 32  # wider than 64 / 4, as Qwen3's 128 is wider than most of its widths allow
+    if family == "gemma3":
+        kwargs.update(head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
+                      layer_types=["sliding_attention", "full_attention"],
+                      rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
     kwargs.update(overrides)
     return kwargs
 

@@ -30,6 +30,23 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
+class RMSNormPlusOne(nn.Module):
+    """``x / rms(x) * (1 + weight)`` in float32, cast back once (Gemma's norm: the weight starts at zero)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).type_as(x)
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+
+
 class _LayerNormFunction(torch.autograd.Function):
     """PyTorch's fused LayerNorm forward and input gradient; weight and bias gradients summed over rows by
     ordinary reductions, which give the same bits for any number of threads."""
@@ -119,4 +136,6 @@ def make_norm(norm_type: str, dim: int, eps: float, bias: bool, device: torch.de
         return RMSNorm(dim, eps=eps, device=device)
     if norm_type == "low_precision_rmsnorm":
         return LowPrecisionRMSNorm(dim, eps=eps, device=device)
+    if norm_type == "rmsnorm_plus_one":
+        return RMSNormPlusOne(dim, eps=eps, device=device)
     raise ModelConfigError(f"model.norm_type={norm_type!r} is not one of {', '.join(NORM_TYPES)}")

@@ -64,14 +64,23 @@ _COMPILED_FORWARDS: dict[tuple, Any] = {}
 
 
 class Block(nn.Module):
-    """Pre-norm block: ``x + attn(norm_1(x))`` then ``x + ffn(norm_2(x))``; returns ``(x, aux_loss)``."""
+    """Pre-norm block: ``x + attn(norm_1(x))`` then ``x + ffn(norm_2(x))``; returns ``(x, aux_loss)``.
 
-    def __init__(self, attn: Attention, ffn: nn.Module, norm_1: nn.Module, norm_2: nn.Module) -> None:
+    With ``post_attn_norm`` / ``post_ffn_norm`` (Gemma's "sandwich" norms) each branch's output is normalised
+    before it is added back; ``windowed`` says whether the block takes the sliding-window mask.
+    """
+
+    def __init__(self, attn: Attention, ffn: nn.Module, norm_1: nn.Module, norm_2: nn.Module,
+                 post_attn_norm: nn.Module | None = None, post_ffn_norm: nn.Module | None = None,
+                 windowed: bool = True) -> None:
         super().__init__()
         self.norm_1 = norm_1
         self.attn = attn
         self.norm_2 = norm_2
         self.ffn = ffn
+        self.post_attn_norm = post_attn_norm
+        self.post_ffn_norm = post_ffn_norm
+        self.windowed = windowed
         self.checkpointing: str | None = None  # "block", "attention" or "ffn"
         self._compiled: Any = None  # a torch.compile of Block._forward, set by compile_forward
 
@@ -101,14 +110,19 @@ class Block(nn.Module):
         recompute = torch.is_grad_enabled()
         h = self.norm_1(x)
         if self.checkpointing == "attention" and recompute:
-            x = x + checkpoint(self.attn, h, mask, sp, use_reentrant=False)
+            a = checkpoint(self.attn, h, mask, sp, use_reentrant=False)
         else:
-            x = x + self.attn(h, mask, sp)
+            a = self.attn(h, mask, sp)
+        if self.post_attn_norm is not None:
+            a = self.post_attn_norm(a)
+        x = x + a
         h = self.norm_2(x)
         if self.checkpointing == "ffn" and recompute:
             y, aux = checkpoint(self.ffn, h, use_reentrant=False)
         else:
             y, aux = self.ffn(h)
+        if self.post_ffn_norm is not None:
+            y = self.post_ffn_norm(y)
         return x + y, aux
 
 
@@ -142,6 +156,11 @@ class LLM(nn.Module):
         head_dim: the size of each attention head; default ``d_model // n_heads`` (Qwen3 and Gemma differ).
         lora: LoRA/QLoRA adapters on the block linear layers, with the base frozen (``model.lora``: r, alpha,
             dropout, targets, modules_to_save, rslora, base_dtype, init_from; see :mod:`smalti.llm.lora`).
+        embed_scale: multiply the input embeddings by this (Gemma: ``sqrt(d_model)``).
+        post_norms: also normalise each block's attention and FFN output before the residual add (Gemma).
+        window_layers: per layer, whether ``sliding_window`` applies to it (Gemma's local/global alternation);
+            default every layer.
+        rope_local_theta: the RoPE base of the windowed layers when it differs from ``rope_theta`` (Gemma 3).
     """
 
     def __init__(
@@ -179,6 +198,10 @@ class LLM(nn.Module):
         fused_loss: bool = True,
         head_dim: int | None = None,
         lora: dict[str, Any] | None = None,
+        embed_scale: float | None = None,
+        post_norms: bool = False,
+        window_layers: list[bool] | None = None,
+        rope_local_theta: float | None = None,
     ) -> None:
         super().__init__()
         n_kv_heads = n_kv_heads or n_heads
@@ -188,6 +211,8 @@ class LLM(nn.Module):
             raise ModelConfigError(f"model.n_heads={n_heads} is not divisible by model.n_kv_heads={n_kv_heads}")
         if position not in POSITIONS:
             raise ModelConfigError(f"model.position={position!r} is not one of {', '.join(POSITIONS)}")
+        if window_layers is not None and len(window_layers) != n_layers:
+            raise ModelConfigError(f"model.window_layers has {len(window_layers)} entries for n_layers={n_layers}")
         if head_dim is not None and (not isinstance(head_dim, int) or head_dim < 1):
             raise ModelConfigError(f"model.head_dim={head_dim!r} must be a positive int or null (d_model/n_heads)")
         if position == "rope" and (head_dim or d_model // n_heads) % 2:
@@ -212,6 +237,9 @@ class LLM(nn.Module):
             "activation": activation,
             "moe": dict(moe) if moe else None, "tie_embeddings": tie_embeddings,
             "attn_uses_sequence_id": attn_uses_sequence_id, "init_std": init_std, "head_dim": head_dim,
+            "embed_scale": embed_scale, "post_norms": post_norms,
+            "window_layers": [bool(w) for w in window_layers] if window_layers is not None else None,
+            "rope_local_theta": rope_local_theta,
         }
         self.d_model, self.n_heads, self.n_layers = d_model, n_heads, n_layers
         self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
@@ -220,21 +248,32 @@ class LLM(nn.Module):
         self.sliding_window = sliding_window
         self.init_std = init_std
         self.fused_loss = bool(fused_loss)
+        self.embed_scale = embed_scale
+        # the full-attention mask is built too only when some layers are not windowed
+        self._mixed_windows = sliding_window is not None and window_layers is not None and not all(window_layers)
         device = torch.device(init_device) if init_device else None
         rotary = Rotary(head_dim or d_model // n_heads, rope_theta, rope_scaling) if position == "rope" else None
+        local_rotary = rotary
+        if rotary is not None and rope_local_theta is not None:
+            local_rotary = Rotary(head_dim or d_model // n_heads, rope_local_theta, None)
+        windowed = [True] * n_layers if window_layers is None else [bool(w) for w in window_layers]
         self._alibi_slopes = alibi_slopes(n_heads, alibi_bias_max) if position == "alibi" else None
         with torch.device(device) if device is not None else contextlib.nullcontext():
             self.wte = nn.Embedding(vocab_size, d_model)
             self.wpe = nn.Embedding(max_seq_len, d_model) if position == "learned" else None
             self.blocks = nn.ModuleList(
                 Block(
-                    Attention(d_model, n_heads, n_kv_heads, attn_bias, qk_norm, norm_type, norm_eps, rotary, softmax_scale,
+                    Attention(d_model, n_heads, n_kv_heads, attn_bias, qk_norm, norm_type, norm_eps,
+                              local_rotary if windowed[i] else rotary, softmax_scale,
                               clip_qkv, qkv_bias=qkv_bias, head_dim=head_dim),
                     make_ffn(ffn_type, d_model, hidden, activation, ffn_bias, layer_moe),
                     make_norm(norm_type, d_model, norm_eps, bias),
                     make_norm(norm_type, d_model, norm_eps, bias),
+                    make_norm(norm_type, d_model, norm_eps, bias) if post_norms else None,
+                    make_norm(norm_type, d_model, norm_eps, bias) if post_norms else None,
+                    windowed=windowed[i],
                 )
-                for _ in range(n_layers)
+                for i in range(n_layers)
             )
             self.norm_f = make_norm(norm_type, d_model, norm_eps, bias)
             self.lm_head = None if tie_embeddings else nn.Linear(d_model, vocab_size, bias=False)
@@ -364,14 +403,15 @@ class LLM(nn.Module):
     # ------------------------------------------------------------------ forward and loss
 
     def _mask(
-        self, batch: dict[str, torch.Tensor], seq_len: int, device: torch.device, sp: SequenceParallelGroup | None
+        self, batch: dict[str, torch.Tensor], seq_len: int, device: torch.device, sp: SequenceParallelGroup | None,
+        windowed: bool = True,
     ) -> AttentionMask | None:
         sequence_id = batch.get("sequence_id") if self.attn_uses_sequence_id else None
         slopes = self._alibi_slopes
         if slopes is not None and sp is not None:
             start, stop = sp.heads(self.n_heads)
             slopes = slopes[start:stop]
-        return AttentionMask.build(seq_len, sequence_id, slopes, self.sliding_window)
+        return AttentionMask.build(seq_len, sequence_id, slopes, self.sliding_window if windowed else None)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
         """Logits ``[B, T, vocab]`` under ``"logits"``, plus ``"aux_loss"`` (summed over layers) for MoE FFNs.
@@ -394,12 +434,15 @@ class LLM(nn.Module):
         sp = self._active_sp(seq_len)
         start, stop = sp.chunk(seq_len) if sp is not None else (0, seq_len)
         x = self.wte(ids[:, start:stop])
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         if self.wpe is not None:
             x = x + self.wpe(torch.arange(start, stop, device=ids.device))
         mask = self._mask(batch, seq_len, ids.device, sp)
+        full = self._mask(batch, seq_len, ids.device, sp, windowed=False) if self._mixed_windows else mask
         aux_losses = []
         for block in self.blocks:
-            x, aux = block(x, mask, sp)
+            x, aux = block(x, mask if block.windowed else full, sp)
             if aux is not None:
                 aux_losses.append(aux)
         x = self.norm_f(x)

@@ -81,9 +81,11 @@ class LlamaLike(Family):
             out.append(f"ffn_type={c['ffn_type']!r}/activation={c['activation']!r} (it uses glu/silu)")
         if bool(c["qk_norm"]) != self.qk_norm:
             out.append(f"qk_norm={c['qk_norm']!r} (it has {'' if self.qk_norm else 'no '}QK-norm)")
-        for key in ("clip_qkv", "softmax_scale"):
-            if c[key]:
+        for key in ("clip_qkv", "softmax_scale", "embed_scale", "post_norms", "rope_local_theta"):
+            if c.get(key):
                 out.append(f"{key}={c[key]!r} (it has none)")
+        if c.get("window_layers") is not None and not all(c["window_layers"]):
+            out.append("window_layers (its window, if any, covers every layer)")
         return out + self.shape_problems(c)
 
     def hf_extra(self, c: dict[str, Any]) -> dict[str, Any]:

@@ -31,6 +31,9 @@ def _shape(c: dict[str, Any]) -> tuple[str, list[str]]:
         why.append(f"n_kv_heads={c.get('n_kv_heads')} != n_heads={c['n_heads']} (no grouped-query attention)")
     if c.get("qk_norm") or c.get("sliding_window"):
         why.append("QK-norm or a sliding window")
+    for key in ("embed_scale", "post_norms", "rope_local_theta"):
+        if c.get(key):
+            why.append(f"{key}={c[key]!r}")
     if c.get("head_dim") not in (None, c["d_model"] // c["n_heads"]):
         why.append(f"head_dim={c.get('head_dim')} (needs d_model/n_heads)")
     if c.get("softmax_scale") not in (None, (c["d_model"] // c["n_heads"]) ** -0.5):
