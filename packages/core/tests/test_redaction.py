@@ -188,7 +188,10 @@ def test_sweeps_failures_and_config_errors_print_and_save_no_canary(tmp_path, ml
         assert not sweep_file.is_symlink() and sweep_file.stat().st_mode & 0o777 == 0o600
         assert "db_password: '***'" in sweep_file.read_text()
     # A job that fails after it started: Hydra prints its overrides and the traceback.
-    failed = run_train(tmp_path / "fail", uri, ["-m", *base, "checkpoint=dcp", "checkpoint.save_folder=/dev/null/ck"])
+    failed = run_train(tmp_path / "fail", uri, ["-m", *base, "callbacks=[progress_bar,profiler]",
+                                                    "callbacks.profiler.wait=0", "callbacks.profiler.warmup=0",
+                                                    "callbacks.profiler.active=1",
+                                                    "callbacks.profiler.trace_dir=/dev/null/traces"])
     assert failed.returncode != 0 and "Error executing job with overrides" in failed.stderr, failed.stderr[-4000:]
     # A config error quoting the bad value, which the command line also gave as a secret.
     bad = run_train(tmp_path / "bad", uri, [*base, f"trainer.max_duration={BAD_VALUE}",
