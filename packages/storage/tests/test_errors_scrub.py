@@ -17,3 +17,7 @@ def test_errors_never_print_url_credentials():
         assert "hunter2x" not in str(exc) and "zz://***@host" in str(exc)
     else:
         raise AssertionError("zz:// has no backend")
+
+
+def test_an_oci_bucket_at_namespace_is_not_taken_for_credentials():
+    assert "oci://bucket@namespace/prefix" in str(StorageError("write oci://bucket@namespace/prefix"))

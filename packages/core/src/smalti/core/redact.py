@@ -42,7 +42,8 @@ _NOT_SECRET_KEYS = frozenset({"prompt_key", "response_key", "text_key", "message
 _WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
 # scheme://userinfo@host: the userinfo (user, user:password or a bare token) up to the LAST '@' of the
 # authority, so a password holding '@' is taken whole.
-_URL_USERINFO = re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.\-]*://)[^/?#\s]*@")
+# oci:// is left out: its ``bucket@namespace`` authority names a bucket, not a user.
+_URL_USERINFO = re.compile(r"\b((?!oci://)[a-zA-Z][a-zA-Z0-9+.\-]*://)[^/?#\s]*@")
 # key=value inside a string (Hydra overrides, override_dirname, command lines, URL queries) whose key names a
 # secret; a quoted value is taken to its closing quote (Hydra's '+x.db_password='a b''), an unquoted one stops at
 # whitespace, ',', '&' and ';' (the separators of overrides and queries).

@@ -12,7 +12,8 @@ from __future__ import annotations
 import re
 
 # scheme://userinfo@host, up to the last '@' of the authority (a password may hold '@').
-_URL_USERINFO = re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.\-]*://)[^/?#\s]*@")
+# oci:// is left out: its ``bucket@namespace`` authority names a bucket, not a user.
+_URL_USERINFO = re.compile(r"\b((?!oci://)[a-zA-Z][a-zA-Z0-9+.\-]*://)[^/?#\s]*@")
 # Query parameters that carry credentials: presigned S3 URLs, Azure SAS tokens, GCS signed URLs, tokens, keys.
 _SECRET_QUERY = re.compile(
     r"([?&;](?:[\w.\-]*(?:signature|credential|token|password|passwd|secret|key|sig|auth)[\w.\-]*))=([^&#\s'\"]*)",
