@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from smalti.testing.hostile_checkpoints import craft_metadata, reseal
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -75,7 +77,8 @@ def test_hf_export_from_checkpoint_equals_the_fit_end_export(tmp_path, capsys):
     crafted = tmp_path / "crafted" / ckpt.name
     shutil.copytree(ckpt, crafted)
     marker = tmp_path / "ran"
-    _craft_metadata(crafted, marker)
+    craft_metadata(crafted, marker)
+    reseal(crafted)
     capsys.readouterr()
     assert main(["hf", "export", "--checkpoint", str(crafted), "--pretrained", str(source), "--out",
                  str(tmp_path / "w")]) != 0
@@ -86,34 +89,6 @@ def test_hf_export_from_checkpoint_equals_the_fit_end_export(tmp_path, capsys):
     assert main(["hf", "export", "--checkpoint", str(lone), "--pretrained", str(source), "--out",
                  str(tmp_path / "z")]) == 2
     assert not (tmp_path / "z").exists()
-
-
-class _RunsCode:
-    """Unpickles by evaluating Python: creates ``marker``."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return eval, (f"open({self.marker!r}, 'w').close()",)
-
-
-def _craft_metadata(folder: Path, marker: Path) -> None:
-    """Put a code-running object into ``.metadata`` and reseal the manifest, as anyone handing it over could."""
-    import pickle
-
-    from smalti.checkpoint.manifest import hash_file, seal
-    from smalti.checkpoint.safe_load import read_dcp_metadata
-
-    metadata = read_dcp_metadata(folder / ".metadata")
-    metadata.storage_meta.modules = [_RunsCode(marker)]
-    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
-    manifest = json.loads((folder / "manifest.json").read_text())
-    for rel in manifest["files"]:
-        size, sha = hash_file(folder / rel)
-        manifest["files"][rel] = {"size": size, "sha256": sha}
-    manifest.pop("manifest_sha256", None)
-    (folder / "manifest.json").write_text(json.dumps(seal(manifest), indent=1, sort_keys=True))
 
 
 def test_an_mpt_recipe_checkpoint_exports_as_gpt2_that_transformers_loads(tmp_path, capsys):

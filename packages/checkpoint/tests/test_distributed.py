@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from smalti.checkpoint import Checkpointer, ReshardError
+from smalti.testing.hostile_checkpoints import RunsCode
 
 SINGLE = """
 import functools, sys, torch
@@ -267,14 +268,6 @@ def test_ranks_split_the_data_hash_check_and_a_bad_file_in_either_share_falls_ba
         dist.barrier()
 
 
-class _RunsCode:
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return eval, (f"open({self.marker!r}, 'w').close()",)
-
-
 @pytest.mark.world_size(2)
 def test_a_crafted_rank_file_read_by_one_rank_fails_every_rank_and_runs_nothing(shared_tmp_path):
     """Only rank 1 reads extra/rank1.pt: rank 0 must fail with it (not go on alone into a collective that
@@ -289,7 +282,7 @@ def test_a_crafted_rank_file_read_by_one_rank_fails_every_rank_and_runs_nothing(
     if dist.get_rank() == 0:
         checkpoint = folder / "ep0-ba2"
         extra = torch.load(checkpoint / "extra" / "rank1.pt", weights_only=True)
-        extra["note"] = _RunsCode(marker)
+        extra["note"] = RunsCode(marker)
         torch.save(extra, checkpoint / "extra" / "rank1.pt")
         manifest = json.loads((checkpoint / "manifest.json").read_text())
         size, sha = hash_file(checkpoint / "extra" / "rank1.pt")

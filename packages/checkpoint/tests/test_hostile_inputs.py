@@ -5,7 +5,6 @@ than the files hold. Each is refused, naming the file, before anything is read, 
 import dataclasses
 import functools
 import io
-import json
 import os
 import pickle
 import re
@@ -20,13 +19,14 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from smalti.checkpoint import Checkpointer, CheckpointError
 from smalti.checkpoint.errors import UnsafePathError
 from smalti.checkpoint.limits import EntryTooLargeError
-from smalti.checkpoint.manifest import hash_file, read_manifest, seal, verify_folder
+from smalti.checkpoint.manifest import read_manifest, verify_folder
 from smalti.checkpoint.resume import default_cache_dir
 from smalti.checkpoint.safe_load import read_dcp_metadata
 from smalti.checkpoint.storage import open_store
 from smalti.core import Trainer
 from smalti.core.data import build_dataloader
 from smalti.core.examples import MLPRegressor, SyntheticRegression
+from smalti.testing.hostile_checkpoints import reseal
 
 
 def make_trainer(duration, checkpointer=None):
@@ -109,16 +109,6 @@ def test_a_checkpoint_without_links_still_verifies_and_loads(ckpt):
 
 
 # ------------------------------------------------------------------ item 2: sizes taken on trust
-
-def reseal(folder):
-    """Rewrite the manifest to match the files as they are now (what anyone handing over a checkpoint can do)."""
-    manifest = json.loads((folder / "manifest.json").read_text())
-    for rel in manifest["files"]:
-        size, sha = hash_file(folder / rel)
-        manifest["files"][rel] = {"size": size, "sha256": sha}
-    manifest.pop("manifest_sha256", None)
-    (folder / "manifest.json").write_text(json.dumps(seal(manifest), indent=1, sort_keys=True))
-
 
 def zeros_zstd(nbytes, declare):
     """``nbytes`` zeros as one zstd stream written as torch's ``stream.zstd/1`` writes it (no declared content

@@ -6,7 +6,6 @@ checkpoint; older checkpoints still load."""
 import dataclasses
 import functools
 import io
-import json
 import pickle
 import shutil
 
@@ -15,11 +14,11 @@ import torch
 
 from smalti.checkpoint import Checkpointer, UnsafeCheckpointError
 from smalti.checkpoint.cli import main as cli_main
-from smalti.checkpoint.manifest import hash_file, seal
 from smalti.checkpoint.safe_load import from_safe_tree, read_dcp_metadata
 from smalti.core import Trainer
 from smalti.core.data import build_dataloader
 from smalti.core.examples import MLPRegressor, SyntheticRegression
+from smalti.testing.hostile_checkpoints import RunsCode, craft_metadata, reseal
 
 
 def make_trainer(duration, checkpointer=None):
@@ -27,37 +26,6 @@ def make_trainer(duration, checkpointer=None):
     return Trainer(MLPRegressor(), build_dataloader(SyntheticRegression(96), 16, seed=5), duration,
                    optimizers=functools.partial(torch.optim.AdamW, lr=1e-2),
                    callbacks={"checkpoint": checkpointer} if checkpointer else None)
-
-
-class RunsCode:
-    """Unpickles by evaluating Python: creates ``marker``, then stands for ``value``."""
-
-    def __init__(self, marker, value=None):
-        self.marker, self.value = str(marker), value
-
-    def __reduce__(self):
-        return eval, (f"open({self.marker!r}, 'w').close() or {self.value!r}",)
-
-
-def reseal(folder, legacy=False):
-    """Rewrite the manifest to match the files as they are now (what anyone handing over a checkpoint can do)."""
-    manifest = json.loads((folder / "manifest.json").read_text())
-    for rel in manifest["files"]:
-        size, sha = hash_file(folder / rel)
-        manifest["files"][rel] = {"size": size, "sha256": sha}
-    manifest.pop("manifest_sha256", None)
-    if legacy:
-        manifest["format"] = "smalti-checkpoint/1"
-    else:
-        manifest = seal(manifest)
-    (folder / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
-
-
-def craft_metadata(folder, marker):
-    metadata = read_dcp_metadata(folder / ".metadata")
-    metadata.storage_meta.modules = [RunsCode(marker)]
-    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
-    return ".metadata"
 
 
 def craft_extra(folder, marker):

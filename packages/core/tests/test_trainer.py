@@ -155,8 +155,12 @@ def test_model_without_loss_is_a_clear_error():
 
 def test_empty_dataloader_is_a_clear_error():
     empty = DataLoader(TensorDataset(torch.zeros(3, 16), torch.zeros(3, 4)), batch_size=8, drop_last=True)
-    with pytest.raises(TrainingError, match="no batches"):
+    with pytest.raises(TrainingError, match="no batches") as caught:
         Trainer(MLPRegressor(), empty, "1ba")
+    # The numbers a user needs to fix it: what the dataset holds, the batch size, and what would fit.
+    assert "holds 3 rows" in str(caught.value)
+    assert "batch_size=8 per rank with drop_last=True; set batch_size to at most 3" in str(caught.value)
+    assert str(caught.value).endswith("or drop_last=False")
 
 
 def test_bad_microbatch_value_names_the_key():

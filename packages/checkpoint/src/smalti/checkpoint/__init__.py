@@ -9,9 +9,9 @@ smalti process, and importing ``Checkpointer`` pulls in torch's FSDP and DCP mod
 """
 
 # Private aliases keep dir(smalti.checkpoint) to the public names and the submodules.
-from importlib import import_module as _import_module
 from typing import TYPE_CHECKING as _TYPE_CHECKING
-from typing import Any as _Any
+
+from smalti.core.lazy import lazy_exports as _lazy_exports
 
 __version__ = "0.1.0"
 
@@ -47,13 +47,4 @@ if _TYPE_CHECKING:  # for type checkers and IDEs; at run time, __getattr__ impor
     )
 
 
-def __getattr__(name: str) -> _Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'smalti.checkpoint' has no attribute {name!r}")
-    value = getattr(_import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = _lazy_exports(__name__, _EXPORTS, globals())

@@ -4,8 +4,7 @@ The names below are imported on first use, so that ``import smalti.core.errors``
 error classes derive from) does not pull in torch: plugin entry points stay cheap to discover.
 """
 
-from importlib import import_module
-from typing import Any
+from smalti.core.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -31,13 +30,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'smalti.core' has no attribute {name!r}")
-    value = getattr(import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -149,14 +149,7 @@ def check_has_batches(loader: Any, global_batch_size: int, dp_world_size: int, k
         return
     if batches:
         return
-    dataset = getattr(loader, "dataset", loader)
-    try:
-        rows = len(dataset)
-    except TypeError:
-        rows = None
-    describe = getattr(dataset, SIZE_METHOD, None)
-    how = f" ({describe()})" if callable(describe) else ""
-    held = f"{rows} rows{how}" if rows is not None else f"a dataset{how}"
+    rows, how, held = _rows_held(loader)
     per_rank = max(1, global_batch_size // max(1, dp_world_size))
     fits = f"at most {rows - rows % dp_world_size}" if rows and rows >= dp_world_size else "more rows"
     raise ConfigError(
@@ -164,6 +157,37 @@ def check_has_batches(loader: Any, global_batch_size: int, dp_world_size: int, k
         f"data-parallel rank(s) needs {per_rank} per rank; set {batch_key} to {fits}, give more data"
         + (", or shorter rows (a smaller max_seq_len packs fewer tokens per row)" if "max_seq_len" in how else "")
         + (", or data.drop_last=false" if getattr(loader, "drop_last", False) else "")
+    )
+
+
+def _rows_held(loader: Any) -> tuple[int | None, str, str]:
+    """The rows ``loader``'s dataset holds (None without a length), how they came to be, and both as a phrase."""
+    dataset = getattr(loader, "dataset", loader)
+    try:
+        rows = len(dataset)
+    except TypeError:
+        rows = None
+    describe = getattr(dataset, SIZE_METHOD, None)
+    how = f" ({describe()})" if callable(describe) else ""
+    return rows, how, f"{rows} rows{how}" if rows is not None else f"a dataset{how}"
+
+
+def no_batch_message(loader: Any, dp_world_size: int) -> str:
+    """Why a dataloader handed to the :class:`~smalti.core.Trainer` yields no batch, with its numbers.
+
+    The Python-API counterpart of :func:`check_has_batches`: the rows of its dataset, the loader's per-rank
+    ``batch_size`` and ``drop_last``, the data-parallel world size, and what to change.
+    """
+    rows, _, held = _rows_held(loader)
+    batch_size = getattr(loader, "batch_size", None)
+    drop_last = getattr(loader, "drop_last", False)
+    if batch_size is None:
+        return f"the train dataloader has no batches: its dataset holds {held}; check its path, size and batch size"
+    fits = f"at most {rows // max(1, dp_world_size)}" if rows else "more rows"
+    return (
+        f"the train dataloader has no batches: its dataset holds {held}, split over {dp_world_size} data-parallel "
+        f"rank(s), and its batch_size={batch_size} per rank with drop_last={drop_last}; set batch_size to {fits}, "
+        "give more data" + (", or drop_last=False" if drop_last else "")
     )
 
 

@@ -20,7 +20,7 @@ from torch import nn
 from smalti.core import distributed
 from smalti.core.batching import batch_size_of, move_to_device, num_tokens_of, split_batch
 from smalti.core.callbacks.progress_bar import ProgressBar
-from smalti.core.data import seed_data_loading
+from smalti.core.data import no_batch_message, seed_data_loading
 from smalti.core.dispatch import FastHook
 from smalti.core.errors import ConfigError, TrainingError
 from smalti.core.evaluator import Evaluator
@@ -173,7 +173,7 @@ class Trainer:
         )
         self.state.dataloader_len = _safe_len(train_dataloader)
         if self.state.dataloader_len == 0:
-            raise TrainingError("the train dataloader has no batches; check the dataset path, its size and the batch size")
+            raise TrainingError(no_batch_message(train_dataloader, self.state.world_size))
         self.logger = Logger(self.pm.hook, self.state)
         self.hook = self.pm.hook
         callbacks = _named(callbacks)

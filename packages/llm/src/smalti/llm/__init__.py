@@ -6,8 +6,7 @@ Names are imported lazily so that loading the entry point (``smalti.llm.plugin``
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from smalti.core.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -24,8 +23,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'smalti.llm' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -11,8 +11,7 @@ Names are imported lazily, so that importing a family module does not pull in th
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from smalti.core.lazy import lazy_exports
 
 _EXPORTS = {
     "PretrainedLLM": "smalti.llm.hf.importer",
@@ -36,8 +35,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'smalti.llm.hf' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
