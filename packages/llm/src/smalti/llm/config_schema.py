@@ -130,14 +130,23 @@ class SequenceParallelSchema(Schema):
 
 
 class TextSchema(Schema):
-    """Token datasets built from text: ``TokenizedText``, ``FinetuneDataset``, ``ChatDataset``."""
+    """Token datasets built from text: ``TokenizedText``, and the base of the finetuning datasets' schemas."""
 
     max_seq_len: PositiveInt = 128
     eval_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.1
     packing: bool = True
 
 
+class FinetuneTextSchema(TextSchema):
+    """``FinetuneDataset``'s options (prompt/response rows are longer than pretraining text by default)."""
+
+    max_seq_len: PositiveInt = 256
+
+
 class ChatSchema(TextSchema):
+    """``ChatDataset``'s options."""
+
+    max_seq_len: PositiveInt = 2048
     overlong: Literal["truncate", "drop"] = "truncate"
 
 
@@ -181,7 +190,7 @@ def schemas() -> dict[str, Any]:
         "smalti.llm.hf.PretrainedLLM": PretrainedLLMSchema,
         "smalti.llm.parallelism.SequenceParallelFSDP": SequenceParallelSchema,
         "smalti.llm.data.text.TokenizedText": TextSchema,
-        "smalti.llm.data.finetune.FinetuneDataset": TextSchema,
+        "smalti.llm.data.finetune.FinetuneDataset": FinetuneTextSchema,
         "smalti.llm.data.chat.ChatDataset": ChatSchema,
         "smalti.llm.data.synthetic.MarkovTokens": MarkovSchema,
         "smalti.llm.data.prepare.PreparedTextMDS": PreparedTextSchema,

@@ -23,7 +23,8 @@ def _alias(*names: str) -> AliasChoices:
 
 
 class MoESchema(BaseModel):
-    """:class:`smalti.moe.MoE`'s options (as given in ``model.moe``; the sizes come from the model)."""
+    """:class:`smalti.moe.MoE`'s options as given in an LLM's ``model.moe``: the sizes come from the model, and an
+    unset ``activation`` is the model's own."""
 
     model_config = ConfigDict(extra="allow", populate_by_name=True)
 
@@ -51,6 +52,13 @@ class MoESchema(BaseModel):
         return top_k
 
 
+class MoELayerSchema(MoESchema):
+    """:class:`smalti.moe.MoE`'s options when it is built directly (``_target_: smalti.moe.MoE``)."""
+
+    activation: Literal[tuple(ACTIVATIONS)] = Field(  # type: ignore[valid-type]
+        "gelu", validation_alias=_alias("activation", "activation_fn"))
+
+
 class AuxFreeBiasUpdateSchema(BaseModel):
     """:class:`smalti.moe.balancing.AuxFreeBiasUpdate` (``callbacks=[moe_bias_update]``)."""
 
@@ -61,4 +69,4 @@ class AuxFreeBiasUpdateSchema(BaseModel):
 
 def schemas() -> dict[str, type]:
     """What smalti-moe's ``smalti_config_schemas`` hook returns."""
-    return {"smalti.moe.MoE": MoESchema, "smalti.moe.balancing.AuxFreeBiasUpdate": AuxFreeBiasUpdateSchema}
+    return {"smalti.moe.MoE": MoELayerSchema, "smalti.moe.balancing.AuxFreeBiasUpdate": AuxFreeBiasUpdateSchema}

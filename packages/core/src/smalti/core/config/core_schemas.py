@@ -87,7 +87,7 @@ class DataSchema(Schema):
 
 
 class AdamSchema(Schema):
-    """``torch.optim.AdamW`` / ``smalti.core.optim.DecoupledAdamW`` options."""
+    """``torch.optim.Adam``'s options; the subclasses below carry each Adam variant's own defaults."""
 
     lr: NonNegativeFloat = 1e-3
     betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
@@ -95,10 +95,23 @@ class AdamSchema(Schema):
     weight_decay: NonNegativeFloat = 0.0
 
 
+class AdamWSchema(AdamSchema):
+    """``torch.optim.AdamW``'s options."""
+
+    weight_decay: NonNegativeFloat = 1e-2
+
+
+class DecoupledAdamWSchema(AdamSchema):
+    """:class:`smalti.core.optim.DecoupledAdamW`'s options."""
+
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.95)
+    weight_decay: NonNegativeFloat = 1e-5
+
+
 class SGDSchema(Schema):
     """``torch.optim.SGD`` options."""
 
-    lr: NonNegativeFloat = 1e-2
+    lr: NonNegativeFloat = 1e-3
     momentum: Probability = 0.0
     weight_decay: NonNegativeFloat = 0.0
 
@@ -197,7 +210,7 @@ class ProfilerSchema(Schema):
     wait: NonNegativeInt = 5
     warmup: NonNegativeInt = 1
     active: PositiveInt = 3
-    repeat: NonNegativeInt = 0
+    repeat: NonNegativeInt = 1
     skip_first: NonNegativeInt = 0
     profile_memory: bool = False
     record_shapes: bool = False
@@ -311,9 +324,9 @@ def schemas() -> dict[str, type]:
     return {
         "trainer": TrainerSchema,
         "data": DataSchema,
-        "torch.optim.AdamW": AdamSchema,
+        "torch.optim.AdamW": AdamWSchema,
         "torch.optim.Adam": AdamSchema,
-        "smalti.core.optim.DecoupledAdamW": AdamSchema,
+        "smalti.core.optim.DecoupledAdamW": DecoupledAdamWSchema,
         "torch.optim.SGD": SGDSchema,
         **{f"smalti.core.optim.{name}": WarmupSchedulerSchema for name in warmups},
         "smalti.core.parallelism.DDP": DDPSchema,
