@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 
 from smalti.checkpoint import bounce_read
+from smalti.checkpoint._compat import PyTorchFileReader, narrow_tensor_by_index, weights_only_unpickler
 from smalti.checkpoint.bounce_read import FileStream, ReadPipeline
 from smalti.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from smalti.checkpoint.hashes import check_algorithm, new_hasher
@@ -373,18 +373,16 @@ class ReadAheadFileSystemReader(SafeFileSystemReader):
 def _saved_on_meta(pickle: Any) -> tuple[torch.Tensor, str] | None:
     """The tensor a ``data.pkl`` describes, its storage on the meta device, and its storage's record key
     (``None``: not one tensor over one storage). Unpickled with torch's weights-only unpickler."""
-    from torch import _weights_only_unpickler
-
     keys: list[str] = []
 
     def storage_on_meta(saved_id: Any) -> Any:
         _, storage_type, key, _, numel = saved_id
         keys.append(key)
         dtype = storage_type.dtype
-        untyped = torch.UntypedStorage(numel * torch._utils._element_size(dtype), device="meta")
+        untyped = torch.UntypedStorage(numel * dtype.itemsize, device="meta")
         return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
 
-    unpickler = _weights_only_unpickler.Unpickler(pickle, encoding="utf-8")
+    unpickler = weights_only_unpickler.Unpickler(pickle, encoding="utf-8")
     unpickler.persistent_load = storage_on_meta
     saved = unpickler.load()
     if not isinstance(saved, torch.Tensor) or len(keys) != 1:
@@ -396,7 +394,7 @@ def _locate_by_directory(span: _FileSpan) -> tuple[torch.Tensor, int, int] | Non
     """``(saved tensor on meta, its record's offset in the span, the record's size)`` from the zip directory at
     the end of the item's archive (``None``: not a single little-endian tensor)."""
     try:
-        archive = torch._C.PyTorchFileReader(span)
+        archive = PyTorchFileReader(span)
         if archive.has_record("byteorder") and archive.get_record("byteorder") != b"little":
             return None
         found = _saved_on_meta(io.BytesIO(archive.get_record("data.pkl")))

@@ -67,14 +67,15 @@ class _Refused(Exception):
 def _metadata_globals() -> dict[tuple[str, str], Any]:
     """What a pickle of DCP's ``Metadata`` may name: exactly the classes and functions it is built from."""
     from torch.distributed.checkpoint import metadata as md
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    from smalti.checkpoint._compat import MEM_FORMAT_ENCODING, StorageInfo, get_layout
 
     allowed: dict[tuple[str, str], Any] = {}
     for obj in (md.Metadata, md.MetadataIndex, md.TensorStorageMetadata, md.BytesStorageMetadata,
-                md.ChunkStorageMetadata, md.TensorProperties, md.StorageMeta, md._MEM_FORMAT_ENCODING, _StorageInfo):
+                md.ChunkStorageMetadata, md.TensorProperties, md.StorageMeta, MEM_FORMAT_ENCODING, StorageInfo):
         allowed[(obj.__module__, obj.__qualname__)] = obj
     allowed[("torch", "Size")] = torch.Size
-    allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout  # how a torch.layout pickles
+    allowed[("torch.serialization", "_get_layout")] = get_layout  # how a torch.layout pickles
     for name in dir(torch):
         if isinstance(getattr(torch, name, None), torch.dtype):
             allowed[("torch", name)] = getattr(torch, name)
@@ -88,10 +89,11 @@ def _metadata_globals() -> dict[tuple[str, str], Any]:
 def _buildable_types() -> tuple[type, ...]:
     """The classes whose instances a metadata pickle may fill in with ``BUILD``: DCP's metadata dataclasses."""
     from torch.distributed.checkpoint import metadata as md
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    from smalti.checkpoint._compat import StorageInfo
 
     return (md.Metadata, md.MetadataIndex, md.TensorStorageMetadata, md.BytesStorageMetadata,
-            md.ChunkStorageMetadata, md.TensorProperties, md.StorageMeta, _StorageInfo)
+            md.ChunkStorageMetadata, md.TensorProperties, md.StorageMeta, StorageInfo)
 
 
 class _MetadataUnpickler(pickle._Unpickler):
@@ -346,7 +348,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         self.trust_pickles = trust_pickles
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        from torch.distributed.checkpoint._traverse import set_element
+        from smalti.checkpoint._compat import set_element
 
         fqn = read_item.dest_index.fqn
         info = (getattr(self.metadata, "storage_data", None) or {}).get(read_item.storage_index)

@@ -213,7 +213,8 @@ def _prefill_adam_state(
     The new tensors are appended to ``created`` (for :class:`~smalti.checkpoint.prefault.Prefaulter`).
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    from smalti.checkpoint._compat import get_fqns
 
     if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
         return False
@@ -224,7 +225,7 @@ def _prefill_adam_state(
             saved.setdefault(fqn, {})[name] = meta
     fqn_of: dict[torch.nn.Parameter, str] = {}
     for name, param in model.named_parameters():
-        fqns = _get_fqns(model, name)
+        fqns = get_fqns(model, name)
         if len(fqns) == 1:
             fqn_of[param] = next(iter(fqns))
     fills: list[tuple[torch.nn.Parameter, dict[str, torch.Tensor]]] = []

@@ -161,12 +161,12 @@ class ReusedHostStager(AsyncStager):
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any] | Future[dict[str, Any]]:
         """Copy ``state_dict`` into the cached host buffers (allocating them on first use or a layout change);
         a future of the staged dict when part of the copy runs in the background."""
-        from torch.distributed._state_dict_utils import _create_cpu_state_dict
+        from smalti.checkpoint._compat import create_cpu_state_dict
 
         self.wait_for_staging()
         layout = _layout(state_dict)
         if self._cache is None or layout != self._layout:
-            self._cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+            self._cache = create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
             self._layout = layout
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         staged = _pair_up(state_dict, self._cache, pairs)

@@ -19,8 +19,8 @@ from typing import Any
 
 import pluggy
 
-#: What a plugin manager runs hooks with when nobody traces or monitors them (pluggy's ``_multicall``).
-_PLAIN_HOOKEXEC = pluggy.PluginManager("smalti-dispatch-probe")._inner_hookexec
+from smalti.core._compat import PLAIN_HOOKEXEC as _PLAIN_HOOKEXEC
+from smalti.core._compat import hook_executor, hook_impls
 
 
 class FastHook:
@@ -33,7 +33,7 @@ class FastHook:
         self._name = name
         #: The hook's implementations: pluggy's own list, changed in place as plugins come and go (empty: no
         #: plugin implements the hook, and a caller may skip the call).
-        self.impls: list[Any] = self._caller._hookimpls
+        self.impls: list[Any] = hook_impls(self._caller)
         self._pm = pm
         self._seen: list[Any] | None = None
         self._calls: list[tuple[Any, Any, int, Any]] | None = None
@@ -52,7 +52,7 @@ class FastHook:
             self._seen = list(impls)
             plain = not any(impl.hookwrapper or impl.wrapper for impl in impls)
             self._calls = [_plan(impl) for impl in reversed(impls)] if plain else None
-        if self._calls is None or self._pm._inner_hookexec is not _PLAIN_HOOKEXEC:
+        if self._calls is None or hook_executor(self._pm) is not _PLAIN_HOOKEXEC:
             return self._caller(**kwargs)
         # Named as in pluggy's _multicall, so that running_hooks() reads both kinds of frame alike.
         hook_name, hook_impls = self._name, impls  # noqa: F841

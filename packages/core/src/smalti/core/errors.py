@@ -30,3 +30,11 @@ class BuildError(SmaltiError, RuntimeError):
 
     ``smalti-train`` prints it as one line (``HYDRA_FULL_ERROR=1`` for the traceback of the cause).
     """
+
+
+class UnsupportedVersionError(SmaltiError, ImportError):
+    """An installed dependency (torch, pluggy, OmegaConf, Hydra) lacks a private name smalti relies on.
+
+    Raised when a package's ``_compat`` module is imported, so a mismatched install fails at import rather than
+    mid-run; the message names the dependency, its version, the missing name and the versions smalti is tested with.
+    """

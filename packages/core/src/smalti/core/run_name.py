@@ -157,8 +157,9 @@ def resolve_run_name(part: str = "", *, _root_: Any = None) -> str:
     ``run_name`` the user set, else the process's name.
     """
     if part == "sweep" and _root_ is not None and "run_name" in _root_:
-        node = _root_._get_node("run_name")
-        raw = node._value() if node is not None else None
+        from smalti.core._compat import raw_value
+
+        raw = raw_value(_root_, "run_name")
         if not (isinstance(raw, str) and raw.startswith("${" + RESOLVER)):
             return check_run_name(str(_root_.run_name), "run_name")
     base = process_run_name()

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from smalti.core._compat import foreach_copy_, foreach_lerp_
 from smalti.core.errors import ConfigError
 from smalti.core.plugins import Algorithm
 from smalti.core.tensors import copy_saved_tensors, local_shard, weights_and_float_buffers
@@ -83,14 +84,14 @@ class EMA(Algorithm):
         if step < self._start:
             return
         if not self.started:
-            torch._foreach_copy_(self._avg, self._live)
+            foreach_copy_(self._avg, self._live)
             self.started = True
             return
         if step % self._interval:
             return
         if self._s is None:  # converted late: half-lives in samples or tokens need a batch's size first
             self._s = self.smoothing_per_update(state)
-        torch._foreach_lerp_(self._avg, self._live, 1.0 - self._s)
+        foreach_lerp_(self._avg, self._live, 1.0 - self._s)
 
     @torch.no_grad()
     def _swap(self) -> None:

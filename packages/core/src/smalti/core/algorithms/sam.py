@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from smalti.core import distributed
+from smalti.core._compat import foreach_add_, foreach_copy_, foreach_mul
 from smalti.core.errors import ConfigError
 from smalti.core.intervals import batch_count
 from smalti.core.plugins import Algorithm
@@ -72,14 +73,14 @@ class SAM(Algorithm):
             norm = norm.full_tensor()
         weights = [local_shard(p) for p in params]
         kept = [w.clone() for w in weights]
-        perturbation = torch._foreach_mul([local_shard(p.grad) for p in params], self.rho / (norm + self.epsilon))
-        torch._foreach_add_(weights, perturbation)
+        perturbation = foreach_mul([local_shard(p.grad) for p in params], self.rho / (norm + self.epsilon))
+        foreach_add_(weights, perturbation)
         del perturbation
         for p in state.model.parameters():
             p.grad = None
         with torch.enable_grad():
             perturbed_loss = recompute()
-        torch._foreach_copy_(weights, kept)
+        foreach_copy_(weights, kept)
         self._pending.append(
             (
                 state.timestamp.batch + 1,

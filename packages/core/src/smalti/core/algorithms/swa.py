@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch.optim.swa_utils import SWALR, get_swa_multi_avg_fn
 
+from smalti.core._compat import BatchNorm, foreach_copy_
 from smalti.core.errors import ConfigError, TimeError, TrainingError
 from smalti.core.plugins import Algorithm
 from smalti.core.tensors import copy_saved_tensors, local_shard, weights_and_float_buffers
@@ -120,7 +121,7 @@ class SWA(Algorithm):
             self._hold_lr()
             return
         if self.n_averaged == 0:
-            torch._foreach_copy_(self._avg, self._live)
+            foreach_copy_(self._avg, self._live)
         else:
             self._avg_fn(self._avg, self._live, self.n_averaged)  # a host int: no device read
         self.n_averaged += 1
@@ -140,13 +141,13 @@ class SWA(Algorithm):
     @torch.no_grad()
     def _swap_in(self, state: Any) -> None:
         self._backup = [t.clone() for t in self._live]
-        torch._foreach_copy_(self._live, self._avg)
+        foreach_copy_(self._live, self._avg)
         self._update_bn(state)
 
     @torch.no_grad()
     def _swap_out(self) -> None:
         if self._backup is not None:
-            torch._foreach_copy_(self._live, self._backup)
+            foreach_copy_(self._live, self._backup)
             self._backup = None
 
     @torch.no_grad()
@@ -155,7 +156,7 @@ class SWA(Algorithm):
         norms = [
             m
             for m in state.raw_model.modules()
-            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+            if isinstance(m, BatchNorm) and m.track_running_stats
         ]
         if not norms or not self.bn_update_batches or state.train_dataloader is None:
             return
@@ -191,7 +192,7 @@ class SWA(Algorithm):
     @torch.no_grad()
     def on_fit_end(self, state: Any) -> None:
         if self.swap_at_fit_end and self.n_averaged:
-            torch._foreach_copy_(self._live, self._avg)
+            foreach_copy_(self._live, self._avg)
             self._update_bn(state)
 
     # ------------------------------------------------------------------ resumable state

@@ -79,9 +79,9 @@ def install_hydra_exit_code(prog: str) -> None:
     global _installed
     if _installed:
         return
-    from hydra._internal import utils
     from hydra.errors import CompactHydraException, MissingConfigException
 
+    from smalti.core._compat import hydra_internal_utils as utils
     from smalti.core.redact import redact_exception, redact_text
 
     original = utils.run_and_report

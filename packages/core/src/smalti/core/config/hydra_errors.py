@@ -40,7 +40,7 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    from hydra._internal import defaults_list
+    from smalti.core._compat import hydra_defaults_list as defaults_list
 
     defaults_list.config_not_found_error = _with_options(defaults_list.config_not_found_error)
     _installed = True

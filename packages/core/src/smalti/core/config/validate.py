@@ -96,7 +96,9 @@ def _resolve(node: Any, key: str) -> Any:
                                         "or in the config"]) from None
             if "HydraConfig was not set" not in str(exc):
                 raise ConfigValueError([f"{full}: {str(exc).splitlines()[0]}"]) from None
-            value = node._get_node(k)._value()
+            from smalti.core._compat import raw_value
+
+            value = raw_value(node, k)
         value = _resolve(value, full)
         if isinstance(out, dict):
             out[str(k)] = value

@@ -7,6 +7,8 @@ import math
 import torch
 from torch.utils.data import Dataset
 
+from smalti.llm._compat import standard_gamma
+
 
 class MarkovTokens(Dataset):
     """Sequences from a first-order Markov chain over ``vocab_size`` tokens.
@@ -31,8 +33,8 @@ class MarkovTokens(Dataset):
         trans = torch.zeros(vocab_size, vocab_size, dtype=torch.float64)
         for s in range(vocab_size):
             succ = torch.randperm(vocab_size, generator=gen)[:branching]
-            weights = torch._standard_gamma(torch.full((branching,), float(concentration), dtype=torch.float64),
-                                            generator=gen)
+            weights = standard_gamma(torch.full((branching,), float(concentration), dtype=torch.float64),
+                                     generator=gen)
             trans[s, succ] = weights / weights.sum()
         self.transition = trans
         self.stationary = self._stationary(trans)

@@ -1,0 +1,52 @@
+"""Checks that keep a package's source tidy, shared by every package's tests.
+
+:func:`private_imports` finds the places a package reaches into a dependency's private modules or names
+outside its ``_compat`` module (where such names belong, resolved once at import time).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable
+from pathlib import Path
+
+#: The dependencies whose private names must go through a package's ``_compat`` module.
+GUARDED = ("torch", "pluggy", "omegaconf", "hydra")
+
+
+def _private(dotted: str) -> bool:
+    parts = dotted.split(".")
+    return parts[0] in GUARDED and any(p.startswith("_") and not p.startswith("__") for p in parts[1:])
+
+
+def _dotted(node: ast.AST) -> str | None:
+    """``a.b.c`` for a chain of attribute accesses on a name, else ``None``."""
+    names = []
+    while isinstance(node, ast.Attribute):
+        names.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(names)])
+
+
+def private_imports(src: Path, allowed: Iterable[str] = ("_compat.py",)) -> list[str]:
+    """``"file:line: name"`` for each private name of torch/pluggy/OmegaConf/Hydra that a module under ``src``
+    imports or reads, outside files named in ``allowed`` (paths relative to ``src``, or bare file names)."""
+    allowed = set(allowed)
+    found = []
+    for path in sorted(src.rglob("*.py")):
+        rel = path.relative_to(src).as_posix()
+        if rel in allowed or path.name in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [f"{node.module}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Attribute) and not isinstance(getattr(node, "ctx", None), ast.Store):
+                dotted = _dotted(node)
+                names = [dotted] if dotted else []
+            found += [f"{rel}:{node.lineno}: {name}" for name in names if _private(name)]
+    return sorted(set(found))
