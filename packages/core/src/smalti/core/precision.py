@@ -1,4 +1,5 @@
-"""Numeric precision of the training step: ``fp32``, ``amp_bf16`` and ``amp_fp16`` (with a gradient scaler)."""
+"""Numeric precision of the training step: ``fp32``, ``amp_bf16``, ``amp_fp16`` (with a gradient scaler) and
+``amp_fp8`` (bf16 autocast, with the linear layers in float8: :class:`smalti.core.algorithms.Float8Training`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from smalti.core.errors import ConfigError
 
-PRECISIONS = ("fp32", "amp_bf16", "amp_fp16")
+PRECISIONS = ("fp32", "amp_bf16", "amp_fp16", "amp_fp8")
 
 
 def check_precision(precision: str) -> str:
@@ -25,7 +26,7 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
     """The autocast region for the forward and loss at ``precision`` on ``device`` (nothing to enter for fp32)."""
     if precision == "fp32":
         return _FP32
-    dtype = torch.bfloat16 if precision == "amp_bf16" else torch.float16
+    dtype = torch.float16 if precision == "amp_fp16" else torch.bfloat16
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 

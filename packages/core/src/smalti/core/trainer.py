@@ -42,6 +42,17 @@ PluginSpec = Mapping[str, Any] | Iterable[Any] | None
 OptimizerSpec = torch.optim.Optimizer | Callable[..., torch.optim.Optimizer] | list[Any] | None
 
 
+def _with_float8(algorithms: dict[str, Any], precision: str) -> dict[str, Any]:
+    """``algorithms``, with :class:`~smalti.core.algorithms.Float8Training` at its defaults added for ``amp_fp8``."""
+    if precision != "amp_fp8":
+        return algorithms
+    from smalti.core.algorithms.float8 import Float8Training
+
+    if any(isinstance(a, Float8Training) for a in algorithms.values()):
+        return algorithms
+    return {"float8": Float8Training(), **algorithms}
+
+
 def _named(objects: PluginSpec) -> dict[str, Any]:
     """Plugins as ``name -> object``; a list gets names from the class names."""
     if objects is None:
@@ -93,7 +104,8 @@ class Trainer:
             ``smalti-train``), and then ``outputs/latest`` points at it.
         device_train_microbatch_size: samples per microbatch (gradient accumulation), ``"auto"`` to halve on
             out-of-memory, or ``None`` for the whole batch at once.
-        precision: ``fp32``, ``amp_bf16`` or ``amp_fp16``.
+        precision: ``fp32``, ``amp_bf16``, ``amp_fp16`` or ``amp_fp8`` (bf16 autocast with the linear layers in
+            float8 through :class:`~smalti.core.algorithms.Float8Training`, added at its defaults unless given).
         parallelism: a :class:`Parallelism`; default ``single`` on one rank, ``ddp`` under a multi-rank launch.
         compile: wrap the model's forward with ``torch.compile``.
         config: the run's resolved config, sent to ``log_hyperparameters`` and checked equal across ranks.
@@ -182,7 +194,8 @@ class Trainer:
         if loggers is None:
             loggers = self._default_loggers(default_dir=output_dir is None)
         self._run_plugins = self.pm.register_run_plugins(
-            [("algorithms", _named(algorithms)), ("callbacks", callbacks), ("loggers", _named(loggers))]
+            [("algorithms", _with_float8(_named(algorithms), precision)), ("callbacks", callbacks),
+             ("loggers", _named(loggers))]
         )
         self._closed = False
         self._replay = 0

@@ -241,6 +241,12 @@ class LabelSmoothingSchema(Schema):
     ignore_index: int = -100
 
 
+class Float8TrainingSchema(Schema):
+    recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    skip: list[str] = ["lm_head", "head", "output", "*router*"]
+    fsdp_float8_all_gather: bool = True
+
+
 class LayerFreezingSchema(Schema):
     freeze_start: TimeOrFraction = "0.5dur"
     freeze_level: Probability = 1.0
@@ -345,6 +351,7 @@ def schemas() -> dict[str, type]:
         "smalti.core.callbacks.Goodput": GoodputSchema,
         "smalti.core.algorithms.LabelSmoothing": LabelSmoothingSchema,
         "smalti.core.algorithms.LayerFreezing": LayerFreezingSchema,
+        "smalti.core.algorithms.Float8Training": Float8TrainingSchema,
         "smalti.core.algorithms.SeqLengthWarmup": SeqLengthWarmupSchema,
         "smalti.core.algorithms.SAM": SAMSchema,
         "smalti.core.algorithms.SWA": SWASchema,

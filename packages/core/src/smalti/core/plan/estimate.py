@@ -78,7 +78,7 @@ def state_memory(
     counts: ParamCounts,
     layout: Layout,
     master_bytes: int,
-    weight_bytes: int,
+    weight_bytes: float,
     reduce_bytes: int,
     amp: bool,
     compute_bytes: int,
@@ -191,17 +191,20 @@ def roofline(
     dtype: str,
     efficiency: float,
     master_bytes: int,
+    fp8_share: float = 0.0,
 ) -> StepTime:
     """Step time, tokens/s per GPU and MFU for one optimizer step on one GPU.
 
     Compute runs at ``efficiency * peak[dtype]``; communication is spread evenly over the micro batches and
     overlaps with their compute; the optimizer step reads and writes about 10 values per parameter shard at the
     memory bandwidth. MFU counts ``flops_per_micro`` (LLM Foundry's 3x-forward formula) against the peak;
-    HFU counts the recomputed FLOPs too.
+    HFU counts the recomputed FLOPs too. ``fp8_share`` of the FLOPs (the float8 linear layers' GEMMs) runs at the
+    ``fp8`` peak instead; MFU and HFU stay against the ``dtype`` peak, so fp8 and bf16 runs compare directly.
     """
     peak = gpu.peak_flops[dtype]
     sp = layout.sp
-    compute = hardware_flops_per_micro / sp / (peak * efficiency)
+    seconds_per_flop = (1 - fp8_share) / peak + (fp8_share / gpu.peak_flops["fp8"] if fp8_share else 0.0)
+    compute = hardware_flops_per_micro / sp * seconds_per_flop / efficiency
     comm = communication_s / max(num_microbatches, 1)
     per_micro = max(compute, comm)
     shard = layout.shard if layout.kind in ("fsdp", "hsdp") else 1

@@ -34,7 +34,7 @@ class Accelerator:
 ACCELERATORS: dict[str, Accelerator] = {
     "h100": Accelerator(
         "h100", 80 * GiB, 3 * GiB,
-        {"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 66.9e12},
+        {"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 66.9e12, "fp8": 1978.9e12},
         intra_node_bw=360e9, inter_node_bw=40e9, memory_bw=3.35e12,
         description="H100 SXM 80GB; NVLink 4 (450 GB/s per direction, ~360 GB/s bus bandwidth assumed), "
                     "400 Gb/s NIC per GPU (~40 GB/s assumed)",
@@ -48,7 +48,7 @@ ACCELERATORS: dict[str, Accelerator] = {
     ),
     "h200": Accelerator(
         "h200", 141e9, 3 * GiB,
-        {"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 66.9e12},
+        {"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 66.9e12, "fp8": 1978.9e12},
         intra_node_bw=360e9, inter_node_bw=40e9, memory_bw=4.8e12,
         description="H200 SXM 141GB; compute as H100; NVLink 4 (~360 GB/s bus bandwidth assumed), "
                     "400 Gb/s NIC per GPU (~40 GB/s assumed)",
