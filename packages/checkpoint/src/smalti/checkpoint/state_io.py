@@ -127,13 +127,6 @@ def write_rank_local_file(folder: Path, rel: str, data: bytes, check: bool = Fal
     atomic_write_bytes(path, data)
 
 
-def write_rank_local_state(folder: Path, state: State, algorithm: str = DEFAULT_ALGORITHM) -> tuple[str, dict[str, Any]]:
-    """Write this rank's non-DCP state (see :func:`dump_rank_local_state`); its relative path and record."""
-    rel, data, record = dump_rank_local_state(folder, state, algorithm)
-    write_rank_local_file(folder, rel, data)
-    return rel, record
-
-
 def save_dcp(
     state_dict: dict[str, Any], folder: Path, group: Any, thread_count: int = 1, direct_io: bool = False,
     algorithm: str = DEFAULT_ALGORITHM,

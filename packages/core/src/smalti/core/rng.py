@@ -9,13 +9,6 @@ import numpy as np
 import torch
 
 
-def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch (every device) with ``seed``."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
 def rng_state_dict() -> dict[str, Any]:
     """This process's generator states."""
     state: dict[str, Any] = {

@@ -358,10 +358,6 @@ class Trainer:
         if hook.impls:  # most events have no implementation
             hook(state=self.state, logger=self.logger)
 
-    def _decides(self, hook_name: str) -> bool:
-        """Whether any plugin implements the decision hook (asked every batch; most runs have none for some)."""
-        return self._decision(hook_name).implemented()
-
     def _decision(self, hook_name: str) -> FastHook:
         hook = self._decisions.get(hook_name)
         if hook is None:

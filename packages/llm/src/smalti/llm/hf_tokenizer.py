@@ -174,8 +174,3 @@ def _chat_template(folder: Path, config: Mapping[str, Any]) -> tuple[str | None,
         raise TokenizerError(f"{origin} is {type(template).__name__}, expected a Jinja string")
     return template, origin
 
-
-def is_hf_folder(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a folder holding a Hugging Face tokenizer (``tokenizer_config.json``)."""
-    folder = Path(path).expanduser()
-    return folder.is_dir() and (folder / "tokenizer_config.json").is_file()

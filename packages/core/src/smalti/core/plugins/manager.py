@@ -59,6 +59,9 @@ class SmaltiPluginManager(pluggy.PluginManager):
     def __init__(self) -> None:
         super().__init__(PROJECT_NAME)
         self.add_hookspecs(hookspecs)
+        # As pytest fires pytest_addhooks: every plugin registered from now on may add hookspecs of its own
+        # before its (and later plugins') hook names are checked.
+        self.hook.smalti_addhooks.call_historic(kwargs={"pluginmanager": self})
         self.entry_point_info: dict[str, PluginInfo] = {}
         if os.environ.get(TRACE_ENV):
             self.trace.root.setwriter(log.info)
