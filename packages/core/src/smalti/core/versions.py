@@ -32,7 +32,7 @@ def unsupported(distribution: str, name: str, why: str = "") -> UnsupportedVersi
     tested = TESTED.get(distribution, "the versions in the package's pyproject.toml")
     detail = f" ({why})" if why else ""
     return UnsupportedVersionError(
-        f"{distribution} has no {name}{detail}; smalti is tested with "
+        f"{distribution} {installed_version(distribution)} has no {name}{detail}; smalti is tested with "
         f"{distribution} {tested}: install a version in the range the smalti package's pyproject.toml declares")
 
 
