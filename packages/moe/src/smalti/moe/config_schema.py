@@ -37,10 +37,14 @@ class MoESchema(BaseModel):
     num_shared_experts: Annotated[int, Field(ge=0)] = 0
     router_jitter: Annotated[float, Field(ge=0, lt=1)] = Field(0.0, validation_alias=_alias("router_jitter",
                                                                                                "moe_jitter_eps"))
+    jitter_experts: bool = False
     score_func: Literal["softmax", "sigmoid"] = "softmax"
     load_balancing: Literal["aux_loss", "aux_free", "none"] = "aux_loss"
     lbl_weight: NonNegative = Field(0.1, validation_alias=_alias("lbl_weight", "loss_weight", "moe_loss_weight"))
     zloss_weight: NonNegative = Field(0.0, validation_alias=_alias("zloss_weight", "moe_zloss_weight"))
+    lbl_scope: Literal["layer", "model"] = "layer"
+    normalize_expert_weights: Annotated[float, Field(gt=0)] | None = Field(
+        None, validation_alias=_alias("normalize_expert_weights", "moe_normalize_expert_weights"))
     backend: Literal[BACKENDS] = "torch"  # type: ignore[valid-type]
 
     @field_validator("top_k")

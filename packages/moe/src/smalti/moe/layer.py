@@ -10,7 +10,7 @@ from torch import nn
 
 from smalti.moe import ops
 from smalti.moe.errors import MoEError
-from smalti.moe.losses import expert_counts, load_balancing_loss, router_z_loss
+from smalti.moe.losses import balance_statistics, expert_counts, load_balancing_loss, router_z_loss
 from smalti.moe.reference import ACTIVATIONS
 from smalti.moe.router import Router, Routing
 
@@ -24,7 +24,8 @@ class MoE(nn.Module):
       ``glu`` (``act(x W_gate) * x W_up``, SwiGLU with ``activation='silu'``); ``activation`` one of
       ``gelu`` (tanh), ``gelu_exact``, ``silu``, ``relu``.
     * Router: ``score_func`` ``softmax`` or ``sigmoid``; ``router_jitter`` eps multiplies the router's input
-      by U(1-eps, 1+eps) in training; ``normalize_expert_weights`` p renormalises the kept weights by their
+      by U(1-eps, 1+eps) in training (``jitter_experts``: the jittered input feeds the experts too, as in
+      Mixtral); ``normalize_expert_weights`` p renormalises the kept weights by their
       p-norm (None keeps the raw scores).
     * ``capacity_factor`` 0 or None is dropless; above 0 each expert takes at most
       ``int(capacity_factor * top_k * T / num_experts)`` entries and later (token, slot) entries are dropped.
@@ -33,6 +34,10 @@ class MoE(nn.Module):
     * ``load_balancing``: ``aux_loss`` (MegaBlocks' loss times ``lbl_weight``), ``aux_free`` (DeepSeek-V3:
       a selection bias updated from expert counts after each optimizer step, see
       :mod:`smalti.moe.balancing`) or ``none``. ``zloss_weight`` adds the router z-loss.
+      ``lbl_scope``: ``layer`` (each layer's own loss, as above) or ``model`` (Hugging Face's
+      ``load_balancing_loss_func``: shares and probabilities pooled over all layers before their product; the
+      layer then returns its :func:`~smalti.moe.losses.balance_statistics` in place of a loss, and the model
+      sums them and calls :func:`~smalti.moe.losses.pooled_load_balancing_loss`).
     * ``backend``: ``torch`` (reference kernels, any device) or ``triton`` (CUDA, or Triton's CPU
       interpreter with ``TRITON_INTERPRET=1``); choosing ``triton`` where it cannot run raises
       :class:`MoEError` saying why.
@@ -59,11 +64,13 @@ class MoE(nn.Module):
         capacity_factor: float | None = None,
         num_shared_experts: int = 0,
         router_jitter: float = 0.0,
+        jitter_experts: bool = False,
         normalize_expert_weights: float | None = None,
         score_func: str = "softmax",
         load_balancing: str = "aux_loss",
         lbl_weight: float = 0.1,
         zloss_weight: float = 0.0,
+        lbl_scope: str = "layer",
         backend: str = "torch",
         num_layers: int = 1,
         expert_group: Any = None,
@@ -79,6 +86,10 @@ class MoE(nn.Module):
             raise MoEError(f"activation={activation!r} must be one of {', '.join(ACTIVATIONS)}")
         if load_balancing not in ("aux_loss", "aux_free", "none"):
             raise MoEError(f"load_balancing={load_balancing!r} must be 'aux_loss', 'aux_free' or 'none'")
+        if lbl_scope not in ("layer", "model"):
+            raise MoEError(f"lbl_scope={lbl_scope!r} must be 'layer' or 'model'")
+        if lbl_scope == "model" and zloss_weight:
+            raise MoEError("lbl_scope='model' returns balance statistics, not a loss: set zloss_weight=0")
         if capacity_factor is not None and capacity_factor < 0:
             raise MoEError(f"capacity_factor={capacity_factor} must be >= 0 (0 or None: dropless)")
         if num_layers < 1:
@@ -94,6 +105,7 @@ class MoE(nn.Module):
         self.mlp_type, self.activation = mlp_type, activation
         self.capacity_factor = capacity_factor or 0.0
         self.load_balancing, self.lbl_weight, self.zloss_weight = load_balancing, lbl_weight, zloss_weight
+        self.lbl_scope, self.jitter_experts = lbl_scope, jitter_experts
         self.backend = backend
         self.num_layers = num_layers
         self.expert_group = _resolve_group(expert_group, ep_mesh_dim)
@@ -132,12 +144,18 @@ class MoE(nn.Module):
     # ------------------------------------------------------------------ forward
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Route ``x [..., hidden_size]`` to its experts; returns ``(y, aux_loss)`` with ``y`` shaped like ``x``."""
+        """Route ``x [..., hidden_size]`` to its experts; returns ``(y, aux_loss)`` with ``y`` shaped like ``x``
+        (``aux_loss``: this layer's balance statistics in training under ``lbl_scope='model'``)."""
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         if self.backend == "triton":
             ops.check_triton_input(tokens)
-        routing = self.router(tokens)
+        jitter = self.router.jitter_eps
+        if self.jitter_experts and self.training and jitter > 0:
+            tokens = tokens * torch.empty_like(tokens).uniform_(1.0 - jitter, 1.0 + jitter)
+            routing = self.router(tokens, jitter=False)
+        else:
+            routing = self.router(tokens)
         weights = self._apply_capacity(routing)
         if self.training and self.load_balancing == "aux_free":
             with torch.no_grad():
@@ -187,9 +205,14 @@ class MoE(nn.Module):
         return routing.weights * keep.to(routing.weights.dtype)
 
     def aux_loss(self, routing: Routing) -> torch.Tensor:
-        """This layer's balancing loss (when ``load_balancing='aux_loss'``) plus its router z-loss."""
+        """This layer's balancing loss (when ``load_balancing='aux_loss'``) plus its router z-loss; under
+        ``lbl_scope='model'`` its balance statistics instead (zero outside training)."""
         loss = routing.logits.new_zeros(())
         self.last_losses = {}
+        if self.lbl_scope == "model":
+            if self.training and self.load_balancing == "aux_loss" and self.lbl_weight:
+                return balance_statistics(routing.probs, routing.expert_ids, self.num_experts)
+            return loss
         if self.training and self.load_balancing == "aux_loss" and self.lbl_weight:
             lbl = load_balancing_loss(routing.probs, routing.expert_ids, self.num_experts, self.lbl_weight,
                                       self.num_layers)

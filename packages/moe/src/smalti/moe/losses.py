@@ -30,6 +30,25 @@ def load_balancing_loss(probs: torch.Tensor, expert_ids: torch.Tensor, num_exper
     return weight * num_experts / (num_layers * tokens * k) * torch.dot(counts, mean_probs)
 
 
+def balance_statistics(probs: torch.Tensor, expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """One layer's routing statistics for :func:`pooled_load_balancing_loss`, ``[2 E + 1]`` fp32: the (token,
+    slot) count per expert, the sum over tokens of each expert's probability (carrying the router's gradient),
+    and the token count."""
+    counts = expert_counts(expert_ids, num_experts).float()
+    rows = probs.new_full((1,), expert_ids.shape[0], dtype=torch.float32)
+    return torch.cat([counts, probs.float().sum(0), rows])
+
+
+def pooled_load_balancing_loss(statistics: torch.Tensor, num_experts: int, weight: float) -> torch.Tensor:
+    """Hugging Face's ``load_balancing_loss_func`` times ``weight`` (``router_aux_loss_coef``), from the sum over
+    layers of :func:`balance_statistics`: ``weight * E * sum_e f_e P_e`` where ``f_e`` is the share of (token,
+    slot) entries and ``P_e`` the mean probability of expert ``e``, both pooled over every layer's tokens before
+    the product (so it is not a sum of per-layer losses). Equals ``weight * k`` when routing is balanced.
+    """
+    counts, prob_sums, rows = statistics[:num_experts], statistics[num_experts:2 * num_experts], statistics[-1]
+    return weight * num_experts * torch.dot(counts / rows, prob_sums / rows)
+
+
 def router_z_loss(logits: torch.Tensor, weight: float) -> torch.Tensor:
     """Router z-loss: ``weight * mean_t logsumexp(logits[t])^2`` (ST-MoE), in fp32."""
     return weight * torch.logsumexp(logits.float(), dim=-1).pow(2).mean()

@@ -56,9 +56,10 @@ class Router(nn.Module):
         with off:
             return F.linear(x.float(), weight.float())
 
-    def forward(self, x: torch.Tensor) -> Routing:
-        """Scores, top-k choice and weights for ``x [T, hidden_size]``."""
-        if self.training and self.jitter_eps > 0:
+    def forward(self, x: torch.Tensor, jitter: bool = True) -> Routing:
+        """Scores, top-k choice and weights for ``x [T, hidden_size]``; ``jitter=False`` when the caller has
+        already jittered ``x`` (for the experts too, as Mixtral does)."""
+        if jitter and self.training and self.jitter_eps > 0:
             noise = torch.empty_like(x).uniform_(1.0 - self.jitter_eps, 1.0 + self.jitter_eps)
             x = x * noise
         logits = self._logits(x)

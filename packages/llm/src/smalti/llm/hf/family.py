@@ -14,6 +14,7 @@ onto the rows of smalti-moe's stacked expert weights, so the importer and export
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -23,9 +24,12 @@ from typing import Any, ClassVar
 class Part:
     """One Hugging Face tensor inside a smalti parameter: rows ``start:stop`` of the smalti tensor.
 
-    ``transposed``: the Hugging Face tensor is stored ``[in, out]`` (GPT-2's ``Conv1D``), so smalti's rows are
-    its columns. ``stacked``: the Hugging Face tensor is the single index ``start`` of the smalti tensor's first
-    dimension (``stop == start + 1``), e.g. one expert's weight inside a stacked expert tensor.
+    ``stacked``: the Hugging Face tensor is the single index ``start`` of the smalti tensor's first dimension
+    (``stop == start + 1``), e.g. one expert's weight inside a stacked expert tensor. ``cols``: it fills only
+    the columns ``cols[0]:cols[1]`` of the smalti tensor's last dimension (an expert's gate or up half of a
+    fused GLU weight). ``transposed``: the Hugging Face tensor holds that piece with its last two dimensions
+    swapped (GPT-2's ``Conv1D`` ``[in, out]``, or experts stored ``[out, in]`` where smalti-moe keeps
+    ``[in, out]``); the smalti tensor's rows stay the first dimension either way.
     """
 
     hf_name: str
@@ -33,22 +37,35 @@ class Part:
     stop: int
     transposed: bool = False
     stacked: bool = False
+    cols: tuple[int, int] | None = None
 
     def hf_shape(self, smalti_shape: list[int] | tuple[int, ...]) -> list[int]:
         """The shape of the Hugging Face tensor, given the whole smalti parameter's shape."""
-        rest = list(smalti_shape[1:])
-        if self.stacked:
-            return rest
-        if self.transposed:
-            return [*rest[::-1], self.stop - self.start] if rest else [self.stop - self.start]
-        return [self.stop - self.start, *rest]
+        shape = list(smalti_shape[1:]) if self.stacked else [self.stop - self.start, *smalti_shape[1:]]
+        if self.cols is not None:
+            shape[-1] = self.cols[1] - self.cols[0]
+        if self.transposed and len(shape) >= 2:
+            shape[-2], shape[-1] = shape[-1], shape[-2]
+        return shape
 
     def of(self, tensor: Any) -> Any:
         """This part of the whole smalti ``tensor``, laid out as the Hugging Face tensor."""
+        return self.view(tensor[self.start] if self.stacked else tensor[self.start : self.stop])
+
+    def view(self, rows: Any) -> Any:
+        """``rows`` (this part's rows of the smalti tensor, or its one row when ``stacked``) seen as the Hugging
+        Face tensor's layout: the ``cols`` taken and the last two dimensions swapped when ``transposed``."""
+        if self.cols is not None:
+            rows = rows[..., self.cols[0] : self.cols[1]]
+        return rows.transpose(-2, -1) if self.transposed and rows.dim() >= 2 else rows
+
+    def hf_rows(self, piece: Any, start: int, stop: int, ndim: int) -> Any:
+        """The rows ``start:stop`` (of the ``ndim``-dimensional smalti tensor, within this part) read from the
+        Hugging Face tensor ``piece`` (a safetensors slice or a tensor), in the Hugging Face layout."""
         if self.stacked:
-            return tensor[self.start]
-        piece = tensor[self.start : self.stop]
-        return piece.t() if self.transposed and piece.dim() == 2 else piece
+            return piece[:]
+        a, b = start - self.start, stop - self.start
+        return piece[:, a:b] if self.transposed and ndim == 2 else piece[a:b]
 
 
 #: smalti parameter name -> the Hugging Face tensors it is made of, in file order
@@ -85,8 +102,12 @@ class Family:
         """The ``config.json`` of this family's model equal to a smalti model with ``config``."""
         raise NotImplementedError
 
-    def weight_parts(self, config: dict[str, Any]) -> WeightParts:
-        """For each parameter of a smalti model with ``config``, the Hugging Face tensors it is made of."""
+    def weight_parts(self, config: dict[str, Any], names: Collection[str] | None = None) -> WeightParts:
+        """For each parameter of a smalti model with ``config``, the Hugging Face tensors it is made of.
+
+        ``names``: the tensor names a folder's files hold, when reading one (a family whose folders come in
+        several layouts, such as per-expert or fused expert tensors, picks by them); None when writing, which
+        uses the layout ``transformers`` itself writes."""
         raise NotImplementedError
 
     def zero_tensors(self, config: dict[str, Any]) -> dict[str, list[int]]:

@@ -45,7 +45,7 @@ def load_hf_weights(model: LLM, folder: Path) -> None:
     from safetensors import safe_open
 
     files = weight_files(folder)
-    parts = family_for_config(read_config(folder), folder / "config.json").weight_parts(model.config)
+    parts = family_for_config(read_config(folder), folder / "config.json").weight_parts(model.config, files)
     with ExitStack() as stack:
         handles: dict[Path, Any] = {}
 
@@ -72,12 +72,8 @@ def load_hf_weights(model: LLM, folder: Path) -> None:
                 start, stop = max(lo, part.start), min(hi, part.stop)
                 if start >= stop:
                     continue
-                if part.stacked:
-                    local[start - lo].copy_(piece[:])
-                elif part.transposed and len(shape) == 2:
-                    local[start - lo : stop - lo].copy_(piece[:, start - part.start : stop - part.start].t())
-                else:
-                    local[start - lo : stop - lo].copy_(piece[start - part.start : stop - part.start])
+                rows = local[start - lo] if part.stacked else local[start - lo : stop - lo]
+                part.view(rows).copy_(part.hf_rows(piece, start, stop, param.dim()))
         for buf in model.buffers():
             buf.zero_()
 

@@ -459,8 +459,21 @@ class LLM(nn.Module):
         if sp is not None:
             out["sequence_slice"] = (start, stop, sp.size)
         if aux_losses:
-            out["aux_loss"] = torch.stack([a.float() for a in aux_losses]).sum()
+            out["aux_loss"] = self._aux_loss(aux_losses)
         return out
+
+    def _aux_loss(self, per_block: list[torch.Tensor]) -> torch.Tensor:
+        """The model's auxiliary loss from its blocks': their sum, or, for MoE layers that pool their balance
+        statistics over the model (``moe.lbl_scope: model``, Hugging Face's families), the pooled loss."""
+        pooled = [a for a in per_block if a.dim() > 0]
+        total = torch.stack([a.float() for a in per_block if a.dim() == 0] or [per_block[0].new_zeros(())]).sum()
+        if pooled:
+            from smalti.moe.losses import pooled_load_balancing_loss
+
+            moe = self.config["moe"] or {}
+            total = total + pooled_load_balancing_loss(torch.stack(pooled).sum(0), moe["num_experts"],
+                                                       moe["lbl_weight"])
+        return total
 
     @staticmethod
     def _fused_ce(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, summed: bool) -> torch.Tensor:

@@ -17,6 +17,7 @@ bidirectional attention are refused naming the field.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -140,7 +141,7 @@ class Gemma3(Family):
             out["eos_token_id"] = eos_token_id
         return out
 
-    def weight_parts(self, config: dict[str, Any]) -> WeightParts:
+    def weight_parts(self, config: dict[str, Any], names: Collection[str] | None = None) -> WeightParts:
         """See :meth:`Family.weight_parts`: Llama's names, with the four norms of a Gemma block."""
         out = Llama().weight_parts(config)
         d = config["d_model"]

@@ -6,6 +6,7 @@ Both sides use the half-split rotary convention, so the attention weights map on
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +78,8 @@ class LlamaLike(Family):
             out.append(f"position={c['position']!r} (it uses rope)")
         if c["norm_type"] not in ("rmsnorm", "low_precision_rmsnorm"):
             out.append(f"norm_type={c['norm_type']!r} (it uses rmsnorm)")
-        if c["ffn_type"] != "glu" or c["activation"] != "silu":
-            out.append(f"ffn_type={c['ffn_type']!r}/activation={c['activation']!r} (it uses glu/silu)")
+        if c["ffn_type"] != self.ffn or c["activation"] != "silu":
+            out.append(f"ffn_type={c['ffn_type']!r}/activation={c['activation']!r} (it uses {self.ffn}/silu)")
         if bool(c["qk_norm"]) != self.qk_norm:
             out.append(f"qk_norm={c['qk_norm']!r} (it has {'' if self.qk_norm else 'no '}QK-norm)")
         for key in ("clip_qkv", "softmax_scale", "embed_scale", "post_norms", "rope_local_theta"):
@@ -110,7 +111,17 @@ class LlamaLike(Family):
 
     # ----------------------------------------------------------------- weight names
 
-    def weight_parts(self, config: dict[str, Any]) -> WeightParts:
+    def ffn_parts(self, c: dict[str, Any], layer: int, ffn_bias: bool, names: Collection[str] | None) -> WeightParts:
+        """The weight parts of layer ``layer``'s FFN (SwiGLU here; the MoE families map their experts)."""
+        src, dst = f"blocks.{layer}.", f"model.layers.{layer}."
+        out: WeightParts = {}
+        for kind in ("weight", "bias") if ffn_bias else ("weight",):
+            for proj, rows in (("gate_proj", c["ffn_hidden_size"]), ("up_proj", c["ffn_hidden_size"]),
+                               ("down_proj", c["d_model"])):
+                out[src + f"ffn.{proj}.{kind}"] = [Part(dst + f"mlp.{proj}.{kind}", 0, rows)]
+        return out
+
+    def weight_parts(self, config: dict[str, Any], names: Collection[str] | None = None) -> WeightParts:
         """See :meth:`Family.weight_parts`."""
         c = config
         hd = head_dim(c)
@@ -119,7 +130,7 @@ class LlamaLike(Family):
         attn_bias = bias if c.get("attn_bias") is None else bool(c["attn_bias"])
         qkv_bias = attn_bias if c.get("qkv_bias") is None else bool(c["qkv_bias"])
         ffn_bias = bias if c.get("ffn_bias") is None else bool(c["ffn_bias"])
-        d, hidden, vocab = c["d_model"], c["ffn_hidden_size"], c["vocab_size"]
+        d, vocab = c["d_model"], c["vocab_size"]
         out: WeightParts = {"wte.weight": [Part("model.embed_tokens.weight", 0, vocab)]}
         for i in range(c["n_layers"]):
             src, dst = f"blocks.{i}.", f"model.layers.{i}."
@@ -135,9 +146,7 @@ class LlamaLike(Family):
                 for p in ("q", "k"):
                     out[src + f"attn.{p}_norm.weight"] = [Part(dst + f"self_attn.{p}_norm.weight", 0, hd)]
             out[src + "norm_2.weight"] = [Part(dst + "post_attention_layernorm.weight", 0, d)]
-            for kind in ("weight", "bias") if ffn_bias else ("weight",):
-                for proj, rows in (("gate_proj", hidden), ("up_proj", hidden), ("down_proj", d)):
-                    out[src + f"ffn.{proj}.{kind}"] = [Part(dst + f"mlp.{proj}.{kind}", 0, rows)]
+            out.update(self.ffn_parts(c, i, ffn_bias, names))
         out["norm_f.weight"] = [Part("model.norm.weight", 0, d)]
         if not c.get("tie_embeddings", True):
             out["lm_head.weight"] = [Part("lm_head.weight", 0, vocab)]

@@ -11,6 +11,7 @@ classes that ship with ``transformers`` (no ``trust_remote_code``):
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +121,7 @@ class MPT(_MPTShaped):
                 "attn_config": {"alibi": True, "alibi_bias_max": int(c["alibi_bias_max"]), "clip_qkv": c["clip_qkv"],
                                 "softmax_scale": c["softmax_scale"], "attn_pdrop": 0, "qk_ln": False}}
 
-    def weight_parts(self, config: dict[str, Any]) -> WeightParts:
+    def weight_parts(self, config: dict[str, Any], names: Collection[str] | None = None) -> WeightParts:
         """See :meth:`Family.weight_parts`."""
         c = config
         d, hidden, vocab = c["d_model"], c["ffn_hidden_size"], c["vocab_size"]
@@ -187,7 +188,7 @@ class GPT2(_MPTShaped):
             names.append(("lm_head.weight", "lm_head.weight", vocab, False))
         return names
 
-    def weight_parts(self, config: dict[str, Any]) -> WeightParts:
+    def weight_parts(self, config: dict[str, Any], names: Collection[str] | None = None) -> WeightParts:
         """See :meth:`Family.weight_parts` (without the biases a ``bias: false`` model lacks)."""
         biased = bool(config.get("bias"))
         return {ours: [Part(theirs, 0, rows, transposed=t)] for ours, theirs, rows, t in self._names(config)
