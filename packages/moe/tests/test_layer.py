@@ -221,3 +221,43 @@ def test_router_logits_stay_fp32_under_autocast_and_bf16_layer_runs():
     ref.load_state_dict({k: v.float() for k, v in bf16.state_dict().items()})
     want = ref(x.bfloat16().float())[0]
     assert float((y.detach().float() - want.detach()).norm() / want.detach().norm()) < 3e-2  # bf16 rounding of two GEMMs and the combine
+
+
+def test_model_scope_pools_shares_and_probabilities_over_layers_before_their_product():
+    """``lbl_scope='model'``: each layer returns its statistics; their pooled loss is the Switch loss over the
+    layers' tokens concatenated (Hugging Face's ``load_balancing_loss_func``), not the sum of per-layer losses."""
+    from smalti.moe.losses import pooled_load_balancing_loss
+
+    layers = [make(lbl_scope="model", lbl_weight=0.3, normalize_expert_weights=1.0) for _ in range(2)]
+    torch.manual_seed(5)
+    layers[1].router.gate.weight.data.mul_(8)  # the second layer routes far less evenly than the first
+    x = torch.randn(40, 24)
+    stats = [layer(x)[1] for layer in layers]
+    assert [s.shape for s in stats] == [torch.Size([9])] * 2
+    loss = pooled_load_balancing_loss(torch.stack(stats).sum(0), 4, 0.3)
+    logits = torch.cat([layer.router(x).logits for layer in layers])
+    probs = logits.softmax(-1)
+    shares = torch.zeros(4).index_add_(0, probs.topk(2, -1).indices.reshape(-1), torch.ones(160)) / 80
+    torch.testing.assert_close(loss, 0.3 * 4 * (shares * probs.mean(0)).sum())
+    per_layer = sum(pooled_load_balancing_loss(s, 4, 0.3) for s in stats)
+    assert abs(float(per_layer.detach()) - float(loss.detach())) > 1e-3
+    loss.backward()
+    assert all(layer.router.gate.weight.grad.abs().max() > 0 for layer in layers)
+    for layer in layers:
+        layer.eval()
+    assert all(layer(x)[1].dim() == 0 and float(layer(x)[1]) == 0.0 for layer in layers)
+    with pytest.raises(MoEError, match="lbl_scope='nope'"):
+        make(lbl_scope="nope")
+
+
+def test_jitter_experts_feeds_the_jittered_input_to_the_experts_too():
+    layer = make(router_jitter=0.3, jitter_experts=True)
+    x = torch.randn(32, 24)
+    layer.train()
+    torch.manual_seed(3)
+    y = layer(x)[0]
+    torch.manual_seed(3)
+    jittered = x * torch.empty_like(x).uniform_(0.7, 1.3)
+    layer.eval()
+    torch.testing.assert_close(y, layer(jittered)[0])  # eval: no jitter, so this is the jittered forward
+    assert not torch.allclose(layer(x)[0], y)
