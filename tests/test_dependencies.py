@@ -3,7 +3,7 @@
 A small AST check of our own (no tool to install; it maps ``smalti.<pkg>`` imports, one PEP 420 namespace
 split over several distributions, to ``smalti-<pkg>``): every third-party module imported under ``packages/<pkg>/src`` (outside ``try: ... except
 ImportError``, the optional integrations) must belong to a distribution
-listed in that package's ``[project] dependencies`` or one of its non-test extras, and every such declared
+listed in that package's ``[project] dependencies`` or one of its non-test, non-bench extras, and every such declared
 distribution must be imported somewhere in ``src`` (or be listed in ``USED_WITHOUT_IMPORT`` with the reason).
 """
 
@@ -44,7 +44,7 @@ def _declared(pyproject: Path) -> dict[str, str]:
     project = tomllib.loads(pyproject.read_text())["project"]
     out = {_requirement_name(r): "dependencies" for r in project.get("dependencies", [])}
     for extra, reqs in project.get("optional-dependencies", {}).items():
-        if extra in ("test", "dev", "docs"):
+        if extra in ("test", "dev", "docs", "bench"):  # bench: what bench/ scripts run, not src
             continue
         for r in reqs:
             out.setdefault(_requirement_name(r), f"extra {extra}")

@@ -1,0 +1,397 @@
+"""Chat finetuning end to end: smalti's ``experiment=finetune_hf`` against TRL's ``SFTTrainer``.
+
+One seeded Llama (``transformers``' ``LlamaForCausalLM``, random init, ``save_pretrained`` safetensors) with a
+Llama-3-style chat tokenizer whose template marks assistant text with ``{% generation %}`` (what TRL's
+assistant-only loss needs and smalti's chat data reads too), and one seeded chat JSONL from
+``smalti.llm.data.make_long_tail_chat`` (heavy-tailed lengths: median about 300 tokens, about 1% above 3,000,
+prompts 30-60% of the tokens, 1-4 exchanges) plus a held-out split. Each side trains one epoch over the same
+train file, so the same assistant tokens (conversations longer than ``--max-len`` keep their first tokens on both
+sides), in its own process:
+
+  (a) TRL's ``SFTTrainer`` with its defaults where the user keeps them: its default collator
+      (``DataCollatorForLanguageModeling``: one conversation per row, padded to the batch's longest),
+      ``per_device_train_batch_size=8``, ``gradient_checkpointing=True``; and ``bf16=True`` (autocast on CPU),
+      ``optim="adamw_torch_fused"``, ``assistant_only_loss=True``, ``max_length=--max-len``, SDPA attention;
+      then (``--packed``) again with ``packing=True`` (TRL's best-fit-decreasing packing, padding-free);
+  (b) ``smalti-train experiment=finetune_hf`` (packed rows with sequence ids, the fused linear + cross-entropy,
+      ``precision=amp_bf16``, fused AdamW) with ``model.activation_checkpointing=block`` as TRL checkpoints,
+      and as many packed rows per batch as hold about the tokens of TRL's 8 conversations.
+
+Both use the same learning rate (``--lr``, linear decay to 0, no warm-up), AdamW betas (0.9, 0.999), eps 1e-8,
+no weight decay and gradient clipping at norm 1.0. Every process's whole-command CPU time (user + system, model
+loading and tokenization included) and peak RSS come from ``os.wait4``; the speed is assistant tokens trained
+per CPU second (each side counts the tokens its batches carry with a label), the memory the peak RSS. Each
+side's trained model is then scored by the same code (``transformers``, fp32) on the held-out split: mean
+cross-entropy over its assistant tokens, which must agree within 2%. The bench refuses to print a ratio when
+the sides ran at different precision or optimizer implementations or trained different numbers of assistant
+tokens. The last line:
+
+    sft_vs_trl: default speed X.XX memory X.XX packed speed X.XX memory X.XX
+
+    OMP_NUM_THREADS=2 python bench/sft_vs_trl.py [--shape llama1b_like] [--conversations 400] [--packed]
+    (needs trl==1.16.0: pip install 'smalti-llm[bench]'); --json PATH writes every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from llm_vs_hf import SHAPES, _watch_autocast  # noqa: E402
+
+TRL_BATCH = 8  # SFTConfig's per_device_train_batch_size default
+BETAS = (0.9, 0.999)
+SMALL = dict(vocab=128256, d_model=256, ffn=768, layers=4, heads=4, kv_heads=2)
+TINY = dict(vocab=512, d_model=32, ffn=96, layers=2, heads=4, kv_heads=2)
+MODEL_SHAPES = {**{k: v for k, v in SHAPES.items() if k != "long"}, "small": SMALL, "tiny": TINY}
+TOLERANCE = 0.02
+
+TRAIN_TEMPLATE = r"""{%- if messages and messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content'] | trim %}
+    {%- set turns = messages[1:] %}
+{%- else %}
+    {%- set system_message = '' %}
+    {%- set turns = messages %}
+{%- endif %}
+{{- bos_token }}
+{%- if system_message %}
+    {{- '<|start_header_id|>system<|end_header_id|>\n\n' + system_message + '<|eot_id|>' }}
+{%- endif %}
+{%- for message in turns %}
+    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' }}
+    {%- if message['role'] == 'assistant' %}
+        {%- generation %}{{- message['content'] | trim + '<|eot_id|>' }}{%- endgeneration %}
+    {%- else %}
+        {{- message['content'] | trim + '<|eot_id|>' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{%- endif %}
+"""
+
+
+def make_folder(shape: dict[str, int], max_len: int, folder: Path) -> None:
+    """A seeded random Llama and its Llama-3-style chat tokenizer, as ``save_pretrained`` writes them."""
+    import tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from smalti.testing.hf_tokenizers import write_chat_tokenizer
+
+    write_chat_tokenizer(folder, "llama3")
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = TRAIN_TEMPLATE
+    config_file.write_text(json.dumps(config, indent=2) + "\n")
+    tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    llama = LlamaConfig(
+        vocab_size=shape["vocab"], hidden_size=shape["d_model"], intermediate_size=shape["ffn"],
+        num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"], max_position_embeddings=max_len, rope_theta=500000.0,
+        tie_word_embeddings=False, rms_norm_eps=1e-5, bos_token_id=tok.token_to_id("<|begin_of_text|>"),
+        eos_token_id=tok.token_to_id("<|eot_id|>"),
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(llama).save_pretrained(folder)
+
+
+def make_data(folder: Path, n_train: int, n_eval: int, out: Path) -> tuple[Path, Path]:
+    """The heavy-tailed train and held-out chat JSONL, token counts measured with the folder's tokenizer."""
+    from smalti.llm.data.make_long_tail_chat import heavy_tailed_chat, word_costs_from, write_jsonl
+
+    count = word_costs_from(folder)
+    return (write_jsonl(heavy_tailed_chat(n_train, 0, count), out / "train.jsonl"),
+            write_jsonl(heavy_tailed_chat(n_eval, 1, count), out / "eval.jsonl"))
+
+
+def _digest(*paths: Path) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def run_trl(args: argparse.Namespace) -> dict:
+    """TRL's SFTTrainer over the train file (one epoch); saves the trained model to ``--out``."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    rows = [json.loads(line) for line in args.train.read_text().splitlines()]
+    tok = AutoTokenizer.from_pretrained(args.folder)
+    model = AutoModelForCausalLM.from_pretrained(args.folder, dtype=torch.float32, attn_implementation="sdpa")
+    autocast: list[str] = []
+    # on a decoder layer, not the model: accelerate enters autocast inside the model's own forward, and TRL's
+    # fused LM head reads lm_head.weight without calling the module
+    _watch_autocast(model.model.layers[-1], torch.device("cpu"), autocast)
+    config = SFTConfig(
+        output_dir=str(args.out / "trl_run"), bf16=True, optim="adamw_torch_fused", assistant_only_loss=True,
+        max_length=args.max_len, packing=args.worker == "trl_packed", per_device_train_batch_size=TRL_BATCH,
+        gradient_checkpointing=not args.no_checkpointing, num_train_epochs=1, learning_rate=args.lr,
+        lr_scheduler_type="linear", adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=1e-8,
+        weight_decay=0.0, max_grad_norm=1.0, save_strategy="no", eval_strategy="no", report_to="none",
+        logging_steps=10, use_cpu=True, dataloader_num_workers=0, seed=0,
+    )
+    trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows), processing_class=tok)
+    collate = trainer.data_collator
+    counted = {"assistant_tokens": 0, "rows": 0, "row_tokens": 0}
+
+    def counting_collator(features):
+        batch = collate(features)
+        counted["assistant_tokens"] += int((batch["labels"] != -100).sum())
+        counted["rows"] += int(batch["input_ids"].shape[0])
+        counted["row_tokens"] += int(batch["input_ids"].numel())
+        return batch
+
+    trainer.data_collator = counting_collator
+    result = trainer.train()
+    trainer.save_model(str(args.out / "hf"))
+    tok.save_pretrained(str(args.out / "hf"))
+    opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
+    losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    return {
+        **counted,
+        "steps": int(result.global_step),
+        "train_losses": losses,
+        "autocast": sorted(set(autocast)),
+        "optimizer": "fused" if opt.defaults.get("fused") else "foreach" if opt.defaults.get("foreach") else "loop",
+        "checkpointing": bool(model.is_gradient_checkpointing),
+        "collator": type(collate).__name__,
+        "padding_free": bool(getattr(collate, "padding_free", False)),
+        "attention": model.config._attn_implementation,
+    }
+
+
+def smalti_rows(folder: Path, train: Path, max_len: int) -> list[dict[str, torch.Tensor]]:
+    """smalti's packed training rows of the train file (what ``data=chat`` builds)."""
+    from smalti.llm.data.chat import ChatDataset
+
+    ds = ChatDataset(path=str(train), tokenizer=str(folder), max_seq_len=max_len, packing=True)
+    return [ds[i] for i in range(len(ds))]
+
+
+def smalti_command(args: argparse.Namespace, batch_rows: int, run_dir: Path) -> list[str]:
+    """The ``smalti-train experiment=finetune_hf`` command of side (b)."""
+    return [
+        sys.executable, "-m", "smalti.core.cli.train", "experiment=finetune_hf", f"model.pretrained={args.folder}",
+        f"data.train.path={args.train}", f"data.eval.path={args.eval}", f"model.max_seq_len={args.max_len}",
+        f"data.global_train_batch_size={batch_rows}", "data.drop_last=false", "trainer.max_duration=1ep",
+        "trainer.eval_interval=null", "callbacks=[hf_export]", "logger=[jsonl]", f"hydra.run.dir={run_dir}",
+        f"optimizer.lr={args.lr}", f"optimizer.betas=[{BETAS[0]},{BETAS[1]}]", "scheduler.t_warmup=0ba",
+        "model.activation_checkpointing=" + ("null" if args.no_checkpointing else "block"),
+    ]
+
+
+def _measured(cmd: list[str], env: dict[str, str], cwd: Path) -> tuple[subprocess.CompletedProcess, float, float]:
+    """Run ``cmd``; return it with its whole-command CPU seconds and peak RSS (MB), read from ``os.wait4``."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env, cwd=cwd)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0)
+        err.seek(0)
+        done = subprocess.CompletedProcess(cmd, proc.returncode, out.read().decode(), err.read().decode())
+    return done, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024
+
+
+def side_trl(args: argparse.Namespace, packed: bool, work: Path) -> dict:
+    """Side (a) in its own process."""
+    out = work / ("trl_packed" if packed else "trl")
+    cmd = [sys.executable, __file__, "--worker", "trl_packed" if packed else "trl", "--folder", str(args.folder),
+           "--train", str(args.train), "--out", str(out), "--max-len", str(args.max_len), "--lr", str(args.lr)]
+    cmd += ["--no-checkpointing"] if args.no_checkpointing else []
+    start = time.perf_counter()
+    done, cpu, rss = _measured(cmd, {**os.environ}, work)
+    if done.returncode:
+        raise SystemExit(f"TRL side failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    res = json.loads(done.stdout.strip().splitlines()[-1])
+    return {**res, "cpu_s": cpu, "wall_s": time.perf_counter() - start, "rss_mb": rss, "model": out / "hf"}
+
+
+def side_smalti(args: argparse.Namespace, batch_rows: int, rows: list[dict], work: Path) -> dict:
+    """Side (b): ``smalti-train experiment=finetune_hf`` in its own process."""
+    import yaml
+
+    run_dir = work / "smalti"
+    env = {**os.environ, "SMALTI_RUN_NAME": "sft_vs_trl", "HF_HUB_OFFLINE": "1"}
+    start = time.perf_counter()
+    done, cpu, rss = _measured(smalti_command(args, batch_rows, run_dir), env, work)
+    if done.returncode:
+        raise SystemExit(f"smalti side failed ({done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
+    config = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
+    from smalti.core.loggers import read_jsonl
+
+    losses = {}
+    for metrics_file in run_dir.rglob("*.jsonl"):
+        for record in read_jsonl(metrics_file):
+            if "loss/train/total" in record.get("metrics", {}):
+                losses[record["step"]] = record["metrics"]["loss/train/total"]
+    precision = config["trainer"]["precision"]
+    return {
+        "assistant_tokens": int(sum(int((r["labels"] != -100).sum()) for r in rows)),
+        "rows": len(rows),
+        "row_tokens": sum(int(r["input_ids"].numel()) for r in rows),
+        "steps": len(losses),
+        "train_losses": [losses[s] for s in sorted(losses)],
+        "autocast": ["bfloat16"] if "bf16" in str(precision) else ["off"],
+        "precision": str(precision),
+        "optimizer": "fused" if config["optimizer"].get("fused") else "foreach/loop",
+        "checkpointing": config["model"].get("activation_checkpointing") not in (None, "null"),
+        "collator": "packed rows with sequence ids",
+        "cpu_s": cpu, "wall_s": time.perf_counter() - start, "rss_mb": rss, "model": _exported(run_dir),
+    }
+
+
+def _exported(run_dir: Path) -> Path:
+    found = sorted(p.parent for p in run_dir.rglob("config.json") if (p.parent / "model.safetensors").exists()
+                   or any(p.parent.glob("*.safetensors")))
+    if not found:
+        raise SystemExit(f"smalti side wrote no Hugging Face folder under {run_dir}")
+    return found[0]
+
+
+def eval_loss(model_dir: Path, eval_file: Path, max_len: int) -> float:
+    """Mean cross-entropy (fp32) over the assistant tokens of the held-out conversations."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for line in eval_file.read_text().splitlines():
+            enc = tok.apply_chat_template(json.loads(line)["messages"], tokenize=True, return_dict=True,
+                                          return_assistant_tokens_mask=True)
+            ids = torch.tensor(enc["input_ids"][:max_len])
+            labels = torch.where(torch.tensor(enc["assistant_masks"][:max_len]) == 1, ids, -100)
+            logits = model(ids[None]).logits[0, :-1].float()
+            target = labels[1:]
+            if (target != -100).any():
+                total += float(torch.nn.functional.cross_entropy(logits, target, ignore_index=-100,
+                                                                 reduction="sum"))
+                count += int((target != -100).sum())
+    return total / count
+
+
+def _check_terms(trl: dict, sm: dict, label: str) -> None:
+    for key in ("autocast", "optimizer", "checkpointing"):
+        if trl[key] != sm[key]:
+            raise SystemExit(f"unfair comparison ({label}): TRL ran {key}={trl[key]}, smalti {key}={sm[key]}")
+    if trl["assistant_tokens"] != sm["assistant_tokens"]:
+        raise SystemExit(f"{label}: TRL trained {trl['assistant_tokens']} assistant tokens, smalti "
+                         f"{sm['assistant_tokens']}: not the same data")
+
+
+def _report(name: str, res: dict, loss: float) -> None:
+    print(f"{name:11s}: {res['assistant_tokens']} assistant tokens in {res['steps']} steps of {res['rows']} rows "
+          f"({res['row_tokens']} row tokens, {res['assistant_tokens'] / res['row_tokens']:.0%} trained); CPU "
+          f"{res['cpu_s']:.1f} s (wall {res['wall_s']:.1f} s): {res['assistant_tokens'] / res['cpu_s']:.0f} "
+          f"assistant tokens/CPU-s; peak RSS {res['rss_mb']:.0f} MB; held-out loss {loss:.4f}; autocast "
+          f"{','.join(res['autocast'])}, AdamW {res['optimizer']}, checkpointing {res['checkpointing']}, "
+          f"{res['collator']}", flush=True)
+
+
+def _lengths(rows_file: Path, folder: Path) -> str:
+    from smalti.llm.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(folder)
+    lengths, prompt_shares = [], []
+    for line in rows_file.read_text().splitlines():
+        ids, mask = tok.encode_chat(json.loads(line)["messages"])[:2]
+        lengths.append(len(ids))
+        prompt_shares.append(1 - sum(mask) / len(ids))
+    return (f"{len(lengths)} conversations: median {statistics.median(lengths):.0f} tokens, mean "
+            f"{statistics.mean(lengths):.0f}, {sum(n > 3000 for n in lengths) / len(lengths):.1%} above 3,000, "
+            f"longest {max(lengths)}; prompt share median {statistics.median(prompt_shares):.0%}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=list(MODEL_SHAPES), default="llama1b_like")
+    p.add_argument("--conversations", type=int, default=400, help="train conversations (one epoch)")
+    p.add_argument("--eval-conversations", type=int, default=40)
+    p.add_argument("--max-len", type=int, default=1024, help="TRL max_length and smalti model.max_seq_len")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--packed", action="store_true", help="also run TRL with packing=True")
+    p.add_argument("--no-checkpointing", action="store_true", help="neither side checkpoints activations")
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--worker", choices=["trl", "trl_packed"], help=argparse.SUPPRESS)
+    p.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--train", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--eval", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        print(json.dumps(run_trl(args)))
+        return
+    import transformers
+    import trl
+
+    shape = MODEL_SHAPES[args.shape]
+    print(f"cpu threads={os.environ.get('OMP_NUM_THREADS', torch.get_num_threads())} torch={torch.__version__} "
+          f"shape {args.shape}: " + " ".join(f"{k}={v}" for k, v in shape.items()) + f" max_len={args.max_len}",
+          flush=True)
+    with tempfile.TemporaryDirectory(prefix="sft_vs_trl.") as tmp:
+        work = Path(tmp)
+        args.folder = work / "model"
+        make_folder(shape, args.max_len, args.folder)
+        args.train, args.eval = make_data(args.folder, args.conversations, args.eval_conversations, work / "data")
+        print(f"data (sha256 {_digest(args.train, args.eval)}): train {_lengths(args.train, args.folder)}",
+              flush=True)
+        rows = smalti_rows(args.folder, args.train, args.max_len)
+        packed_tokens = sum(int((r["sequence_id"] >= 0).sum()) for r in rows)
+        batch_rows = max(1, round(TRL_BATCH * packed_tokens / args.conversations / args.max_len))
+        baseline = (
+            f"trl {trl.__version__} SFTTrainer, transformers {transformers.__version__}: bf16=True (autocast), "
+            f"optim=adamw_torch_fused, assistant_only_loss=True, attention sdpa, per_device_train_batch_size="
+            f"{TRL_BATCH}, gradient_checkpointing={not args.no_checkpointing}, max_length={args.max_len}, "
+            f"lr {args.lr} linear, betas {BETAS}, max_grad_norm 1.0; default collator, then packing=True (bfd)"
+        )
+        print(f"baseline: {baseline}", flush=True)
+        print(f"smalti: experiment=finetune_hf, {batch_rows} packed rows of {args.max_len} per batch "
+              f"(about {TRL_BATCH} conversations), activation_checkpointing="
+              f"{'null' if args.no_checkpointing else 'block'}", flush=True)
+        sm = side_smalti(args, batch_rows, rows, work)
+        sides = {"trl": side_trl(args, False, work)}
+        if args.packed:
+            sides["trl_packed"] = side_trl(args, True, work)
+        losses = {"smalti": eval_loss(sm["model"], args.eval, args.max_len)}
+        for name, res in sides.items():
+            losses[name] = eval_loss(res["model"], args.eval, args.max_len)
+            _report(name, res, losses[name])
+        _report("smalti", sm, losses["smalti"])
+        result: dict = {"baseline": baseline, "shape": args.shape, "sides": {}, "ratios": {}}
+        for name, res in {**sides, "smalti": sm}.items():
+            result["sides"][name] = {k: v for k, v in res.items() if k != "model"} | {"eval_loss": losses[name]}
+        for name, res in sides.items():
+            _check_terms(res, sm, name)
+            gap = abs(losses["smalti"] - losses[name]) / losses[name]
+            speed = (sm["assistant_tokens"] / sm["cpu_s"]) / (res["assistant_tokens"] / res["cpu_s"])
+            memory = sm["rss_mb"] / res["rss_mb"]
+            result["ratios"][name] = {"speed": speed, "memory": memory, "eval_loss_gap": gap}
+            print(f"smalti vs {name}: speed {speed:.2f} (assistant tokens per CPU second), memory {memory:.2f} "
+                  f"(peak RSS), held-out loss {losses['smalti']:.4f} vs {losses[name]:.4f} ({gap:.1%} apart, "
+                  f"limit {TOLERANCE:.0%})", flush=True)
+            if gap > TOLERANCE:
+                raise SystemExit(f"held-out losses differ by {gap:.1%} (limit {TOLERANCE:.0%})")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    default = result["ratios"]["trl"]
+    packed = result["ratios"].get("trl_packed")
+    print(f"baseline: {baseline}")
+    print(f"sft_vs_trl: default speed {default['speed']:.2f} memory {default['memory']:.2f} packed "
+          + (f"speed {packed['speed']:.2f} memory {packed['memory']:.2f}" if packed else "not run (--packed)"))
+
+
+if __name__ == "__main__":
+    main()
