@@ -233,6 +233,10 @@ class Trainer:
                 self.state.model.compile()
             self.state.optimizers = self._build_optimizers(optimizers)
             self.state.schedulers = self._build_schedulers(schedulers)
+            # Built now, as Composer does, not in the first evaluation: making them imports torchmetrics (seconds
+            # in a fresh process), which would count as evaluation time and skew the runtime estimate.
+            for evaluator in self.state.evaluators:
+                self._ensure_metrics(evaluator)
             if config is not None:
                 self.logger.log_hyperparameters(config)
             self._event(Event.BEFORE_LOAD)
@@ -729,12 +733,16 @@ class Trainer:
         self._event(Event.EVAL_AFTER_ALL)
         return state.eval_metrics
 
+    def _ensure_metrics(self, evaluator: Evaluator) -> None:
+        """Give ``evaluator`` the model's ``metrics(train=False)`` unless it has metrics of its own."""
+        if not evaluator.metrics:
+            maker = getattr(self.state.raw_model, "metrics", None)
+            evaluator.metrics = dict(maker(train=False)) if callable(maker) else {}
+
     def _run_evaluator(self, evaluator: Evaluator) -> dict[str, float]:
         state = self.state
         state.eval_label = evaluator.label
-        if not evaluator.metrics:
-            maker = getattr(state.raw_model, "metrics", None)
-            evaluator.metrics = dict(maker(train=False)) if callable(maker) else {}
+        self._ensure_metrics(evaluator)
         metrics = evaluator.metrics
         for metric in metrics.values():
             metric.reset()
