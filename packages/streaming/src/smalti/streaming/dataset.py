@@ -34,6 +34,7 @@ from smalti.streaming.order import (
     DEFAULT_SHUFFLE,
     LEGACY_SHUFFLE,
     SHUFFLES,
+    default_block_size,
     group_by_node,
     pad_to_batches,
     select_samples,
@@ -42,6 +43,7 @@ from smalti.streaming.order import (
     split_selection,
     stream_counts,
 )
+from smalti.streaming.order_mosaic import MOSAIC_ALGOS, mosaic_work
 from smalti.streaming.partial import read_rows
 from smalti.streaming.storage import Fetcher
 
@@ -202,7 +204,9 @@ class StreamingDataset(IterableDataset):
     """Streams samples from MDS shards; also supports ``len()`` (this rank's samples per epoch) and ``ds[i]``.
 
     Each rank reads ``batch_size`` samples of every global batch; the global batches depend only on the
-    seed, ``num_canonical_nodes`` and ``batch_size * data-parallel ranks`` (see :mod:`smalti.streaming.order`).
+    seed, ``num_canonical_nodes`` and ``batch_size * data-parallel ranks`` (see :mod:`smalti.streaming.order`),
+    except under mosaicml-streaming's algorithms, which give every rank that library's order (see
+    :meth:`mosaic_layout`).
     ``rank``/``world_size`` default to the process group or torchrun's environment, ``local_world_size`` (ranks
     per node) to ``LOCAL_WORLD_SIZE``. ``shuffle_algo`` defaults to ``blocks`` (see
     :mod:`smalti.streaming.order_blocks`), or the checkpoint's on resume. ``num_canonical_nodes`` defaults to the node count (64x for
@@ -309,6 +313,7 @@ class StreamingDataset(IterableDataset):
         self._consumed = 0  # samples this process handed out in the current epoch (this rank's share)
         self._counted_by_loader = False
         self._order_cache: dict[tuple[Any, ...], np.ndarray] = {}
+        self._initial_nodes: int | None = None  # the first run's node count, once resumed on another
         self._first_rows: dict[int, Future] = {}  # shard -> rows of the first batch read ahead (see _warm_up)
         self._first_rows_ids: np.ndarray | None = None
         shards: list[tuple[int, dict[str, Any]]] = []  # (stream index, index entry)
@@ -855,11 +860,45 @@ class StreamingDataset(IterableDataset):
         usable = len(chunks) - len(chunks) % (global_batch // chunk)
         return (np.concatenate(chunks[:usable]) if usable else empty), empty
 
+    def mosaic_layout(self) -> bool:
+        """Whether mosaicml-streaming's partition deals the samples to ranks, as well as its shuffle orders them.
+
+        So for its shuffles (``naive``, ``py1s``, ``py2s``, ``py1br``, ``py1e``) over streams read whole
+        (no ``proportion``/``repeat``/``choose``, ``epoch_size`` or schedule) with ``random`` batching and no
+        replication: every rank then yields what it would under mosaicml-streaming 0.13 (see
+        :mod:`smalti.streaming.order_mosaic`).
+        """
+        return (self.shuffle_algo in MOSAIC_ALGOS and self.replication == 1 and self.epoch_size is None
+                and not self.proportion_schedule and all(s.weight[1] is None for s in self.streams)
+                and (self.batching_method == "random" or len(self.streams) == 1))
+
+    def _mosaic_grid(self, epoch: int, drop: int) -> np.ndarray:
+        """mosaicml-streaming's arrangement as global batch rows: rank ``r``'s batch ``k`` in row ``k``'s ``r``-th
+        slice of ``batch_size`` (``-1`` pads a partial last batch)."""
+        key = ("mosaic", epoch, drop, self.physical_nodes, self.local_world, self.batch_size, self.shuffle,
+               self.shuffle_algo, self.shuffle_seed, self.shuffle_block_size, self.num_canonical_nodes,
+               self._initial_nodes)
+        grid = self._order_cache.get(key)
+        if grid is None:
+            sizes = np.diff(self._shard_starts)
+            block = self.shuffle_block_size or default_block_size(self.num_canonical_nodes)
+            work = mosaic_work(sizes, shuffle=self.shuffle, algo=self.shuffle_algo, seed=self.shuffle_seed,
+                               epoch=epoch, num_canonical_nodes=self.num_canonical_nodes, block_size=block,
+                               num_nodes=self.physical_nodes, ranks_per_node=self.local_world, workers_per_rank=1,
+                               batch_size=self.batch_size, drop_first=drop, initial_nodes=self._initial_nodes)
+            grid = work[:, :, 0].reshape(self.world_size, -1, self.batch_size).transpose(1, 0, 2)
+            grid = grid.reshape(-1, self.world_size * self.batch_size)
+            grid.setflags(write=False)
+            self._order_cache[key] = grid
+        return grid
+
     def _remaining_grid(self, epoch: int) -> np.ndarray:
         """The epoch's global batches still to come, one row each; ``-1`` pads a partial last batch."""
         global_batch = self.batch_size * self.dp_world
-        order = self.epoch_order(epoch)
         drop = self._resume[1] if self._resume and self._resume[0] == epoch else 0
+        if self.mosaic_layout():
+            return self._mosaic_grid(epoch, drop)
+        order = self.epoch_order(epoch)
         if drop:
             order = order[drop:]
             order = np.concatenate([order, np.full((-len(order)) % global_batch, -1, dtype=np.int64)])
@@ -867,6 +906,9 @@ class StreamingDataset(IterableDataset):
 
     def __len__(self) -> int:
         """Samples this rank yields per epoch (including the padding of the last global batch)."""
+        if self.mosaic_layout():
+            b = self.batch_size
+            return int((self._mosaic_grid(self.epoch, 0)[:, self.rank * b : (self.rank + 1) * b] >= 0).sum())
         return len(self.epoch_order(self.epoch)) // self.dp_world
 
     def _steps(self, bundled: bool = False) -> Iterator[tuple[_FetchPlan, list[np.ndarray]]]:
@@ -974,6 +1016,7 @@ class StreamingDataset(IterableDataset):
         return {"epoch": self.epoch, "sample_in_epoch": int(num_samples),
                 "num_canonical_nodes": self.num_canonical_nodes, "shuffle_seed": self.shuffle_seed,
                 "partition_algo": self.partition_algo, "physical_nodes": self.physical_nodes,
+                **({"initial_physical_nodes": self._initial_nodes} if self._initial_nodes else {}),
                 "shuffle_algo": self.shuffle_algo}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -995,6 +1038,9 @@ class StreamingDataset(IterableDataset):
                 f"{self.shuffle_seed}: the sample order would differ"
             )
         self._adopt_shuffle_algo(state)
+        first_nodes = state.get("initial_physical_nodes", state.get("physical_nodes"))
+        if self.partition_algo == "relaxed" and first_nodes not in (None, self.physical_nodes):
+            self._initial_nodes = int(first_nodes)
         self.epoch = int(state["epoch"])
         self._consumed = 0
         self._resume = (self.epoch, int(state["sample_in_epoch"]))

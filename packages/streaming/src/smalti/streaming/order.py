@@ -21,8 +21,9 @@ import numpy as np
 import numpy.random  # noqa: F401  (NumPy loads it lazily: here, on import, not while the first order is computed)
 
 from smalti.streaming.errors import StreamingError
+from smalti.streaming.order_mosaic import MOSAIC_ALGOS, mosaic_shuffle, node_cuts
 
-MOSAIC_SHUFFLES = ("naive", "py1s", "py2s", "py1br", "py1e")  # mosaicml-streaming's: their orders unchanged
+MOSAIC_SHUFFLES = MOSAIC_ALGOS  # mosaicml-streaming 0.13's, its orders exactly (see order_mosaic)
 SHUFFLES = (*MOSAIC_SHUFFLES, "blocks")
 DEFAULT_SHUFFLE = "blocks"  # for new runs; a checkpoint keeps the algorithm it was taken with
 LEGACY_SHUFFLE = "py1e"  # what a checkpoint that names no algorithm was taken with (the default until then)
@@ -37,14 +38,12 @@ def shuffle_order(shards: list[np.ndarray], algo: str, seed: int, epoch: int, nu
                   block_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Shuffle the sample ids of ``shards`` (one id array per shard, in shard order) for ``epoch``.
 
-    ``naive`` permutes globally. The others keep shards together for cache locality: shards are ordered
-    once per run (``seed``), the sequence is cut into ``num_canonical_nodes`` contiguous pieces, each
-    epoch reorders the spans inside every piece, then shuffles samples locally: inside each span
-    (``py1s``), inside whole shards and again inside spans (``py2s``), inside blocks of random size around
-    ``block_size`` (``py1br``), or by a random shift of up to ``block_size / 2`` positions (``py1e``).
-    The pieces are then interleaved sample by sample. Returns the order and each entry's canonical node.
-    ``blocks`` is :class:`~smalti.streaming.order_blocks.BlockOrder`'s order over the same samples (the
-    shards' arrays in the given order), materialised.
+    mosaicml-streaming's algorithms give its shuffle exactly (:func:`~smalti.streaming.order_mosaic.mosaic_shuffle`
+    over the shards' sizes, applied to their ids): ``naive`` permutes globally; the others keep shards
+    together, cut the run's fixed shard order into ``num_canonical_nodes`` pieces and shuffle inside each
+    piece every epoch. The pieces are then interleaved sample by sample. Returns the order and each entry's
+    canonical node. ``blocks`` is :class:`~smalti.streaming.order_blocks.BlockOrder`'s order over the same
+    samples (the shards' arrays in the given order), materialised.
     """
     if algo not in SHUFFLES:
         raise StreamingError(f"shuffle_algo={algo!r} is not one of {', '.join(SHUFFLES)}")
@@ -53,34 +52,13 @@ def shuffle_order(shards: list[np.ndarray], algo: str, seed: int, epoch: int, nu
     if algo == "blocks":
         return _blocks_order(shards, seed, epoch, num_canonical_nodes, block_size)
     ids = np.concatenate(shards).astype(np.int64)
-    epoch_rng = np.random.default_rng(seed + epoch)
-    if algo == "naive":
-        return ids[epoch_rng.permutation(len(ids))], np.zeros(len(ids), dtype=np.int64)
+    sizes = np.array([len(s) for s in shards], dtype=np.int64)
     block = block_size or default_block_size(num_canonical_nodes)
-    run_rng = np.random.default_rng(seed)
-    shard_ids = [np.asarray(s, dtype=np.int64) for s in shards]
-    if algo == "py2s":
-        shard_ids = [s[epoch_rng.permutation(len(s))] for s in shard_ids]
-    ordered = [shard_ids[i] for i in run_rng.permutation(len(shard_ids))]
-    sizes = np.array([len(s) for s in ordered])
-    flat = np.concatenate(ordered)
-    starts = np.concatenate([[0], np.cumsum(sizes)])
-    cuts = np.linspace(0, len(flat), num_canonical_nodes + 1).round().astype(np.int64)
-    nodes = []
-    for lo, hi in zip(cuts[:-1], cuts[1:]):
-        bounds = _sorted_unique(np.clip(np.concatenate([[lo, hi], starts]), lo, hi))
-        spans = [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-        spans = [spans[i] for i in epoch_rng.permutation(len(spans))]
-        if algo in ("py1s", "py2s"):
-            spans = [s[epoch_rng.permutation(len(s))] for s in spans]
-        node = np.concatenate(spans) if spans else np.zeros(0, dtype=np.int64)
-        if algo == "py1br":
-            node = _shuffle_blocks(node, block, epoch_rng)
-        elif algo == "py1e":
-            keys = np.arange(len(node)) + epoch_rng.uniform(-block / 2, block / 2, len(node))
-            node = node[np.argsort(keys, kind="stable")]
-        nodes.append(node)
-    return interleave(nodes)
+    ids = ids[mosaic_shuffle(sizes, algo, num_canonical_nodes, seed, epoch, block)]
+    if algo == "naive":
+        return ids, np.zeros(len(ids), dtype=np.int64)
+    cuts = node_cuts(len(ids), num_canonical_nodes)
+    return interleave([ids[lo:hi] for lo, hi in zip(cuts[:-1], cuts[1:])])
 
 
 def _blocks_order(shards: list[np.ndarray], seed: int, epoch: int, num_canonical_nodes: int,
@@ -93,23 +71,6 @@ def _blocks_order(shards: list[np.ndarray], seed: int, epoch: int, num_canonical
                         block_size=block_size)
     flat = np.concatenate(shards).astype(np.int64)
     return interleave([flat[blocks.node_order(c)] for c in range(num_canonical_nodes)])
-
-
-def _sorted_unique(values: np.ndarray) -> np.ndarray:
-    """``np.unique(values)``, without its check for masked arrays: that imports ``numpy.ma`` (~10 ms, on the
-    way to the first batch)."""
-    values = np.sort(values)
-    return values[np.concatenate([[True], values[1:] != values[:-1]])]
-
-
-def _shuffle_blocks(node: np.ndarray, block: int, rng: np.random.Generator) -> np.ndarray:
-    out, pos = [], 0
-    while pos < len(node):
-        size = max(1, int(rng.uniform(0.75 * block, 1.25 * block)))
-        part = node[pos : pos + size]
-        out.append(part[rng.permutation(len(part))])
-        pos += size
-    return np.concatenate(out) if out else node
 
 
 def interleave(nodes: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
