@@ -6,6 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# A skip is allowed only for an optional extra, missing hardware or the platform (smalti.testing.skips lists the
+# reasons); any other skip, such as one on a missing hard dependency, fails the suite. -rs lists every skip.
+export SMALTI_STRICT_SKIPS=${SMALTI_STRICT_SKIPS:-1}
 # Disk is shared with the rest of the machine; each package venv holds its own torch (about 1-2 GB), so say what is free.
 echo "disk free before setup: $(df -h --output=avail . | tail -1 | tr -d ' ')"
 bash scripts/setup.sh
@@ -38,9 +41,9 @@ for pkg in $(.venv/bin/python scripts/packages.py all); do
     # As a user who checked out only this package runs its tests: from inside its folder (spawned children,
     # relative paths and the rootdir must work from there too).
     echo "    (run from inside packages/$pkg)"
-    (cd "packages/$pkg" && "$root/$venv/bin/python" -m pytest -q -p no:randomly --durations=8 "${xdist[@]}") || failed+=("$pkg")
+    (cd "packages/$pkg" && "$root/$venv/bin/python" -m pytest -q -rs -p no:randomly --durations=8 "${xdist[@]}") || failed+=("$pkg")
   else
-    "$venv/bin/python" -m pytest "packages/$pkg" -q -p no:randomly --durations=8 "${xdist[@]}" || failed+=("$pkg")
+    "$venv/bin/python" -m pytest "packages/$pkg" -q -rs -p no:randomly --durations=8 "${xdist[@]}" || failed+=("$pkg")
   fi
   # In CI (a fresh clone) a package's venv is not needed again: free its disk before the next one is built, so the
   # run needs room for two environments at a time rather than nine. SMALTI_KEEP_VENVS=1 keeps them.
@@ -50,7 +53,7 @@ for pkg in $(.venv/bin/python scripts/packages.py all); do
 done
 if compgen -G "tests/test_*.py" > /dev/null; then
   echo "=== tests/ (all packages) ==="
-  .venv/bin/python -m pytest tests -q --durations=8 "${xdist_all[@]}" || failed+=("tests")
+  .venv/bin/python -m pytest tests -q -rs --durations=8 "${xdist_all[@]}" || failed+=("tests")
 fi
 if [ ${#failed[@]} -gt 0 ]; then
   echo "FAILED: ${failed[*]}"

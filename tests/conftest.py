@@ -52,7 +52,6 @@ class ReferenceRun:
 @pytest.fixture(scope="session")
 def restart_reference(tmp_path_factory: pytest.TempPathFactory) -> ReferenceRun:
     """``RESTART_RUN`` on 2 ranks, never interrupted; run once for every test that asks."""
-    pytest.importorskip("smalti.checkpoint")
     from smalti.testing.torchrun import run_process_group, torchrun_command
 
     workdir = tmp_path_factory.mktemp("restart-reference")

@@ -14,9 +14,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-pytest.importorskip("transformers")
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "llm_vs_hf.py"
 TINY = [
     "--vocab",

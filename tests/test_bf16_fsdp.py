@@ -27,8 +27,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("smalti.llm")
-
 from smalti.testing.torchrun import run_process_group, torchrun_command  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -17,8 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("smalti.checkpoint")
-
 from smalti.checkpoint.export import load_full  # noqa: E402
 from smalti.testing.torchrun import run_process_group  # noqa: E402
 
@@ -74,8 +72,6 @@ def test_mlp_with_dropout_resumes_bit_identical_across_an_epoch_boundary(tmp_pat
 
 
 def test_moe_tiny_with_router_jitter_resumes_bit_identical(tmp_path):
-    pytest.importorskip("smalti.llm")
-    pytest.importorskip("smalti.moe")
     overrides = ["experiment=moe_tiny", "+model.moe.router_jitter=0.1", "model.n_layers=1", "model.max_seq_len=32",
                  "data.global_train_batch_size=8", "data.eval=null",
                  "trainer.max_duration=6ba", "trainer.eval_interval=null"]
@@ -86,8 +82,6 @@ def test_moe_tiny_with_router_jitter_resumes_bit_identical(tmp_path):
 def test_lora_finetune_resumes_bit_identical_from_adapter_only_checkpoints(tmp_path):
     """LoRA (adapter dropout draws from the generator): the checkpoint holds the adapters, their optimizer state
     and the base's content hash only, and a killed run resumes bit-identically; another base is refused."""
-    pytest.importorskip("transformers")
-    pytest.importorskip("smalti.llm")
     from smalti.testing.hf_models import write_tiny_hf_model
 
     source = write_tiny_hf_model(tmp_path / "base", "qwen2")

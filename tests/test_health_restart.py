@@ -13,9 +13,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("smalti.checkpoint")
-pytest.importorskip("smalti.health")
-
 from smalti.testing.torchrun import torchrun_command  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

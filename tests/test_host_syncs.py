@@ -95,13 +95,10 @@ def check(by_batch: dict[int, list[str]], steady: tuple[int, ...] = STEADY) -> N
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("experiment", ["gpt_tiny", "moe_tiny"])
 def test_training_steps_do_not_wait_for_the_device(experiment, tmp_path):
-    pytest.importorskip("smalti.llm")
-    pytest.importorskip("smalti.checkpoint")
     overrides = [f"experiment={experiment}"]
     if experiment == "gpt_tiny":
         overrides.append("callbacks.icl=null")  # an evaluation at the end of the run, after the probed steps
     if experiment == "moe_tiny":
-        pytest.importorskip("smalti.moe")
         overrides.append("model.n_layers=2")
     check(probe_run(tmp_path, *overrides))
 
@@ -121,8 +118,6 @@ print("OK")
 
 @pytest.mark.timeout(600)
 def test_moe_tiny_on_the_triton_backend_does_not_wait_for_the_device(tmp_path):
-    pytest.importorskip("smalti.llm")
-    pytest.importorskip("smalti.moe")
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}  # set before triton is imported
     proc = subprocess.run([sys.executable, "-c", TRITON_RUN, str(Path(__file__).parent), str(tmp_path)],

@@ -96,8 +96,6 @@ def _weights_digest(folder: Path) -> str:
 # Three runs at once, then a resumed one: about 2 minutes on an idle 2-core machine.
 @pytest.mark.timeout(1200)
 def test_smalti_train_gpt_tiny_is_bit_reproducible_checkpoints_resumes_and_evaluates(tmp_path):
-    pytest.importorskip("smalti.llm")
-    pytest.importorskip("smalti.checkpoint")
     names = ["full", "again", "third"]
 
     def run(name: str) -> tuple[str, dict[int, dict[str, float]]]:
@@ -157,7 +155,6 @@ def test_default_mode_losses_do_not_depend_on_the_process_or_the_thread_count(tm
     """Without ``trainer.deterministic``, the same command in two processes at once, one with 1 intra-op thread
     and one with 2, gives the same losses bit for bit. A kernel whose result depends on the thread count (as
     PyTorch's fused LayerNorm weight gradient does), on the process or on the memory layout would show here."""
-    pytest.importorskip("smalti.llm")
 
     def run(threads: int) -> dict[int, float]:
         _, metrics = _train(

@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 from smalti.testing.hostile_checkpoints import craft_metadata, reseal
@@ -29,9 +28,8 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def test_hf_export_from_checkpoint_equals_the_fit_end_export(tmp_path, capsys):
-    pytest.importorskip("smalti.checkpoint")
-    pytest.importorskip("smalti.llm.data.chat")
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     from smalti.llm.cli import main
     from smalti.testing.hf_models import write_tiny_hf_model
 
@@ -94,8 +92,8 @@ def test_hf_export_from_checkpoint_equals_the_fit_end_export(tmp_path, capsys):
 def test_an_mpt_recipe_checkpoint_exports_as_gpt2_that_transformers_loads(tmp_path, capsys):
     """A model trained from scratch in the mpt_* recipes' shape (learned positions, LayerNorm, GELU MLP, no biases)
     has no Hugging Face source: its checkpoint becomes transformers' own GPT-2, with the run's tokenizer."""
-    pytest.importorskip("smalti.checkpoint")
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     from smalti.llm.cli import main
     from smalti.llm.export import build_with_weights
     from smalti.llm.hf.exporter import checkpoint_tensors

@@ -10,8 +10,6 @@ import time
 
 import pytest
 
-pytest.importorskip("mlflow")
-
 from smalti.testing.torchrun import group_members  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")

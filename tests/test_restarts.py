@@ -21,8 +21,6 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("smalti.checkpoint")
-
 from smalti.checkpoint.export import load_full  # noqa: E402
 from smalti.testing import free_port  # noqa: E402
 from smalti.testing.torchrun import run_process_group  # noqa: E402
@@ -94,7 +92,6 @@ def test_standalone_torchrun_restarts_a_killed_worker_and_ends_as_an_uninterrupt
 
 
 def test_submitit_job_restarts_a_killed_worker_and_ends_as_an_uninterrupted_run(tmp_path, restart_reference):
-    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="needs smalti-core[launch]")
     marker = tmp_path / "killed.txt"
     out = submitit_local(tmp_path / "faulty", restart_reference.overrides, *KILL,
                          f"+callbacks.kill.marker={marker}")

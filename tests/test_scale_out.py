@@ -13,8 +13,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("smalti.checkpoint")
-
 from smalti.testing import free_port  # noqa: E402
 from smalti.testing.torchrun import torchrun_command  # noqa: E402
 

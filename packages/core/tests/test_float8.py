@@ -19,8 +19,6 @@ from smalti.core.data import build_dataloader
 from smalti.core.examples import CharCorpus, TinyLM
 from smalti.testing.pytest_plugin import IN_RANK_ENV
 
-pytest.importorskip("torchao.float8", reason="torchao is the fp8 extra")
-
 
 class CountFloat8GEMMs(TorchDispatchMode):
     """Counts the matrix multiplies run inside it whose operands are torchao's float8 tensors (which then run

@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="needs smalti-core[launch]")
-
 REPO_CONF = Path(__file__).resolve().parents[3] / "conf"
 QUICK = ["model=mlp", "data=synthetic", "trainer.max_duration=4ba", "trainer.eval_interval=100ba", "callbacks=[]",
          "logger=[jsonl]"]

@@ -88,7 +88,6 @@ def wait_for_wandb_exit(run_file, timeout=60):
 
 
 def test_wandb_offline_run_files(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
     from smalti.core.loggers import WandBLogger
 
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -112,7 +111,6 @@ def test_wandb_offline_run_files(tmp_path, monkeypatch):
 
 
 def test_wandb_run_finishes_failed_when_training_raises(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
     from smalti.core import Callback
     from smalti.core.loggers import WandBLogger
     from smalti.testing.wandb_files import history, read_records
@@ -390,7 +388,6 @@ def _tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_tensorboard_scalars_read_back_equal_the_jsonl_record(tmp_path):
-    pytest.importorskip("tensorboard")
     from smalti.core.loggers import TensorBoardLogger
 
     fit({"jsonl": JSONLLogger(str(tmp_path / "m.jsonl")), "tb": TensorBoardLogger(str(tmp_path / "tb"))},
@@ -406,7 +403,6 @@ def test_tensorboard_scalars_read_back_equal_the_jsonl_record(tmp_path):
 
 
 def test_tensorboard_from_the_command_line_writes_in_the_run_folder(tmp_path):
-    pytest.importorskip("tensorboard")
     import os
     import subprocess
     import sys

@@ -176,7 +176,6 @@ def test_missing_extra_says_what_to_install(monkeypatch, module, cls, extra):
 
 
 def test_system_metrics_without_psutil_says_what_to_install(monkeypatch):
-    pytest.importorskip("mlflow")
     from smalti.core.errors import ConfigError
     from smalti.core.loggers import MLflowLogger
 

@@ -85,7 +85,6 @@ def test_finetune_missing_keys_are_named(tmp_path):
 
 
 def test_prepare_pretrain_to_mds_and_read_back(tmp_path):
-    pytest.importorskip("smalti.streaming")
     from smalti.llm.data.mds import TextMDS
     from smalti.llm.data.prepare import prepare
 
@@ -102,7 +101,6 @@ def test_prepare_pretrain_to_mds_and_read_back(tmp_path):
 @pytest.mark.parametrize("scheme", ["s3", "gs"])
 def test_prepare_finetune_to_a_bucket_and_train_from_it(scheme, request, tmp_path):
     """Prepared shards go to any store smalti-storage speaks (real loopback servers), index.json last."""
-    pytest.importorskip("smalti.streaming")
     from smalti.llm.data.prepare import prepare
 
     bucket = request.getfixturevalue({"s3": "s3_bucket", "gs": "gcs_bucket"}[scheme])
@@ -151,7 +149,6 @@ def _expected_windows(seq_len: int) -> list[list[int]]:
 def test_cli_data_prepare_reads_every_input_format(tmp_path, capsys, kind):
     """`smalti-llm data prepare` on each input format writes the documents' tokens, EOS-joined, as 32-token
     windows that read back in order."""
-    pytest.importorskip("smalti.streaming")
     from smalti.llm.cli import main
     from smalti.llm.data.mds import TextMDS
 
@@ -175,7 +172,6 @@ def test_cli_data_prepare_names_a_corrupt_gzip_file(tmp_path, capsys):
 
 def test_cli_data_prepare_pretrain_to_s3(s3_bucket, tmp_path, capsys):
     """Pretraining shards written to s3:// (a real S3 endpoint on loopback) stream back with the same tokens."""
-    pytest.importorskip("smalti.streaming")
     import boto3
 
     from smalti.llm.cli import main

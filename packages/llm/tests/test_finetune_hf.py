@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("smalti.llm.data.chat")
 from smalti.testing.hf_models import write_tiny_hf_model  # noqa: E402
 
 STEPS = 20

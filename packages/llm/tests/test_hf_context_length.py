@@ -11,8 +11,6 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 
 from smalti.core.config.schema import register_configs
-
-pytest.importorskip("transformers")
 from smalti.testing.hf_models import write_tiny_hf_model  # noqa: E402
 
 

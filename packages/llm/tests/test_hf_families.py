@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from smalti.llm.errors import ConversionError
 from smalti.llm.hf import PretrainedLLM, import_hf
-
-transformers = pytest.importorskip("transformers")
 from smalti.testing.hf_models import write_tiny_hf_model  # noqa: E402
 
 SEQ = 40  # longer than the Mistral window (16), so the window changes the result

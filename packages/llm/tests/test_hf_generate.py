@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from smalti.llm.cli import main
 from smalti.llm.generate import eos_ids, generate_ids
 from smalti.llm.hf import import_hf
-
-transformers = pytest.importorskip("transformers")
 from smalti.testing.hf_models import write_tiny_hf_model  # noqa: E402
 
 PROMPT = "The old clockmaker mended a blue lantern by the river"

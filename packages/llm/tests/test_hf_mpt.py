@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
+import transformers
 
 from smalti.llm import LLM  # noqa: E402
 from smalti.llm.errors import ConversionError  # noqa: E402

@@ -10,11 +10,10 @@ import textwrap
 
 import pytest
 import torch
+import transformers
 
 from smalti.llm.errors import ConversionError
 from smalti.llm.hf import import_hf, registry
-
-transformers = pytest.importorskip("transformers")
 from smalti.testing.hf_models import write_tiny_hf_model  # noqa: E402
 
 

@@ -9,8 +9,6 @@ import json
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-
 
 class _CountingSlices:
     """Wraps safetensors' ``safe_open`` and counts the elements each rank reads through ``get_slice``."""

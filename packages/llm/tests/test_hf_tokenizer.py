@@ -8,13 +8,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+import transformers
 
 from smalti.llm.errors import TokenizerError
 from smalti.llm.hf_tokenizer import HFTokenizer
 from smalti.llm.tokenizer import load_tokenizer
 from smalti.testing.hf_tokenizers import write_chat_tokenizer
-
-transformers = pytest.importorskip("transformers")
 
 STYLES = ("llama3", "mistral", "chatml")
 CHAT = [

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 lm_eval = pytest.importorskip("lm_eval")
-pytest.importorskip("transformers")
 
 from smalti.llm import LLM  # noqa: E402
 from smalti.llm.icl.evaluate import ContinuationScorer  # noqa: E402

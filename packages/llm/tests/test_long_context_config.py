@@ -4,7 +4,6 @@ configuration alone: the model, the data and the sequence-parallel plugin all ta
 
 from __future__ import annotations
 
-import pytest
 import torch
 from hydra import compose, initialize_config_module
 from hydra.core.global_hydra import GlobalHydra
@@ -40,7 +39,6 @@ def test_llama3_8b_recipe_takes_131072_tokens_with_fsdp_sp():
 
 
 def test_finetune_hf_takes_131072_tokens_with_fsdp_sp(tmp_path):
-    pytest.importorskip("transformers")
     from smalti.testing.hf_models import write_tiny_hf_model
 
     folder = write_tiny_hf_model(tmp_path / "hf", "llama3")

@@ -7,15 +7,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import peft
 import pytest
 import torch
+import transformers
 
 from smalti.llm.errors import LoRAError
 from smalti.llm.lora import LoRALinear, save_adapter
 from smalti.llm.lora.export import merged_model
-
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
 from smalti.testing.hf_models import write_tiny_hf_model  # noqa: E402
 
 FAMILIES = ["llama3", "mistral", "qwen2"]

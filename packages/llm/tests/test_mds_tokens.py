@@ -7,8 +7,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("smalti.streaming")
-
 from smalti.llm.data.mds import TextMDS  # noqa: E402
 from smalti.llm.errors import DataError  # noqa: E402
 

@@ -126,7 +126,6 @@ def test_bad_shapes_name_the_key():
 
 
 def test_moe_ffn_adds_its_aux_loss():
-    pytest.importorskip("smalti.moe")
     model = _model(ffn_type="moe", moe={"num_experts": 4, "top_k": 2, "loss_weight": 0.1})
     ids = torch.randint(0, 97, (2, 16))
     out = model({"input_ids": ids})
@@ -137,7 +136,6 @@ def test_moe_ffn_adds_its_aux_loss():
 
 
 def test_moe_balancing_loss_is_scaled_by_the_layer_count():
-    pytest.importorskip("smalti.moe")
     weight = 0.1
     model = _model(n_layers=4, ffn_type="moe", moe={"num_experts": 4, "top_k": 2, "loss_weight": weight})
     assert [b.ffn.moe.num_layers for b in model.blocks] == [4] * 4
@@ -149,7 +147,6 @@ def test_moe_balancing_loss_is_scaled_by_the_layer_count():
 
 
 def test_meta_device_moe_gets_every_weight_initialised():
-    pytest.importorskip("smalti.moe")
     model = LLM(**TINY, ffn_type="moe", moe={"num_experts": 4, "top_k": 2}, init_device="meta")
     model.to_empty(device="cpu")
     for p in model.parameters():
@@ -168,8 +165,6 @@ def test_meta_device_moe_gets_every_weight_initialised():
 def test_meta_built_model_gets_the_same_init_as_a_cpu_built_one(kw):
     """What the trainer does with a recipe's meta model (to_empty, then init_weights) gives exactly the weights
     and buffers a CPU-built model's init_weights gives from the same seed, whatever memory to_empty handed out."""
-    if kw.get("ffn_type") == "moe":
-        pytest.importorskip("smalti.moe")
     cfg = {**TINY, "n_layers": 3, **kw}
     on_cpu = LLM(**cfg)
     on_meta = LLM(**cfg, init_device="meta")

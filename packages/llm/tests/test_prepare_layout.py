@@ -48,7 +48,6 @@ def expected_windows():
 
 
 def test_prepared_without_eval_fraction_is_all_train_and_evaluation_is_off(tmp_path, capsys, monkeypatch, caplog):
-    pytest.importorskip("smalti.streaming")
     out, counts = prepare_with_cli(tmp_path, capsys)
     data = text_mds(monkeypatch, out)
     train = instantiate(data.train)
@@ -59,7 +58,6 @@ def test_prepared_without_eval_fraction_is_all_train_and_evaluation_is_off(tmp_p
 
 
 def test_prepared_with_eval_fraction_gives_both_splits(tmp_path, capsys, monkeypatch):
-    pytest.importorskip("smalti.streaming")
     out, counts = prepare_with_cli(tmp_path, capsys, "--eval-fraction", "0.25")
     data = text_mds(monkeypatch, out)
     train, held_out = instantiate(data.train), instantiate(data.eval)

@@ -4,10 +4,7 @@ the adapters only, through the dequantised base."""
 
 from __future__ import annotations
 
-import pytest
 import torch
-
-pytest.importorskip("torchao")
 
 from smalti.llm import LLM  # noqa: E402
 from smalti.llm.lora.layer import LoRALinear, is_nf4  # noqa: E402

@@ -174,7 +174,6 @@ def test_missing_s3_credentials_name_the_chain_without_a_traceback_of_boto(url, 
 
 
 def test_missing_gcs_credentials_name_the_chain(tmp_path):
-    pytest.importorskip("google.cloud.storage")
     env = _clean_env(tmp_path)
     proc = _run_isolated("""
         from smalti.storage import open_store

@@ -1,10 +1,8 @@
 """count_host_syncs counts every call that would wait for a GPU, and nothing that would not."""
 
-import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-from smalti.testing.host_sync import count_host_syncs  # noqa: E402
+from smalti.testing.host_sync import count_host_syncs
 
 
 def test_counts_each_host_read_copy_and_data_dependent_shape_once():

@@ -26,6 +26,7 @@ from smalti.testing.cloud_servers import (
 )
 from smalti.testing.fault_proxy import FaultProxy, start_fault_proxy
 from smalti.testing.servers import MlflowServer, S3Server, start_mlflow_server, start_s3_server
+from smalti.testing.skips import STRICT_ENV, unexpected
 from smalti.testing.torchrun import run_process_group, torchrun_command
 
 IN_RANK_ENV = "SMALTI_TEST_IN_RANK"
@@ -62,6 +63,34 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu") and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; none is present"))
+
+
+def _skips(reporter: pytest.TerminalReporter) -> list[tuple[str, str]]:
+    """``(where, reason)`` of every skipped test or module the run reported."""
+    out = []
+    for report in reporter.stats.get("skipped", []):
+        longrepr = report.longrepr
+        if isinstance(longrepr, tuple) and len(longrepr) == 3:
+            path, line, reason = longrepr
+            out.append((f"{report.nodeid or path}:{line}", str(reason).removeprefix("Skipped: ")))
+    return out
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """With ``SMALTI_STRICT_SKIPS=1``, a skip that no optional extra or hardware explains fails the run."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    worker = hasattr(session.config, "workerinput")  # xdist: the controller sees every report
+    if not os.environ.get(STRICT_ENV) or reporter is None or worker or os.environ.get(IN_RANK_ENV):
+        return
+    found = unexpected(_skips(reporter))
+    if not found:
+        return
+    reporter.section("unexpected skips (a missing dependency? see smalti.testing.skips)", red=True)
+    for where, reason in found:
+        reporter.write_line(f"{where}: {reason}")
+    if session.exitstatus == 0:
+        session.exitstatus = 1
 
 
 @pytest.hookimpl(tryfirst=True)
