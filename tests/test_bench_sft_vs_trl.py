@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("trl")
-pytest.importorskip("smalti.llm.data.chat")
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "sft_vs_trl.py"
 
 

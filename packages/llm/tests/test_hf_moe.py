@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from smalti.llm.errors import ConversionError
 from smalti.llm.hf import PretrainedLLM, import_hf
-
-transformers = pytest.importorskip("transformers")
 from smalti.testing.hf_models import write_tiny_hf_model  # noqa: E402
 
 FAMILIES = ["mixtral"]

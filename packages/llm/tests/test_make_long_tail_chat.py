@@ -8,8 +8,6 @@ import statistics
 import pytest
 
 from smalti.llm.data.make_long_tail_chat import heavy_tailed_chat, main, word_costs_from
-
-pytest.importorskip("tokenizers")
 from smalti.testing.hf_tokenizers import write_chat_tokenizer  # noqa: E402
 
 
