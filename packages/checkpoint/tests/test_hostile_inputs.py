@@ -16,7 +16,7 @@ import torch
 import zstandard
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from smalti.checkpoint import Checkpointer, CheckpointError
+from smalti.checkpoint import CheckpointCorruptError, Checkpointer, CheckpointError
 from smalti.checkpoint.errors import UnsafePathError
 from smalti.checkpoint.limits import EntryTooLargeError
 from smalti.checkpoint.manifest import read_manifest, verify_folder
@@ -100,6 +100,20 @@ def test_a_download_never_writes_through_a_link_planted_in_its_cache(saved, tmp_
     with pytest.raises(UnsafePathError, match=rf"{dest / 'extra'} is a symbolic link \(in the download cache\)"):
         store.download_checkpoint(saved.name, dest, manifest)
     assert list((tmp_path / "victim").iterdir()) == []
+
+
+def test_a_file_larger_than_its_manifest_says_is_not_downloaded(saved, tmp_path):
+    remote = tmp_path / "remote"
+    shutil.copytree(saved, remote / saved.name)
+    manifest = read_manifest(saved)
+    rel = max(manifest["files"], key=lambda r: manifest["files"][r]["size"])
+    with open(remote / saved.name / rel, "ab") as f:
+        f.write(bytes(1 << 20))  # a MiB more than listed: the manifest is not resealed
+    dest = tmp_path / "cache" / saved.name
+    with pytest.raises(CheckpointCorruptError, match=rf"{rel} is larger than the {manifest['files'][rel]['size']} "
+                                                     "bytes its manifest lists; not downloaded"):
+        open_store(str(remote)).download_checkpoint(saved.name, dest, manifest)
+    assert not (dest / rel).exists()
 
 
 def test_a_checkpoint_without_links_still_verifies_and_loads(ckpt):

@@ -3,6 +3,7 @@ gcp-storage-emulator (gs://), Azurite (az://), and a local folder; outages throu
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import threading
@@ -17,6 +18,7 @@ from smalti.storage import (
     IntegrityError,
     ObjectNotFoundError,
     ObjectStore,
+    ObjectTooLargeError,
     RetryBudgetExceededError,
     RetryPolicy,
     is_temp_name,
@@ -169,6 +171,25 @@ def test_get_file_is_atomic_and_a_rejected_download_leaves_nothing(target, tmp_p
 
     store.get_file("shard.mds", other, check=flaky, check_attempts=2)
     assert calls == [True, True] and other.read_bytes() == data
+
+
+def test_an_object_larger_than_declared_is_not_downloaded(target, tmp_path, monkeypatch):
+    store = target.open(retry=_fast_retry())
+    data = _payload(300_000, seed=3)
+    store.put_bytes("shard.mds", data)
+    local = tmp_path / "cache" / "shard.mds"
+    local.parent.mkdir()
+    with pytest.raises(ObjectTooLargeError, match=r"shard.mds holds 300000 bytes, more than the 1000 expected; not"):
+        store.get_file("shard.mds", local, max_bytes=1000)
+    assert os.listdir(local.parent) == []
+    # Replaced by a larger object between the size check and the download: the download stops at the limit.
+    real_stat = store.stat
+    monkeypatch.setattr(store, "stat", lambda key: dataclasses.replace(real_stat(key), size=1000))
+    with pytest.raises(ObjectTooLargeError, match=r"more than the 1000 bytes expected \(at least \d+\); download stop"):
+        store.get_file("shard.mds", local, max_bytes=1000)
+    assert os.listdir(local.parent) == []
+    monkeypatch.undo()
+    assert store.get_file("shard.mds", local, max_bytes=len(data)).read_bytes() == data  # exactly the size: fine
 
 
 def test_a_missing_bucket_is_named(target):

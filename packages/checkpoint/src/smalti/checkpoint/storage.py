@@ -21,7 +21,7 @@ from smalti.checkpoint.errors import CheckpointCorruptError, CheckpointError, Ch
 from smalti.checkpoint.manifest import algorithm_of, hash_file, mismatch, parse_manifest, write_json_atomic
 from smalti.checkpoint.naming import LATEST_NAME, MANIFEST_NAME, checkpoint_names
 from smalti.checkpoint.safe_load import check_inside, no_link_inside
-from smalti.storage import ObjectNotFoundError, RetryPolicy, StorageError, split_url
+from smalti.storage import ObjectNotFoundError, ObjectTooLargeError, RetryPolicy, StorageError, split_url
 from smalti.storage import open_store as _open_object_store
 
 # the per-request time-out option of each built-in backend
@@ -173,12 +173,18 @@ class CheckpointStore:
         if self.remote:
             self.upload_file(staging / rel, f"{name}/{rel}")
 
-    def download(self, rel: str, local: Path) -> None:
-        """Download ``rel`` to ``local`` atomically (temp name, fsync, rename)."""
+    def download(self, rel: str, local: Path, size: int | None = None) -> None:
+        """Download ``rel`` to ``local`` atomically (temp name, fsync, rename); ``size``: what the manifest
+        lists, so that a larger object is refused before (or while) it is downloaded, not after."""
         local.parent.mkdir(parents=True, exist_ok=True)
         with _transport(f"downloading {self._where(rel)}", self._where(rel)):
             try:
-                self.objects.get_file(rel, local)
+                self.objects.get_file(rel, local, max_bytes=size)
+            except ObjectTooLargeError as exc:
+                raise CheckpointCorruptError(
+                    f"checkpoint file {self._where(rel)} is larger than the {size} bytes its manifest lists; "
+                    f"not downloaded ({exc})", self._where(rel)
+                ) from None
             except ObjectNotFoundError:
                 # a file the manifest lists is gone: the checkpoint is damaged, not the connection
                 raise CheckpointCorruptError(
@@ -194,7 +200,7 @@ class CheckpointStore:
             if (local.is_file() and local.stat().st_size == entry["size"]
                     and mismatch(local, entry, hash_file(local, algorithm_of(entry))[1]) is None):
                 continue  # already here from an earlier download
-            self.download(f"{name}/{rel}", local)
+            self.download(f"{name}/{rel}", local, size=int(entry["size"]))
         write_json_atomic(dest / MANIFEST_NAME, manifest)
 
     def local_copy(self, name: str, cache_dir: Path, manifest: dict[str, Any]) -> Path:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
 from smalti.storage.atomic import commit_temp, temp_path
-from smalti.storage.errors import ObjectNotFoundError, StorageError
+from smalti.storage.errors import ObjectNotFoundError, ObjectTooLargeError, StorageError
 from smalti.storage.retry import RetryPolicy, _brief
 
 MiB = 1 << 20
@@ -70,12 +70,14 @@ class ObjectStore(Protocol):
 
     def get_file(
         self, key: str, local: str | os.PathLike[str], check: Callable[[Path], None] | None = None,
-        check_attempts: int = 1,
+        check_attempts: int = 1, max_bytes: int | None = None,
     ) -> Path:
         """Download ``key`` to ``local`` atomically; ``check(tmp)`` may reject the complete temp file first.
 
         When ``check`` raises, the object is downloaded again, up to ``check_attempts`` downloads in all
         (a transfer corrupted on the way), and the last error is raised; nothing is left at ``local``.
+        ``max_bytes`` (the size an index or manifest declares): a larger object raises
+        :class:`ObjectTooLargeError` before its download, or at the first byte past it if it grew meanwhile.
         """
         ...
 
@@ -233,16 +235,20 @@ class BaseStore:
 
     def get_file(
         self, key: str, local: str | os.PathLike[str], check: Callable[[Path], None] | None = None,
-        check_attempts: int = 1,
+        check_attempts: int = 1, max_bytes: int | None = None,
     ) -> Path:
         full = self._full(key)
         target = Path(local)
+        if max_bytes is not None and (size := self.stat(key).size) > max_bytes:
+            raise ObjectTooLargeError(
+                f"{self.url_of(key)} holds {size} bytes, more than the {max_bytes} expected; not downloaded",
+                self.url_of(key))
         tmp = temp_path(target)
         try:
 
             def attempt() -> None:
                 with open(tmp, "wb") as f:  # truncates what a failed attempt left
-                    self._download_into(full, f)
+                    self._download_into(full, f if max_bytes is None else CappedWriter(f, max_bytes, self.url_of(key)))
 
             for n in range(1, max(1, check_attempts) + 1):
                 self._call("download", key, attempt)
@@ -327,6 +333,26 @@ class BaseStore:
 
     def _delete(self, full_key: str) -> None:
         raise NotImplementedError
+
+
+class CappedWriter:
+    """A binary file that raises :class:`ObjectTooLargeError` when a write would end past ``limit`` bytes.
+
+    Clients that download in parallel seek before each write; the check is on the position a write ends at.
+    """
+
+    def __init__(self, f: IO[bytes], limit: int, url: str) -> None:
+        self._f, self._limit, self._url = f, limit, url
+
+    def write(self, data: bytes) -> int:
+        end = self._f.tell() + len(data)
+        if end > self._limit:
+            raise ObjectTooLargeError(f"{self._url} holds more than the {self._limit} bytes expected "
+                                      f"(at least {end}); download stopped", self._url)
+        return self._f.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)  # seek, tell, flush, seekable, fileno, ...
 
 
 def read_part(local: Path, offset: int, length: int) -> bytes:

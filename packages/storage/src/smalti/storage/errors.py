@@ -65,6 +65,11 @@ class ObjectNotFoundError(StorageError, FileNotFoundError):
     """The object does not exist (its bucket does)."""
 
 
+class ObjectTooLargeError(StorageError):
+    """The object holds more bytes than the caller was told to expect (an index or manifest declares each
+    file's size): it is refused before, or as soon as, the excess would be written, and nothing is kept."""
+
+
 class PermissionDeniedError(StorageError, PermissionError):
     """The credentials were found but are not allowed to do this."""
 
