@@ -159,3 +159,31 @@ def test_init_from_with_other_rank_says_which_setting_to_change(tmp_path):
         _import(source, r=8, init_from=str(tmp_path / "adapter"))
     with pytest.raises(LoRAError, match="missing .*set model.lora.targets"):
         _import(source, targets="q", init_from=str(tmp_path / "adapter"))
+
+
+def test_generate_with_an_adapter_gives_peft_greedy_tokens(tmp_path, monkeypatch, capsys):
+    from smalti.llm.cli import main
+    from smalti.llm.hf_tokenizer import HFTokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    source = write_tiny_hf_model(tmp_path / "llama3", "llama3")
+    theirs = peft.get_peft_model(_hf(source), peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "o_proj", "up_proj"], task_type="CAUSAL_LM"))
+    _randomise_adapters(theirs, seed=4)
+    theirs.save_pretrained(str(tmp_path / "peft"))
+    prompt = "The old clockmaker mended a blue lantern by the river"
+    ids = HFTokenizer.from_folder(source).encode(prompt, add_special_tokens=True)
+    x = torch.tensor([list(ids)])
+    with torch.no_grad():
+        expected = theirs.eval().generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
+                                          max_new_tokens=16)[0, len(ids):].tolist()
+        plain = _hf(source).generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                     max_new_tokens=16)[0, len(ids):].tolist()
+    assert expected != plain  # the adapter changes what is generated
+    tok = HFTokenizer.from_folder(source)
+    capsys.readouterr()
+    argv = ["generate", "--model", str(source), "--prompt", prompt, "--max-new-tokens", "16"]
+    assert main([*argv, "--adapter", str(tmp_path / "peft")]) == 0
+    assert capsys.readouterr().out == tok.decode(expected) + "\n"
+    assert main([*argv, "--adapter", str(tmp_path)]) == 2
+    assert "has no adapter_config.json" in capsys.readouterr().err

@@ -7,6 +7,7 @@
     smalti-llm hf export --model-config model.yaml --weights model.pt --out ./hf-folder
     smalti-llm hf export --checkpoint outputs/run/checkpoints/ep1-ba500 --out ./hf-folder
     smalti-llm generate --model outputs/run/hf --prompt "Why is the sky blue?" --chat
+    smalti-llm generate --model /models/base --adapter outputs/run/adapter --prompt "Why is the sky blue?"
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def _hf_export(args: argparse.Namespace) -> int:
         from smalti.llm.hf.exporter import export_checkpoint
 
         export_checkpoint(args.checkpoint, args.out, pretrained=args.pretrained, dtype=args.dtype,
-                          max_shard_size=args.max_shard_size, tokenizer=args.tokenizer)
+                          max_shard_size=args.max_shard_size, tokenizer=args.tokenizer, merge=args.merge)
     else:
         from smalti.llm.hf.exporter import export_hf
 
@@ -112,11 +113,21 @@ def _generate(args: argparse.Namespace) -> int:
         prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     else:
         prompt = tokenizer.encode(args.prompt, add_special_tokens=True)
-    model = load_model_folder(folder).to(torch.device(args.device))
+    model = (load_model_folder(folder) if args.adapter is None else _with_adapter(folder, args.adapter))
+    model = model.to(torch.device(args.device))
     new = generate_ids(model, list(prompt), args.max_new_tokens, args.temperature, args.top_p, args.seed,
                        eos_ids(folder, tokenizer))
     print(tokenizer.decode(new, skip_special_tokens=True))
     return 0
+
+
+def _with_adapter(folder: Any, adapter: str) -> Any:
+    """The Hugging Face model in ``folder`` with a PEFT LoRA adapter folder on it (fp32 base, no dropout)."""
+    from smalti.llm.hf.importer import import_hf
+    from smalti.llm.lora.peft_format import lora_settings
+
+    settings = {**lora_settings(adapter), "dropout": 0.0, "base_dtype": "float32", "init_from": str(adapter)}
+    return import_hf(folder, lora=settings).eval()
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -174,7 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--weights", help="model weights for --model-config (.safetensors or a torch state dict)")
     exp.add_argument("--pretrained", help="with --checkpoint: the Hugging Face folder the run started from "
                      "(default: model.pretrained in the run's .hydra/config.yaml)")
-    exp.add_argument("--out", required=True)
+    exp.add_argument("--out", required=True, help="the Hugging Face folder; for a LoRA checkpoint, the folder that "
+                     "gets adapter/ (PEFT's format) and hf/ (merged)")
+    exp.add_argument("--no-merge", dest="merge", action="store_false",
+                     help="for a LoRA checkpoint: write the adapter folder only, not the merged model")
     exp.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                      help="default: the source model's torch_dtype, else float32")
     exp.add_argument("--max-shard-size", default="2GB", help="split the weights into files of at most this size")
@@ -184,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text from a Hugging Face model folder (greedy or top-p)")
     gen.add_argument("--model", required=True, help="a local Hugging Face model folder (e.g. outputs/<run>/hf)")
+    gen.add_argument("--adapter", default=None, help="a PEFT LoRA adapter folder to apply to --model (e.g. "
+                     "outputs/<run>/adapter, or one PEFT's save_pretrained wrote)")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the chat template")
     gen.add_argument("--system", default=None, help="with --chat: a system message first")

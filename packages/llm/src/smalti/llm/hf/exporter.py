@@ -319,14 +319,18 @@ def export_hf(model: LLM, folder: str | os.PathLike, dtype: str | None = None, t
 
 def export_checkpoint(checkpoint: str, out: str | os.PathLike, pretrained: str | os.PathLike | None = None,
                       dtype: str | None = None, max_shard_size: int | str = "2GB", verify: str = "manifest",
-                      tokenizer: str | None = None) -> Path:
+                      tokenizer: str | None = None, merge: bool = True) -> Path:
     """Write the model of a committed smalti-checkpoint (``checkpoint``: its folder, or a save folder for the
     newest one) as a Hugging Face folder, with the architecture, family and tokenizer of ``pretrained`` (the
     folder the run started from; default: ``model.pretrained`` of the run's ``.hydra/config.yaml``).
 
     A run trained from scratch (no ``model.pretrained``) is written as the family whose shape its model has (the
     ``mpt_*`` recipes as ``transformers``' GPT-2 with learned positions, or MPT with ALiBi), with ``tokenizer``
-    (default: the run's ``data.train.tokenizer``)."""
+    (default: the run's ``data.train.tokenizer``).
+
+    A LoRA run's checkpoint (adapters only) becomes ``out/adapter`` (PEFT's format) and, with ``merge``,
+    ``out/hf`` (the base with the adapters merged in); the run's ``model.lora`` settings are needed.
+    Returns ``out``."""
     try:
         from smalti.checkpoint.resume import resolve_load_path
     except ImportError as exc:
@@ -339,6 +343,18 @@ def export_checkpoint(checkpoint: str, out: str | os.PathLike, pretrained: str |
     if pretrained is None and run is not None and _selected(run, "model.pretrained") is None:
         return _export_trained_from_scratch(found.folder, run, out, dtype, max_shard_size, tokenizer)
     source = resolve_folder(pretrained or _pretrained_of_run(Path(checkpoint)), key="--pretrained")
+    if _is_lora(found.folder):
+        lora = _selected(run, "model.lora") if run is not None else None
+        if lora is None:
+            raise ConversionError(f"{found.folder} holds LoRA adapters but no run config with model.lora was found "
+                                  "beside it: export from inside the run's folder (its .hydra/config.yaml)")
+        from omegaconf import OmegaConf
+
+        from smalti.llm.lora.checkpoint_export import export_lora_checkpoint
+
+        export_lora_checkpoint(found.folder, OmegaConf.to_container(lora, resolve=True), source, out, merge, dtype,
+                               max_shard_size)
+        return Path(out)
     source_config = read_config(source)
     model_config = LLM(**llm_kwargs(source_config, source / "config.json"), init_device="meta").config
     dtype = export_dtype(dtype, source_config)
@@ -381,6 +397,13 @@ def _export_trained_from_scratch(folder: Path, run: Any, out: str | os.PathLike,
     order = list(family.weight_parts(config))
     shapes, tensors = checkpoint_tensors(folder, order)
     return write_hf_folder(out, family, config, hf, shapes, tensors, dtype, max_shard_size, extra_files=extra)
+
+
+def _is_lora(folder: Path) -> bool:
+    from smalti.checkpoint.safe_load import SafeFileSystemReader
+    from smalti.llm.lora.checkpoint_export import is_lora_checkpoint
+
+    return is_lora_checkpoint(SafeFileSystemReader(str(folder)).read_metadata().state_dict_metadata)
 
 
 class _ConfigOnly:
