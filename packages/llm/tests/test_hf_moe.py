@@ -16,12 +16,18 @@ from smalti.llm.errors import ConversionError
 from smalti.llm.hf import PretrainedLLM, import_hf
 from smalti.testing.hf_models import write_tiny_hf_model  # noqa: E402
 
-FAMILIES = ["mixtral"]
+FAMILIES = {
+    "mixtral": {},
+    "qwen3_moe": {},
+    "qwen3_moe-norm_topk_prob": {"norm_topk_prob": True},
+    "olmoe": {},
+}
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=list(FAMILIES))
 def folder(request, tmp_path_factory) -> Path:
-    return write_tiny_hf_model(tmp_path_factory.mktemp(request.param), request.param)
+    family = request.param.split("-")[0]
+    return write_tiny_hf_model(tmp_path_factory.mktemp(request.param), family, **FAMILIES[request.param])
 
 
 def _ids(seed: int = 0) -> torch.Tensor:
@@ -120,6 +126,9 @@ def test_fused_expert_files_import_as_the_per_expert_ones(folder, tmp_path):
     ("mixtral", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ("mixtral", {"router_jitter_noise": 1.5}, "router_jitter_noise=1.5"),
     ("mixtral", {"num_experts_per_tok": 5}, "num_experts_per_tok=5"),
+    ("qwen3_moe", {"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\]"),
+    ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
+    ("olmoe", {"clip_qkv": 8.0}, "clip_qkv=8.0"),
 ])
 def test_fields_smalti_cannot_reproduce_fail_at_build_naming_them(tmp_path, family, changes, named):
     folder = write_tiny_hf_model(tmp_path, family)

@@ -88,6 +88,7 @@ class LLMSchema(Schema):
     post_norms: bool = False
     window_layers: list[bool] | None = None
     rope_local_theta: PositiveFloat | None = None
+    qk_norm_scope: Literal["head", "all"] = "head"
 
     @model_validator(mode="after")
     def _shapes_agree(self, info: ValidationInfo) -> LLMSchema:

@@ -5,7 +5,8 @@ Families: ``llama`` (Llama 2 shape), ``llama3`` (Llama 3.1 shape: ``rope_scaling
 ``mistral`` (a sliding window of 16 positions unless overridden), ``qwen2`` (q/k/v biases) and ``qwen3`` (QK-norm,
 heads of 32 wider than ``hidden_size / num_attention_heads``) and ``gemma3`` (text: a local layer with a window of
 8 and its own RoPE base, then a global one; ``query_pre_attn_scalar`` apart from ``head_dim``) and ``mixtral``
-(4 experts of width 48, top 2, ``output_router_logits`` on). Every weight,
+(4 experts of width 48, top 2, ``output_router_logits`` on), ``qwen3_moe`` (the same experts, Qwen3's
+attention, no renormalisation of the top 2) and ``olmoe`` (QK-norm over whole projections). Every weight,
 norms and biases included, is drawn at random, so that a wrong mapping of any tensor shows in the logits.
 """
 
@@ -24,6 +25,8 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "chatml"),
     "gemma3": ("Gemma3TextConfig", "chatml"),
     "mixtral": ("MixtralConfig", "mistral"),
+    "qwen3_moe": ("Qwen3MoeConfig", "chatml"),
+    "olmoe": ("OlmoeConfig", "chatml"),
 }
 #: token named by each config id, per tokenizer style
 _TOKENS = {
@@ -53,9 +56,13 @@ def tiny_config(family: str, vocab_size: int = 512, **overrides: Any) -> dict[st
                       layer_types=["sliding_attention", "full_attention"],
                       rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
                                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+    moe = {"num_experts_per_tok": 2, "output_router_logits": True, "router_aux_loss_coef": 0.02}
     if family == "mixtral":  # 4 experts, top 2; the loss is added, as output_router_logits asks
-        kwargs.update(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
-                      router_aux_loss_coef=0.02)
+        kwargs.update(intermediate_size=48, num_local_experts=4, **moe)
+    if family == "qwen3_moe":
+        kwargs.update(head_dim=32, moe_intermediate_size=48, num_experts=4, norm_topk_prob=False, **moe)
+    if family == "olmoe":
+        kwargs.update(intermediate_size=48, num_experts=4, norm_topk_prob=False, **moe)
     kwargs.update(overrides)
     return kwargs
 

@@ -21,14 +21,16 @@ from smalti.llm.hf.families.llama import FAMILY as LLAMA
 from smalti.llm.hf.families.mistral import FAMILY as MISTRAL
 from smalti.llm.hf.families.mixtral import FAMILY as MIXTRAL
 from smalti.llm.hf.families.mpt import GPT2_FAMILY, MPT_FAMILY
+from smalti.llm.hf.families.olmoe import FAMILY as OLMOE
 from smalti.llm.hf.families.qwen2 import FAMILY as QWEN2
 from smalti.llm.hf.families.qwen3 import FAMILY as QWEN3
+from smalti.llm.hf.families.qwen3_moe import FAMILY as QWEN3_MOE
 from smalti.llm.hf.family import Family
 
 log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "smalti.llm.hf_families"
-BUILTIN: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, MIXTRAL, MPT_FAMILY, GPT2_FAMILY)
+BUILTIN: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, MIXTRAL, QWEN3_MOE, OLMOE, MPT_FAMILY, GPT2_FAMILY)
 
 _registered: dict[str, Family] = {}
 _loaded = False

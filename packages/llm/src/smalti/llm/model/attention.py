@@ -69,8 +69,11 @@ class Attention(nn.Module):
         device: Any = None,
         qkv_bias: bool | None = None,
         head_dim: int | None = None,
+        qk_norm_scope: str = "head",
     ) -> None:
         super().__init__()
+        if qk_norm_scope not in ("head", "all"):
+            raise ValueError(f"qk_norm_scope={qk_norm_scope!r} must be 'head' or 'all'")
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
         # ``head_dim`` (default ``d_model // n_heads``) apart from d_model: Qwen3 and Gemma widen the heads.
@@ -83,8 +86,12 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(d_model, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=qkv_bias, device=device)
         self.out_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias, device=device)
         self.out_proj._is_residual = True  # type: ignore[attr-defined]
-        self.q_norm = make_norm(norm_type, self.head_dim, norm_eps, bias, device) if qk_norm else None
-        self.k_norm = make_norm(norm_type, self.head_dim, norm_eps, bias, device) if qk_norm else None
+        # QK-norm per head (Qwen3) or over the whole query / key projection (OLMo, OLMoE: ``qk_norm_scope='all'``)
+        self.qk_norm_scope = qk_norm_scope
+        q_width, k_width = (self.head_dim, self.head_dim) if qk_norm_scope == "head" else (
+            n_heads * self.head_dim, n_kv_heads * self.head_dim)
+        self.q_norm = make_norm(norm_type, q_width, norm_eps, bias, device) if qk_norm else None
+        self.k_norm = make_norm(norm_type, k_width, norm_eps, bias, device) if qk_norm else None
 
     def forward(
         self,
@@ -105,10 +112,12 @@ class Attention(nn.Module):
             qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
         hd = self.head_dim
         q, k, v = qkv.split([self.n_heads * hd, self.n_kv_heads * hd, self.n_kv_heads * hd], dim=-1)
+        if self.q_norm is not None and self.qk_norm_scope == "all":
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(b, t, self.n_heads, hd)
         k = k.view(b, t, self.n_kv_heads, hd)
         v = v.view(b, t, self.n_kv_heads, hd)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.qk_norm_scope == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary is not None:
             offset = sp.rank * t if sp is not None else 0  # this chunk's first position in the sequence

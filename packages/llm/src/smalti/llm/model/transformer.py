@@ -161,6 +161,8 @@ class LLM(nn.Module):
         window_layers: per layer, whether ``sliding_window`` applies to it (Gemma's local/global alternation);
             default every layer.
         rope_local_theta: the RoPE base of the windowed layers when it differs from ``rope_theta`` (Gemma 3).
+        qk_norm_scope: what ``qk_norm`` normalises: each ``head`` (Qwen3) or ``all`` of the query and of the key
+            projection at once (OLMo, OLMoE).
     """
 
     def __init__(
@@ -202,6 +204,7 @@ class LLM(nn.Module):
         post_norms: bool = False,
         window_layers: list[bool] | None = None,
         rope_local_theta: float | None = None,
+        qk_norm_scope: str = "head",
     ) -> None:
         super().__init__()
         n_kv_heads = n_kv_heads or n_heads
@@ -239,7 +242,7 @@ class LLM(nn.Module):
             "attn_uses_sequence_id": attn_uses_sequence_id, "init_std": init_std, "head_dim": head_dim,
             "embed_scale": embed_scale, "post_norms": post_norms,
             "window_layers": [bool(w) for w in window_layers] if window_layers is not None else None,
-            "rope_local_theta": rope_local_theta,
+            "rope_local_theta": rope_local_theta, "qk_norm_scope": qk_norm_scope,
         }
         self.d_model, self.n_heads, self.n_layers = d_model, n_heads, n_layers
         self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
@@ -265,7 +268,7 @@ class LLM(nn.Module):
                 Block(
                     Attention(d_model, n_heads, n_kv_heads, attn_bias, qk_norm, norm_type, norm_eps,
                               local_rotary if windowed[i] else rotary, softmax_scale,
-                              clip_qkv, qkv_bias=qkv_bias, head_dim=head_dim),
+                              clip_qkv, qkv_bias=qkv_bias, head_dim=head_dim, qk_norm_scope=qk_norm_scope),
                     make_ffn(ffn_type, d_model, hidden, activation, ffn_bias, layer_moe),
                     make_norm(norm_type, d_model, norm_eps, bias),
                     make_norm(norm_type, d_model, norm_eps, bias),

@@ -23,8 +23,9 @@ def head_dim(config: dict[str, Any]) -> int:
 class LlamaLike(Family):
     """What Llama, Mistral, Qwen2 and Qwen3 share; a subclass states its biases, window and QK-norm."""
 
-    #: whether the family normalises queries and keys per head (Qwen3)
+    #: whether the family normalises queries and keys (Qwen3, OLMoE), per ``head`` or over ``all`` of each
     qk_norm = False
+    qk_norm_scope = "head"
 
     # ----------------------------------------------------------------- config.json -> smalti
 
@@ -59,7 +60,7 @@ class LlamaLike(Family):
             "max_seq_len": cfg.get("max_position_embeddings", 2048), "ffn_hidden_size": cfg["intermediate_size"],
             "position": "rope", "rope_theta": theta, "rope_scaling": scaling, "norm_type": "rmsnorm",
             "norm_eps": cfg.get("rms_norm_eps", 1e-6), "ffn_type": "glu", "activation": "silu", "bias": False,
-            **self.biases(cfg), "qk_norm": self.qk_norm, "sliding_window": window,
+            **self.biases(cfg), "qk_norm": self.qk_norm, "qk_norm_scope": self.qk_norm_scope, "sliding_window": window,
             "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
             "init_std": cfg.get("initializer_range", 0.02), "head_dim": hd if hd * n_heads != hidden else None,
         }
@@ -82,6 +83,8 @@ class LlamaLike(Family):
             out.append(f"ffn_type={c['ffn_type']!r}/activation={c['activation']!r} (it uses {self.ffn}/silu)")
         if bool(c["qk_norm"]) != self.qk_norm:
             out.append(f"qk_norm={c['qk_norm']!r} (it has {'' if self.qk_norm else 'no '}QK-norm)")
+        elif self.qk_norm and c.get("qk_norm_scope", "head") != self.qk_norm_scope:
+            out.append(f"qk_norm_scope={c.get('qk_norm_scope', 'head')!r} (it normalises {self.qk_norm_scope})")
         for key in ("clip_qkv", "softmax_scale", "embed_scale", "post_norms", "rope_local_theta"):
             if c.get(key):
                 out.append(f"{key}={c[key]!r} (it has none)")
@@ -143,8 +146,9 @@ class LlamaLike(Family):
             for kind in ("weight", "bias") if attn_bias else ("weight",):
                 out[src + f"attn.out_proj.{kind}"] = [Part(dst + f"self_attn.o_proj.{kind}", 0, d)]
             if c.get("qk_norm"):
-                for p in ("q", "k"):
-                    out[src + f"attn.{p}_norm.weight"] = [Part(dst + f"self_attn.{p}_norm.weight", 0, hd)]
+                widths = (hd, hd) if c.get("qk_norm_scope", "head") == "head" else (q, kv)
+                for p, width in zip(("q", "k"), widths, strict=True):
+                    out[src + f"attn.{p}_norm.weight"] = [Part(dst + f"self_attn.{p}_norm.weight", 0, width)]
             out[src + "norm_2.weight"] = [Part(dst + "post_attention_layernorm.weight", 0, d)]
             out.update(self.ffn_parts(c, i, ffn_bias, names))
         out["norm_f.weight"] = [Part("model.norm.weight", 0, d)]
