@@ -13,6 +13,9 @@ export SMALTI_STRICT_SKIPS=${SMALTI_STRICT_SKIPS:-1}
 echo "disk free before setup: $(df -h --output=avail . | tail -1 | tr -d ' ')"
 bash scripts/setup.sh
 .venv/bin/ruff check .
+# Import layering (contracts in pyproject.toml's [tool.importlinter]): packages meet as ARCHITECTURE.md says and
+# no package's modules import each other in a circle.
+.venv/bin/lint-imports
 failed=()
 root=$PWD
 # One package's suite runs from inside its folder (cd packages/<pkg> && pytest), the others from the root.

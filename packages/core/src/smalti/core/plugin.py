@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from smalti.core.intervals import interval_fires
-from smalti.core.plugins import hookimpl
+from smalti.core.plugins.markers import hookimpl
 
 if TYPE_CHECKING:
     from smalti.core.events import Event

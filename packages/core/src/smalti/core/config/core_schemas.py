@@ -20,10 +20,10 @@ from smalti.core.config.types import (
     TimeOrBatches,
     TimeStr,
     ValidationInfo,
+    field_error,
     run_config,
     world_size,
 )
-from smalti.core.config.validate import field_error
 from smalti.core.precision import PRECISIONS
 
 

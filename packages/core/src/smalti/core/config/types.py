@@ -101,3 +101,21 @@ def world_size(info: ValidationInfo) -> int:
     if "world_size" in context:
         return int(context["world_size"])
     return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+class FieldError(ValueError):
+    """A rule spanning keys was broken; raised from a schema's ``model_validator`` (see :func:`field_error`)."""
+
+    def __init__(self, field: str, value: Any, expected: str) -> None:
+        super().__init__(f"{field}={value!r}: expected {expected}")
+        self.field, self.value, self.expected = field, value, expected
+
+
+def field_error(field: str, value: Any, expected: str) -> FieldError:
+    """An error for a rule that spans keys, raised from a schema's ``model_validator``, naming the key at fault.
+
+    ``field`` is relative to the node the schema checks (``"n_heads"``, or ``"moe.top_k"``)::
+
+        raise field_error("n_heads", self.n_heads, f"a multiple of parallelism.sp={sp}")
+    """
+    return FieldError(field, value, expected)

@@ -18,7 +18,10 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
+from smalti.core.config.types import FieldError, field_error
 from smalti.core.errors import ConfigError
+
+__all__ = ["ConfigValueError", "FieldError", "collect_schemas", "field_error", "resolve", "validate_config"]
 
 #: At most this many problems are listed (plus one line saying how many more), so the report stays short.
 MAX_LISTED = 4
@@ -33,24 +36,6 @@ class ConfigValueError(ConfigError):
         if len(self.problems) > MAX_LISTED:
             shown.append(f"... and {len(self.problems) - MAX_LISTED} more")
         super().__init__("\n".join(shown))
-
-
-class FieldError(ValueError):
-    """A rule spanning keys was broken; raised from a schema's ``model_validator`` (see :func:`field_error`)."""
-
-    def __init__(self, field: str, value: Any, expected: str) -> None:
-        super().__init__(f"{field}={value!r}: expected {expected}")
-        self.field, self.value, self.expected = field, value, expected
-
-
-def field_error(field: str, value: Any, expected: str) -> FieldError:
-    """An error for a rule that spans keys, raised from a schema's ``model_validator``, naming the key at fault.
-
-    ``field`` is relative to the node the schema checks (``"n_heads"``, or ``"moe.top_k"``)::
-
-        raise field_error("n_heads", self.n_heads, f"a multiple of parallelism.sp={sp}")
-    """
-    return FieldError(field, value, expected)
 
 
 def collect_schemas(plugin_manager: Any = None) -> dict[str, list[type]]:

@@ -5,23 +5,18 @@ Hook implementations are marked with :data:`hookimpl` (or are spec-named methods
 make the same marker itself with ``pluggy.HookimplMarker("smalti")``.
 """
 
-import pluggy
-
-PROJECT_NAME = "smalti"
-ENTRY_POINT_GROUP = "smalti"
-
-hookspec = pluggy.HookspecMarker(PROJECT_NAME)
-hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
-
-from smalti.core.plugins.base import Algorithm, Callback, LoggerDestination, SmaltiPlugin  # noqa: E402
-from smalti.core.plugins.manager import (  # noqa: E402
+from smalti.core.plugins.base import Algorithm, Callback, LoggerDestination, SmaltiPlugin
+from smalti.core.plugins.manager import (
     SmaltiPluginManager,
     get_plugin_manager,
     new_plugin_manager,
     reset_plugin_manager,
 )
+from smalti.core.plugins.markers import ENTRY_POINT_GROUP, PROJECT_NAME, hookimpl, hookspec
 
 __all__ = [
+    "ENTRY_POINT_GROUP",
+    "PROJECT_NAME",
     "Algorithm",
     "Callback",
     "LoggerDestination",

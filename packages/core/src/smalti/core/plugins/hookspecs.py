@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from smalti.core.plugins import hookspec
+from smalti.core.plugins.markers import hookspec
 
 if TYPE_CHECKING:
     import pluggy

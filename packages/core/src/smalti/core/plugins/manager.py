@@ -20,8 +20,9 @@ from typing import Any
 import pluggy
 
 from smalti.core.errors import PluginError
-from smalti.core.plugins import ENTRY_POINT_GROUP, PROJECT_NAME, hookspecs
+from smalti.core.plugins import hookspecs
 from smalti.core.plugins.base import SmaltiPlugin
+from smalti.core.plugins.markers import ENTRY_POINT_GROUP, PROJECT_NAME
 
 log = logging.getLogger(__name__)
 
