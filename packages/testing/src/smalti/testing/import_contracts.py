@@ -13,47 +13,7 @@ from typing import Any
 
 from importlinter import Contract, ContractCheck, fields, output
 
-
-def _circles(modules: set[str], edges: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan's algorithm, iteratively)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
-    for root in sorted(modules):
-        if root in index:
-            continue
-        work = [(root, iter(sorted(edges[root])))]
-        index[root] = low[root] = len(index)
-        stack.append(root)
-        on_stack.add(root)
-        while work:
-            node, children = work[-1]
-            child = next(children, None)
-            if child is not None:
-                if child not in index:
-                    index[child] = low[child] = len(index)
-                    stack.append(child)
-                    on_stack.add(child)
-                    work.append((child, iter(sorted(edges[child]))))
-                elif child in on_stack:
-                    low[node] = min(low[node], index[child])
-                continue
-            work.pop()
-            if work:
-                low[work[-1][0]] = min(low[work[-1][0]], low[node])
-            if low[node] == index[node]:
-                component = []
-                while True:
-                    member = stack.pop()
-                    on_stack.discard(member)
-                    component.append(member)
-                    if member == node:
-                        break
-                if len(component) > 1:
-                    found.append(sorted(component))
-    return found
+from smalti.testing.house import import_circles
 
 
 class AcyclicModulesContract(Contract):
@@ -69,7 +29,7 @@ class AcyclicModulesContract(Contract):
         for package in self.packages:  # type: ignore[attr-defined]
             modules = {package, *graph.find_descendants(package)}
             edges = {m: graph.find_modules_directly_imported_by(m) & modules for m in modules}
-            found = _circles(modules, edges)
+            found = import_circles(edges)
             if found:
                 circles[package] = found
                 for circle in found:
