@@ -192,7 +192,7 @@ def test_first_batch_of_a_damaged_seekable_shard_raises_naming_it(tmp_path):
     for raw in data.glob("shard.*.mds"):
         raw.unlink()
     probe = StreamingDataset(local=str(data), batch_size=16, shuffle=True, predownload=0)  # no warm-up
-    shard = int(probe._locate(probe._remaining_grid(0)[0, :1])[0][0])
+    shard = int(probe._locate(probe._remaining(0).rows(0, 1, 0, 1)[0])[0][0])
     path = data / f"shard.{shard:05}.mds.zstd"
     packed = bytearray(path.read_bytes())
     packed[len(packed) // 2] ^= 0xFF

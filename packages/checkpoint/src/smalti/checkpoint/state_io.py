@@ -368,7 +368,11 @@ def _load_rank_local(state: State, folder: Path, manifest: dict[str, Any], ignor
 
 
 def _loader_position(state: State, folder: Path, manifest: dict[str, Any], extra: dict[str, Any], trust: bool) -> Any:
-    """The saved data loader position of this rank's data-parallel share (the share, not the rank, owns it)."""
+    """The saved data loader position of this rank's data-parallel share (the share, not the rank, owns it);
+    a global position (samples of the epoch's global order, marked ``global`` by smalti-core) is every
+    rank's, on any data-parallel size."""
+    if isinstance(extra["dataloader"], dict) and extra["dataloader"].get("global") is True:
+        return extra["dataloader"]
     saved_world = int(manifest.get("world_size", 1))
     saved_dp = int(manifest.get("dp_world_size", saved_world))
     if saved_dp != state.dp_world_size:

@@ -86,6 +86,11 @@ class ResumableDistributedSampler(Sampler[int]):
 #: smalti-core needs no import of the package that defines the dataset (smalti-streaming's StreamingDataset).
 DATALOADER_METHOD = "smalti_dataloader"
 
+#: A loader's or dataset's attribute: ``True`` when its ``state_dict`` is a position in the epoch's global order
+#: (samples consumed over all data-parallel ranks), the same on every rank and valid on any data-parallel size.
+#: Its checkpoint then resumes on another number of ranks (smalti-streaming's datasets and loader set it).
+GLOBAL_POSITION = "position_is_global"
+
 #: A dataset's method returning a short phrase on how its rows came to be (``"64 examples read from chat.jsonl,
 #: packed into 3 rows of max_seq_len=2048 tokens"``), quoted when the rows make no batch. Duck-typed and optional.
 SIZE_METHOD = "describe_size"

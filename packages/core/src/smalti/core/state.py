@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from smalti.core.data import GLOBAL_POSITION
 from smalti.core.errors import TimeError, TrainingError
 from smalti.core.rng import load_rng_state_dict, rng_state_dict
 from smalti.core.time import Time, Timestamp, TimeUnit
@@ -205,15 +206,20 @@ class State:
         loader = self.train_dataloader
         if loader is None:
             return None
-        if hasattr(loader, "state_dict"):
-            return {"loader": loader.state_dict()}
         dataset = getattr(loader, "dataset", None)
-        if dataset is not None and hasattr(dataset, "state_dict"):
+        if hasattr(loader, "state_dict"):
+            saved = {"loader": loader.state_dict()}
+        elif dataset is not None and hasattr(dataset, "state_dict"):
             params = inspect.signature(dataset.state_dict).parameters
             if "num_samples" in params:
-                return {"dataset": dataset.state_dict(num_samples=self.timestamp.sample_in_epoch, from_beginning=True)}
-            return {"dataset": dataset.state_dict()}
-        return None
+                saved = {"dataset": dataset.state_dict(num_samples=self.timestamp.sample_in_epoch, from_beginning=True)}
+            else:
+                saved = {"dataset": dataset.state_dict()}
+        else:
+            return None
+        if getattr(loader, GLOBAL_POSITION, False) is True or getattr(dataset, GLOBAL_POSITION, False) is True:
+            saved["global"] = True  # one position for all ranks: a checkpoint may resume on any data-parallel size
+        return saved
 
     def load_dataloader_state_dict(self, saved: dict[str, Any]) -> None:
         loader = self.train_dataloader

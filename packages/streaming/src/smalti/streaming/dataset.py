@@ -22,6 +22,7 @@ from torch.utils.data import IterableDataset, default_collate, get_worker_info
 from smalti.storage import is_temp_name
 from smalti.streaming import compression as comp
 from smalti.streaming.cache import ShardCache
+from smalti.streaming.epoch_plan import ArrayOrder, EpochOrder, GridRemaining, LazyOrder, Remaining
 from smalti.streaming.errors import StreamingError
 from smalti.streaming.index_trust import (
     check_local_lengths,
@@ -35,14 +36,13 @@ from smalti.streaming.order import (
     LEGACY_SHUFFLE,
     SHUFFLES,
     default_block_size,
-    group_by_node,
-    pad_to_batches,
     select_samples,
     sequential_order,
     shuffle_order,
     split_selection,
     stream_counts,
 )
+from smalti.streaming.order_blocks import BlockOrder
 from smalti.streaming.order_mosaic import MOSAIC_ALGOS, mosaic_work
 from smalti.streaming.partial import read_rows
 from smalti.streaming.storage import Fetcher
@@ -219,6 +219,10 @@ class StreamingDataset(IterableDataset):
     :meth:`load_state_dict` resume mid-epoch without replaying it.
     """
 
+    #: ``state_dict()`` is a position in the epoch's global order: a checkpoint resumes on any data-parallel
+    #: size (smalti-core's ``GLOBAL_POSITION`` protocol)
+    position_is_global = True
+
     def __init__(
         self,
         *,
@@ -312,7 +316,7 @@ class StreamingDataset(IterableDataset):
         self._resume: tuple[int, int] | None = None  # (epoch, global samples already consumed in it)
         self._consumed = 0  # samples this process handed out in the current epoch (this rank's share)
         self._counted_by_loader = False
-        self._order_cache: dict[tuple[Any, ...], np.ndarray] = {}
+        self._order_cache: dict[tuple[Any, ...], EpochOrder | np.ndarray] = {}  # orders; mosaic grids
         self._initial_nodes: int | None = None  # the first run's node count, once resumed on another
         self._first_rows: dict[int, Future] = {}  # shard -> rows of the first batch read ahead (see _warm_up)
         self._first_rows_ids: np.ndarray | None = None
@@ -345,12 +349,8 @@ class StreamingDataset(IterableDataset):
 
     def _first_needed_shards(self, steps: int) -> list[int]:
         """The shards this node's first ``steps`` global batches of the current epoch read, in the order needed."""
-        grid = self._remaining_grid(self.epoch)[:steps]
-        b = self.batch_size
-        first_rank = self.rank // self.local_world * self.local_world
-        lo = first_rank // self.replication
-        hi = (first_rank + self.local_world - 1) // self.replication + 1
-        flat = grid[:, lo * b : hi * b].reshape(-1)
+        lo, hi = self._node_columns()
+        flat = self._remaining(self.epoch).rows(0, steps, lo, hi).reshape(-1)
         shards, _ = self._locate(flat[flat >= 0])
         return list(dict.fromkeys(shards.tolist()))
 
@@ -419,11 +419,19 @@ class StreamingDataset(IterableDataset):
     def _first_batch_ids(self) -> np.ndarray | None:
         """The sample ids of this rank's first batch in what remains of the current epoch (``None``: nothing
         remains). ``-1`` (the padding of a resumed epoch's last batch) is left out, as :meth:`_steps` does."""
-        grid = self._remaining_grid(self.epoch)
-        if not len(grid):
+        remaining = self._remaining(self.epoch)
+        if not len(remaining):
             return None
-        row = grid[0, self.dp_rank * self.batch_size : (self.dp_rank + 1) * self.batch_size]
+        row = remaining.rows(0, 1, self.dp_rank * self.batch_size, (self.dp_rank + 1) * self.batch_size)[0]
         return row[row >= 0]
+
+    def _node_columns(self) -> tuple[int, int]:
+        """The columns ``[lo, hi)`` of every global batch that the ranks of this rank's physical node read."""
+        b = self.batch_size
+        first_rank = self.rank // self.local_world * self.local_world
+        lo = first_rank // self.replication
+        hi = (first_rank + self.local_world - 1) // self.replication + 1
+        return lo * b, hi * b
 
     def _plan_first_rows(self, mine: set[int]) -> list[tuple[int, tuple[np.ndarray, bool, Future]]]:
         """``(shard, (rows, download, future))`` for each shard of this rank's first batch whose rows the
@@ -760,18 +768,58 @@ class StreamingDataset(IterableDataset):
         return [np.arange(self._shard_starts[s], self._shard_starts[s + 1]) for s in shards]
 
     def epoch_order(self, epoch: int) -> np.ndarray:
-        """The global sample order of ``epoch``, padded to whole global batches (a pure function of the settings)."""
+        """The global sample order of ``epoch``, padded to whole global batches (a pure function of the settings).
+
+        Materialised, so memory grows with the samples: for inspection and small datasets. Iteration never
+        calls it; with the ``blocks`` shuffle it computes each batch's ids when it needs them.
+        """
+        return self._order(epoch).full()
+
+    def _order(self, epoch: int) -> EpochOrder:
+        """Epoch ``epoch``'s order, computed once per setting (the last one is kept)."""
         global_batch = self.batch_size * self.dp_world
         key = (epoch, global_batch, self.batching_method, self.shuffle, self.shuffle_algo, self.shuffle_seed,
                self.shuffle_block_size, self.num_canonical_nodes, self.epoch_size, repr(self.proportion_schedule))
         order = self._order_cache.get(key)
         if order is None:
-            order = self._compute_order(epoch, global_batch)
-            order.setflags(write=False)
+            blocks = self._block_order(epoch, global_batch)
+            order = LazyOrder(blocks) if blocks is not None else \
+                ArrayOrder(*self._sequence(epoch, global_batch), global_batch)
             self._order_cache = {key: order}
         return order
 
+    def _block_order(self, epoch: int, global_batch: int) -> BlockOrder | None:
+        """The epoch's ``blocks`` order as a :class:`BlockOrder`, when it can be computed lazily: one stream
+        mix for the whole epoch, every stream read a whole number of times, one sequence for all streams
+        (``random`` batching or one stream). It equals the order :meth:`_compute_order` materialises."""
+        if not (self.shuffle and self.shuffle_algo == "blocks"):
+            return None
+        if not (self.batching_method == "random" or len(self.streams) == 1):
+            return None
+        _, segments = self._epoch_plan(epoch)
+        if len(segments) != 1:
+            return None
+        counts = stream_counts(self._stream_sizes, segments[0][1], self.epoch_size, self.shuffle_seed + epoch,
+                               self._stream_names)
+        if any(size and count % size or not size and count for count, size in zip(counts, self._stream_sizes)):
+            return None  # a part of a stream is chosen at random: select_samples picks it sample by sample
+        starts = self._shard_starts
+        picked = [np.tile(np.asarray(ids, dtype=np.int64), count // size)
+                  for ids, count, size in zip(self._stream_shards, counts, self._stream_sizes) if size]
+        shards = np.concatenate(picked) if picked else np.zeros(0, dtype=np.int64)
+        if not len(shards):
+            return None
+        return BlockOrder(starts[shards + 1] - starts[shards], seed=self.shuffle_seed, epoch=epoch,
+                          num_canonical_nodes=self.num_canonical_nodes, global_batch=global_batch,
+                          block_size=self.shuffle_block_size, shard_first_ids=starts[shards])
+
     def _compute_order(self, epoch: int, global_batch: int) -> np.ndarray:
+        """The epoch's whole order as one array (every shuffle, curriculum and batching method)."""
+        return ArrayOrder(*self._sequence(epoch, global_batch), global_batch).full()
+
+    def _sequence(self, epoch: int, global_batch: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """The epoch's samples in order before padding and grouping, with each one's canonical node; for the
+        batching methods that keep streams apart, whole global batches as they are read and no nodes."""
         total, segments = self._epoch_plan(epoch)
         names = self._stream_names
         if len(segments) == 1:
@@ -799,9 +847,8 @@ class StreamingDataset(IterableDataset):
             nodes.append(node)
         order = np.concatenate(orders) if orders else np.zeros(0, dtype=np.int64)
         if not random:
-            return order
-        node = np.concatenate(nodes)
-        return group_by_node(pad_to_batches(order, global_batch), pad_to_batches(node, global_batch), global_batch)
+            return order, None
+        return order, np.concatenate(nodes)
 
     def _segment_counts(self, weights: list[tuple[str, float | int | None]], size: int, global_batch: int,
                         seed: int) -> list[int]:
@@ -892,24 +939,19 @@ class StreamingDataset(IterableDataset):
             self._order_cache[key] = grid
         return grid
 
-    def _remaining_grid(self, epoch: int) -> np.ndarray:
-        """The epoch's global batches still to come, one row each; ``-1`` pads a partial last batch."""
-        global_batch = self.batch_size * self.dp_world
-        drop = self._resume[1] if self._resume and self._resume[0] == epoch else 0
+    def _remaining(self, epoch: int) -> Remaining | GridRemaining:
+        """The epoch's global batches still to come after the resume position (see :class:`Remaining`)."""
+        start = self._resume[1] if self._resume and self._resume[0] == epoch else 0
         if self.mosaic_layout():
-            return self._mosaic_grid(epoch, drop)
-        order = self.epoch_order(epoch)
-        if drop:
-            order = order[drop:]
-            order = np.concatenate([order, np.full((-len(order)) % global_batch, -1, dtype=np.int64)])
-        return order.reshape(-1, global_batch)
+            return GridRemaining(self._mosaic_grid(epoch, start))
+        return Remaining(self._order(epoch), start)
 
     def __len__(self) -> int:
         """Samples this rank yields per epoch (including the padding of the last global batch)."""
         if self.mosaic_layout():
             b = self.batch_size
             return int((self._mosaic_grid(self.epoch, 0)[:, self.rank * b : (self.rank + 1) * b] >= 0).sum())
-        return len(self.epoch_order(self.epoch)) // self.dp_world
+        return self._order(self.epoch).size // self.dp_world
 
     def _steps(self, bundled: bool = False) -> Iterator[tuple[_FetchPlan, list[np.ndarray]]]:
         """This process's share of the epoch: ``(plan, [global ids of this rank's batch, ...])`` per bundle of
@@ -921,17 +963,18 @@ class StreamingDataset(IterableDataset):
         worker = get_worker_info()
         worker_id, num_workers = (worker.id, worker.num_workers) if worker else (0, 1)
         epoch = self.epoch
-        grid = self._remaining_grid(epoch)
+        remaining = self._remaining(epoch)
         b = self.batch_size
-        cols = slice(self.dp_rank * b, (self.dp_rank + 1) * b)
-        plan = _FetchPlan(self, grid, worker_id, num_workers)
+        c0, c1 = self.dp_rank * b, (self.dp_rank + 1) * b
+        plan = _FetchPlan(self, remaining, worker_id, num_workers)
         if worker is None:
             self._consumed = 0
         else:
             self._first_rows = {}  # the main process's rows read ahead, inherited by a forked worker
         try:
-            for lo, hi in _bundles(len(grid), worker_id, num_workers, max(1, BUNDLE_SAMPLES // b) if bundled else 1):
-                batches = [row if row[-1] >= 0 else row[row >= 0] for row in grid[lo:hi, cols]]  # -1: padding
+            for lo, hi in _bundles(len(remaining), worker_id, num_workers,
+                                   max(1, BUNDLE_SAMPLES // b) if bundled else 1):
+                batches = [row if row[-1] >= 0 else row[row >= 0] for row in remaining.rows(lo, hi, c0, c1)]
                 if not bundled:
                     batches = [ids for ids in batches if len(ids)]
                     if not batches:
@@ -1071,61 +1114,83 @@ class StreamingDataset(IterableDataset):
 class _FetchPlan:
     """Which process of this node fetches which shard, and a thread that fetches this process's share ahead.
 
-    Every process of the node (local ranks x DataLoader workers) computes the same list of shards in the
-    order the node first needs them and owns every ``participants``-th one. An owner fetches its shards up to
-    ``predownload`` samples ahead of where it is; the others wait for them (see :mod:`smalti.streaming.cache`).
+    Every process of the node (local ranks x DataLoader workers) walks the node's columns of the remaining
+    global batches in the same order, a chunk at a time, and gives the ``k``-th shard it meets first to
+    process ``k % participants``. An owner fetches its shards up to ``predownload`` samples ahead of where it
+    is; the others wait for them (see :mod:`smalti.streaming.cache`). The first chunk is walked before the
+    iteration starts, the rest by the thread, ahead of the reading: memory is one chunk of the order and one
+    entry per shard, never the epoch.
     """
 
-    def __init__(self, ds: StreamingDataset, grid: np.ndarray, worker_id: int, num_workers: int) -> None:
+    WALK_SAMPLES = 1 << 16  # node columns computed per step of the walk
+
+    def __init__(self, ds: StreamingDataset, remaining: Remaining | GridRemaining, worker_id: int,
+                 num_workers: int) -> None:
         self.ds = ds
         self.progress = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.owner: dict[int, int] = {}
-        if ds.predownload <= 0 or len(grid) == 0:
+        self.participants, self.me = 1, 0
+        if ds.predownload <= 0 or len(remaining) == 0:
             return
-        b = ds.batch_size
-        first_rank = ds.rank // ds.local_world * ds.local_world
-        lo = first_rank // ds.replication
-        hi = (first_rank + ds.local_world - 1) // ds.replication + 1
-        node = grid[:, lo * b : hi * b]
-        cols = node.shape[1]
-        flat = node.reshape(-1)
-        valid = np.flatnonzero(flat >= 0)
-        shards, _ = ds._locate(flat[valid])
-        unique, first = np.unique(shards, return_index=True)
-        by_need = np.argsort(first, kind="stable")
-        need_shards, need_steps = unique[by_need], valid[first[by_need]] // cols
-        participants = ds.local_world * num_workers
-        me = ds.local_rank * num_workers + worker_id
-        owners = np.arange(len(need_shards)) % participants
-        self.owner = dict(zip(need_shards.tolist(), owners.tolist()))
-        self.me = me
-        lookahead = max(1, math.ceil(ds.predownload / b)) * num_workers
-        todo = [(int(step), int(shard)) for shard, step, owner in zip(need_shards, need_steps, owners)
-                if owner == me]
-        self.deferring = participants > 1
-        self._thread = threading.Thread(target=self._run, args=(todo, lookahead), daemon=True,
+        self.participants = ds.local_world * num_workers
+        self.me = ds.local_rank * num_workers + worker_id
+        self._remaining = remaining
+        self._cols = ds._node_columns()
+        self._chunk = max(1, self.WALK_SAMPLES // max(self._cols[1] - self._cols[0], 1))
+        self._seen = np.zeros(len(ds._shards), dtype=bool)
+        first = self._walk(0)
+        lookahead = max(1, math.ceil(ds.predownload / ds.batch_size)) * num_workers
+        self._thread = threading.Thread(target=self._run, args=(first, lookahead), daemon=True,
                                         name="smalti-streaming-prefetch")
         self._thread.start()
 
     def defer(self, shard: int) -> bool:
-        return bool(self.owner) and self.deferring and self.owner.get(shard, self.me) != self.me
+        """Whether another process of this node fetches ``shard`` (this one then waits for its copy)."""
+        return self.participants > 1 and self.owner.get(shard, self.me) != self.me
 
-    def _run(self, todo: list[tuple[int, int]], lookahead: int) -> None:
-        for step, shard in todo:
-            while step > self.progress + lookahead:
-                if self._stop.wait(0.005):
+    def _walk(self, k: int) -> list[tuple[int, int]]:
+        """Give owners to the shards first read in remaining steps ``[k, k + chunk)``; ``(step, shard)`` of
+        this process's, in the order needed."""
+        lo, hi = self._cols
+        flat = self._remaining.rows(k, k + self._chunk, lo, hi).reshape(-1)
+        valid = np.flatnonzero(flat >= 0)
+        shards, _ = self.ds._locate(flat[valid])
+        unique, first = np.unique(shards, return_index=True)
+        new = ~self._seen[unique]
+        unique, first = unique[new], first[new]
+        self._seen[unique] = True
+        by_need = np.argsort(first, kind="stable")
+        steps = k + valid[first[by_need]] // (hi - lo)
+        mine = []
+        for step, shard in zip(steps.tolist(), unique[by_need].tolist()):
+            owner = len(self.owner) % self.participants
+            self.owner[shard] = owner
+            if owner == self.me:
+                mine.append((step, shard))
+        return mine
+
+    def _run(self, first: list[tuple[int, int]], lookahead: int) -> None:
+        todo, k = first, 0
+        while True:
+            for step, shard in todo:
+                while step > self.progress + lookahead:
+                    if self._stop.wait(0.005):
+                        return
+                if self._stop.is_set():
                     return
-            if self._stop.is_set():
+                cache = self.ds.cache
+                if not cache.is_local(shard) and cache.peer_busy(shard):
+                    continue  # another process (the warm-up, a peer rank) is making it: make the next one meanwhile
+                try:
+                    cache.ensure(shard)
+                except Exception as exc:  # the reader meets it again, and raises it, when it needs the shard
+                    log.debug("prefetch of shard %d failed: %r", shard, exc)
+            k += self._chunk
+            if k >= len(self._remaining) or self._stop.is_set():
                 return
-            cache = self.ds.cache
-            if not cache.is_local(shard) and cache.peer_busy(shard):
-                continue  # another process (the warm-up, a peer rank) is making it: make the next one meanwhile
-            try:
-                cache.ensure(shard)
-            except Exception as exc:  # the reader meets it again, and raises it, when it needs the shard
-                log.debug("prefetch of shard %d failed: %r", shard, exc)
+            todo = self._walk(k)
 
     def finish(self) -> None:
         """The iteration ended normally: let the thread fetch what peers still expect from this process."""

@@ -120,6 +120,8 @@ class StreamingDataLoader(DataLoader):
     :data:`BATCHED_PREFETCH` items in flight per worker unless ``prefetch_factor`` is given.
     """
 
+    position_is_global = True  # its state_dict is the dataset's: valid on any data-parallel size
+
     def __init__(self, dataset: StreamingDataset, *args: Any, **kwargs: Any) -> None:
         if not isinstance(dataset, StreamingDataset):
             raise StreamingError(f"StreamingDataLoader needs a StreamingDataset, got {type(dataset).__name__}")
@@ -171,7 +173,7 @@ class StreamingDataLoader(DataLoader):
         ds._consumed = 0
         ds._counted_by_loader = True
         if self.num_workers:
-            ds.epoch_order(epoch)  # once here, not in every worker: forked workers inherit it
+            ds._order(epoch)  # once here, not in every worker: forked workers inherit it
         try:
             first = self._first_ids()
             # The first batch is made here, not by a worker, and handed out before the workers are started:

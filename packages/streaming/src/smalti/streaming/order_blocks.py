@@ -296,6 +296,22 @@ class BlockOrder:
             parts.append(self._sample_ids(*self._last_rows(c0, c1)))
         return np.concatenate(parts).reshape(k1 - k0, c1 - c0)
 
+    def shifted_grid(self, start: int, k0: int, k1: int, c0: int, c1: int) -> np.ndarray:
+        """Like :meth:`grid`, for global batches that begin ``start`` interleave positions into the epoch (a
+        resume position that is no whole number of this layout's global batches). Past the end, the
+        interleave's first samples pad up to :attr:`padded_size`; past that, ``-1`` fills the last batch.
+        Costs O(global batch) per batch, not O(columns)."""
+        G, n, C = self.global_batch, self.num_samples, self.num_nodes
+        g = np.arange(start + k0 * G, start + k1 * G, dtype=np.int64)
+        node, row = self._decode(g % n)
+        inside = g < self.padded_size
+        key = (g - start) // G * (C + 1) + np.where(inside, node, C)
+        by_node = np.argsort(key, kind="stable").reshape(-1, G)[:, c0:c1].reshape(-1)
+        out = np.full(len(by_node), -1, dtype=np.int64)
+        keep = inside[by_node]
+        out[keep] = self._sample_ids(node[by_node][keep], row[by_node][keep])
+        return out.reshape(k1 - k0, c1 - c0)
+
     def ids(self, lo: int, hi: int) -> np.ndarray:
         """Sample ids of global positions ``[lo, hi)`` of the padded, node-grouped epoch order."""
         lo, hi = max(lo, 0), min(hi, self.padded_size)
