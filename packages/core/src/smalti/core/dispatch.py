@@ -20,7 +20,7 @@ from typing import Any
 import pluggy
 
 from smalti.core._compat import PLAIN_HOOKEXEC as _PLAIN_HOOKEXEC
-from smalti.core._compat import hook_executor, hook_impls
+from smalti.core._compat import hook_impls
 
 
 class FastHook:
@@ -52,7 +52,9 @@ class FastHook:
             self._seen = list(impls)
             plain = not any(impl.hookwrapper or impl.wrapper for impl in impls)
             self._calls = [_plan(impl) for impl in reversed(impls)] if plain else None
-        if self._calls is None or hook_executor(self._pm) is not _PLAIN_HOOKEXEC:
+        # pm._inner_hookexec read directly (smalti.core._compat checked the field at import): a function call
+        # here would cost more than the rest of the fast path
+        if self._calls is None or self._pm._inner_hookexec is not _PLAIN_HOOKEXEC:
             return self._caller(**kwargs)
         # Named as in pluggy's _multicall, so that running_hooks() reads both kinds of frame alike.
         hook_name, hook_impls = self._name, impls  # noqa: F841
