@@ -106,6 +106,8 @@ class Checkpointer(SaveSchedule, LoadAndResume, CommitProtocol, Callback):
             used to choose the load's way of reading; loads now always read with ``O_DIRECT`` where allowed).
         read_ahead_mb: MiB of huge-page read buffers a load fills ahead of its copy into the tensors (at least
             96: six 16 MiB buffers, three reads in flight); reading starts as soon as the checkpoint is chosen.
+        load_once: under HSDP, only the first replica group reads a load from storage and broadcasts it to the
+            others over the replicate dimension (``false``: every replica group reads the whole checkpoint).
         retry_budget_s: seconds each object-store call may keep retrying through a brown-out (smalti-storage's
             one retry policy; ``None``: its default, 120 s, or ``SMALTI_STORAGE_RETRY_BUDGET_S``).
         s3_multipart_mb: object-store uploads above this size go in parts of this size (every scheme).
@@ -132,6 +134,7 @@ class Checkpointer(SaveSchedule, LoadAndResume, CommitProtocol, Callback):
         thread_count: int = 1,
         direct_io: bool | str = True,
         read_ahead_mb: int = 64,
+        load_once: bool = True,
         s3_retries: int | None = None,
         s3_multipart_mb: int = 64,
         retry_budget_s: float | None = None,
@@ -169,6 +172,7 @@ class Checkpointer(SaveSchedule, LoadAndResume, CommitProtocol, Callback):
         self.direct_io = direct_io
         self.direct_writes = direct_io is True
         self.read_ahead_mb = read_ahead_mb
+        self.load_once = load_once
         self.timeout_s = timeout_s
         if s3_retries not in (None, 5):  # 5 was the old default, still in older configs
             log.warning("checkpoint.s3_retries=%s is ignored: object-store retries are bounded by time, "
@@ -186,6 +190,7 @@ class Checkpointer(SaveSchedule, LoadAndResume, CommitProtocol, Callback):
         self._replaceable: set[str] = set()
         self._group: Any = None
         self._writer_group: Any = None
+        self._replica_load: state_io.ReplicaLoad | None = None  # HSDP: who reads a load, who receives it
         self._is_writer = True
         self._rank = 0
         self._world = 1
@@ -235,6 +240,13 @@ class Checkpointer(SaveSchedule, LoadAndResume, CommitProtocol, Callback):
             # new_group is collective: every rank calls it, only the first replica group is a member.
             self._writer_group = state_io.gloo_group(writers, self.timeout_s)
             self._is_writer = self._rank in writers
+            # loads read in the first replica group too, which then broadcasts along each replicate line
+            lines = mesh.mesh.movedim(names.index("dp_replicate"), -1).reshape(-1, mesh.mesh.size(names.index("dp_replicate")))
+            for line in lines.tolist() if self.load_once else []:
+                group = state_io.gloo_group(line, self.timeout_s)
+                if self._rank in line:
+                    self._replica_load = state_io.ReplicaLoad(self._writer_group, group, line[0], frozenset(writers),
+                                                              self._rank in writers)
 
     def _broadcast(self, value: Any) -> Any:
         if self._group is None:

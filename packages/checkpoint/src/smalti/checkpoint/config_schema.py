@@ -52,6 +52,7 @@ class CheckpointerSchema(Schema):
     thread_count: PositiveInt = 1
     direct_io: bool | Literal["read"] = True
     read_ahead_mb: PositiveInt = 64
+    load_once: bool = True
     s3_multipart_mb: Annotated[int, Field(ge=5)] = 64
     retry_budget_s: NonNegativeFloat | None = None
     timeout_s: PositiveFloat = 600

@@ -46,7 +46,7 @@ class LoadAndResume:
                 state_io.load_checkpoint(
                     state, found.folder, found.manifest, self._group, weights_only=weights_only,
                     ignore_keys=self.load_ignore_keys, strict=self.load_strict, read_ahead=self._read_ahead,
-                    trust_pickles=self.trust_pickles,
+                    trust_pickles=self.trust_pickles, replicas=self._replica_load,
                 )
             except Exception as exc:  # a damaged data file may fail to parse: the digest verdict decides
                 load_error = exc
@@ -90,6 +90,10 @@ class LoadAndResume:
         # data files: the copy's identity is enough to agree on the split
         copy = (socket.gethostname(), str(found.folder.resolve()))
         peers = [rank for rank, other in enumerate(self._gather(copy)) if other == copy]
+        if self._replica_load is not None:  # HSDP: only the first replica group reads; the others receive
+            peers = [rank for rank in peers if rank in self._replica_load.readers]
+            if self._rank not in peers:
+                return
         relpaths = data_files(found.manifest)
         preferred: dict[str, int] = {}
         if int(found.manifest.get("world_size", 1)) == self._world:

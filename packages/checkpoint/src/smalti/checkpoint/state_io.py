@@ -18,6 +18,7 @@ resumable sampler, so it follows; a saved stateful loader position (streaming da
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import logging
 import warnings
@@ -244,6 +245,51 @@ def _prefill_adam_state(
     return True
 
 
+@dataclasses.dataclass(frozen=True)
+class ReplicaLoad:
+    """How an HSDP load is shared: the first replica group (``readers``, over ``reader_group``) reads the
+    checkpoint from storage; each of its ranks then broadcasts what it loaded to the ranks holding the same
+    shards in the other replica groups (``replicate_group``, from global rank ``src``)."""
+
+    reader_group: Any
+    replicate_group: Any
+    src: int
+    readers: frozenset[int]
+    is_reader: bool
+
+
+def _broadcast_from_reader(value: Any, replicas: ReplicaLoad) -> Any:
+    box = [value]
+    dist.broadcast_object_list(box, src=replicas.src, group=replicas.replicate_group)
+    return box[0]
+
+
+def _broadcast_loaded(tree: Any, replicas: ReplicaLoad) -> None:
+    """Give every replica the loaded values of ``tree`` (model and optimizer state dicts, loaded in place on the
+    readers): tensors' local shards broadcast in place, other values (step counts, hyperparameters) as objects."""
+    slots: list[tuple[Any, Any]] = []  # (container, key) of each non-tensor leaf
+
+    def walk(node: Any) -> None:
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, value in items:
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if hasattr(value, "to_local") else value
+                buffer = local if local.is_contiguous() else local.contiguous()
+                dist.broadcast(buffer, src=replicas.src, group=replicas.replicate_group)
+                if buffer is not local:
+                    local.copy_(buffer)
+            elif isinstance(value, (dict, list)):
+                walk(value)
+            else:
+                slots.append((node, key))
+
+    with torch.no_grad():
+        walk(tree)
+    values = _broadcast_from_reader([container[key] for container, key in slots], replicas)
+    for (container, key), value in zip(slots, values):
+        container[key] = value
+
+
 def load_checkpoint(
     state: State,
     folder: Path,
@@ -254,15 +300,21 @@ def load_checkpoint(
     strict: bool = True,
     read_ahead: ReadAhead | None = None,
     trust_pickles: bool = False,
+    replicas: ReplicaLoad | None = None,
 ) -> None:
     """Load the checkpoint in local folder ``folder`` into ``state`` (resharding model and optimizers as needed).
+
+    ``replicas`` (HSDP): only the first replica group reads model and optimizer state from storage, the
+    others receive it over the replicate dimension, so a load reads the checkpoint once, not once per replica.
 
     ``read_ahead``: the data files being read in the background; DCP takes their bytes from it.
     ``trust_pickles``: read pickles that want classes outside the allow-lists (see :mod:`smalti.checkpoint.safe_load`).
     """
     ignore = list(ignore_keys or [])
     reader = ReadAheadFileSystemReader(folder, read_ahead, trust_pickles)
-    metadata = reader.read_metadata()
+    metadata = reader.read_metadata() if replicas is None or replicas.is_reader else None
+    if replicas is not None:
+        metadata = _broadcast_from_reader(metadata, replicas)
     stored = set(metadata.state_dict_metadata)
     model_sd = get_model_state_dict(state.model, options=model_options(state))
     wanted = {k: v for k, v in model_sd.items() if not matches(f"model.{k}", ignore)}
@@ -299,7 +351,21 @@ def load_checkpoint(
     if group is None:
         silence_single_process_warning()
     try:
-        dcp.load(to_load, storage_reader=reader, planner=planner, process_group=group, no_dist=group is None)
+        if replicas is None:
+            dcp.load(to_load, storage_reader=reader, planner=planner, process_group=group, no_dist=group is None)
+        else:
+            failure: BaseException | None = None
+            if replicas.is_reader:
+                try:
+                    dcp.load(to_load, storage_reader=reader, planner=planner, process_group=replicas.reader_group)
+                except BaseException as exc:
+                    failure = exc
+            verdict = _broadcast_from_reader(None if failure is None else repr(failure), replicas)
+            if failure is not None:
+                raise failure
+            if verdict is not None:
+                raise CheckpointError(f"the first replica group could not load {folder}: {verdict}")
+            _broadcast_loaded(to_load, replicas)
     except BaseException as exc:
         unsafe = unwrap_unsafe(exc)
         if unsafe is None:
