@@ -106,7 +106,7 @@ def test_plan_options_are_typed_and_unknown_ones_are_named() -> None:
         split_overrides(["plan.gpuz=8"])
     with pytest.raises(ConfigError, match=r"plan\.gpus='many' must be a positive number"):
         split_overrides(["plan.gpus=many"])
-    with pytest.raises(ConfigError, match=r"plan\.gpu='v100' is not one of h100, a100, h200, cpu"):
+    with pytest.raises(ConfigError, match=r"plan\.gpu='v100' is not one of h100, a100, h200, l4, cpu"):
         get_accelerator("v100")
 
 

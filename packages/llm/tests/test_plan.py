@@ -69,6 +69,10 @@ CONFIGS = [
     [*TINY, "+model.fused_loss=false"],
     [*TINY, "model=llama_tiny", "trainer.precision=amp_bf16"],  # RMSNorm, SwiGLU, GQA, untied head, bf16 autocast
     [*TINY, "model.position=alibi"],  # tiled attention with a shared bias
+    # LoRA (bf16 frozen base, fp32 adapters with dropout) and QLoRA (NF4 base) under bf16 autocast
+    [*TINY, "model=llama_tiny", "trainer.precision=amp_bf16", "+model.lora.r=8"],
+    [*TINY, "model=llama_tiny", "trainer.precision=amp_bf16", "+model.lora.r=8", "+model.lora.base_dtype=nf4",
+     "+model.lora.dropout=0.0"],
 ]
 
 
@@ -89,6 +93,26 @@ def test_memory_plan_is_within_15_percent_of_measured_cpu_peak() -> None:
     for overrides, got in zip(CONFIGS, measured, strict=True):
         want = predicted_step_bytes(overrides)
         assert abs(want - got) <= 0.15 * got, f"{overrides[4:]}: planned {want / 1e6:.1f} MB, measured {got / 1e6:.1f} MB"
+
+
+def test_llama_8b_lora_fits_one_80gb_gpu_and_qlora_one_24gb_gpu_at_8k_tokens() -> None:
+    run = ["experiment=llama3_8b", "+model.lora.r=16", "model.max_seq_len=8192", "parallelism=single",
+           "plan.gpus=1", "data.global_train_batch_size=1"]
+    lora = make_plan([*run, "plan.gpu=h100"])
+    qlora = make_plan([*run, "+model.lora.base_dtype=nf4", "plan.gpu=l4"])
+    full = make_plan([*run[:1], *run[2:], "plan.gpu=h100"])
+    assert lora.fits and qlora.fits and not full.fits
+    trainable = lora.counts.trainable
+    assert 40e6 < trainable < 44e6  # r=16 on every linear layer of 32 blocks
+    frozen = lora.counts.total - trainable
+    # bf16 base: 2 bytes a parameter; NF4: ~0.52 for the block weights, embeddings and head stay bf16
+    assert lora.memory["parameters"] == pytest.approx(frozen * 2 + trainable * 4, rel=1e-4)  # (norms stay fp32)
+    embed_head = 2 * 128256 * 4096
+    assert qlora.memory["parameters"] == pytest.approx((frozen - embed_head) * (0.5 + 1 / 64 + 4 / 16384)
+                                                       + embed_head * 2 + trainable * 4, rel=1e-3)
+    # adapters: fp32 gradients and two AdamW moments
+    assert lora.memory["gradients"] == trainable * 4 and lora.memory["optimizer state"] == 2 * trainable * 4
+    assert lora.peak < 77 * 2**30 and qlora.peak < 22 * 2**30
 
 
 def test_meta_parameter_count_equals_the_real_model_and_the_closed_form() -> None:

@@ -133,12 +133,15 @@ def activation_bytes(
     n_layers, d, vocab = cfg["n_layers"], cfg["d_model"], cfg["vocab_size"]
     tokens = micro_batch_size * seq_len / sp
     parts = block_bytes_per_token(cfg, compute_bytes, residual_bytes, autocast_bytes)
-    full = parts["norm_1"] + parts["attention"] + parts["norm_2"] + parts["ffn"]
+    lora = getattr(model, "lora_config", None) is not None
+    adapters = lora_block_bytes_per_token(model, compute_bytes) if lora else 0.0
+    full = parts["norm_1"] + parts["attention"] + parts["norm_2"] + parts["ffn"] + adapters
     kept = {
         None: full,
         "block": residual_bytes * d,
-        "attention": parts["norm_1"] + parts["attn_in"] + parts["norm_2"] + parts["ffn"],
-        "ffn": parts["norm_1"] + parts["attention"] + parts["norm_2"] + parts["ffn_in"],
+        # (LoRA's part of a block is counted whole for attention/ffn granularity: an over-estimate)
+        "attention": parts["norm_1"] + parts["attn_in"] + parts["norm_2"] + parts["ffn"] + adapters,
+        "ffn": parts["norm_1"] + parts["attention"] + parts["norm_2"] + parts["ffn_in"] + adapters,
     }
     rebuilt = {None: 0.0, "block": full, "attention": parts["attention"], "ffn": parts["ffn"]}
     chosen = {i: block.checkpointing for i, block in enumerate(model.blocks)}
@@ -157,7 +160,9 @@ def activation_bytes(
         # under half precision the half copy of their gradient, the weight and the hidden states cast once).
         chunk = min(rows, max(1, CHUNK_ELEMENTS // vocab))
         half = compute_bytes != 4
-        head = rows * d * (norm_keep + 2 * norm_out) + vocab * d * (4 + (weight_bytes if weight_bytes != 4 else 0))
+        trains_head = _head_trains(model)
+        head = rows * d * (norm_keep + 2 * norm_out)
+        head += vocab * d * (4 + (weight_bytes if weight_bytes != 4 else 0)) if trains_head else 0
         loss_peak = chunk * vocab * (4 + (compute_bytes if half else 0))
         if half:
             loss_peak += vocab * d * compute_bytes + rows * d * compute_bytes
@@ -170,8 +175,70 @@ def activation_bytes(
     # are never alive together: the peak has the larger.
     transient = max(float(loss_peak), recompute)
     inputs = micro_batch_size * seq_len * 8 * (3 if sequence_id else 2)  # int64 ids, targets (and sequence ids)
-    return {"blocks": blocks, "masks": masks, "head": float(head), "loss or recompute": transient,
-            "inputs": float(inputs)}
+    out = {"blocks": blocks, "masks": masks, "head": float(head), "loss or recompute": transient,
+           "inputs": float(inputs)}
+    if lora:
+        out.update(lora_weight_bytes(model, compute_bytes, autocast_bytes))
+    return out
+
+
+def _head_trains(model: Any) -> bool:
+    head = getattr(model, "lm_head", None)
+    weight = head.weight if head is not None else model.wte.weight
+    return bool(weight.requires_grad)
+
+
+#: Bytes per weight of QLoRA's NF4 (torchao's ``NF4Tensor``): 4 bits, an int8 scale per 64 values and an fp32
+#: factor per 256 scales.
+NF4_BYTES_PER_WEIGHT = 0.5 + 1 / 64 + 4 / (64 * 256)
+
+
+def lora_block_bytes_per_token(model: Any, compute: int) -> float:
+    """What LoRA adds to one block's activations per token: per adapted layer the dropout's output and mask
+    (when ``dropout`` > 0) and the rank-``r`` products kept for ``B``'s gradient. The frozen base keeps no input
+    of its own (its weight needs no gradient); the adapters' ``A`` keeps the layer input, as the full model's
+    weight gradient did, so that part is already counted."""
+    from smalti.llm.lora.layer import lora_layers
+
+    config = model.lora_config
+    per_token = 0.0
+    for path, layer in lora_layers(model).items():
+        if not path.startswith("blocks.0."):
+            continue
+        adapted = len(layer.lora_A)
+        if adapted and config.dropout > 0:  # the mask, and the dropped input the A product keeps (cast)
+            per_token += layer.in_features * (compute + 1)
+        per_token += adapted * config.r * compute
+    return per_token
+
+
+def lora_weight_bytes(model: Any, compute: int, autocast: int | None) -> dict[str, float]:
+    """LoRA's weight-sized transients: without autocast, the fp32 copies of a bf16 base that the products keep
+    for backward; with an NF4 base, one layer's dequantised weight at a time."""
+    from smalti.llm.lora.layer import lora_layers
+
+    config = model.lora_config
+    layers = lora_layers(model).values()
+    out: dict[str, float] = {}
+    if config.base_dtype == "bfloat16" and autocast is None and compute == 4:
+        out["lora fp32 base copies"] = float(sum(layer.weight.numel() for layer in layers) * 4)
+    if config.base_dtype == "nf4":
+        out["nf4 dequantised weight"] = float(max((layer.weight.numel() for layer in layers), default=0)
+                                              * (autocast or 2))
+    return out
+
+
+def frozen_bytes(model: Any) -> float | None:
+    """Bytes of the frozen parameters as held once loaded: a QLoRA base in NF4 (:data:`NF4_BYTES_PER_WEIGHT`),
+    the rest in its dtype; ``None`` without LoRA."""
+    config = getattr(model, "lora_config", None)
+    if config is None:
+        return None
+    from smalti.llm.lora.layer import lora_layers
+
+    quantised = {id(layer.weight) for layer in lora_layers(model).values()} if config.base_dtype == "nf4" else set()
+    return float(sum(p.numel() * (NF4_BYTES_PER_WEIGHT if id(p) in quantised else p.element_size())
+                     for p in model.parameters() if not p.requires_grad))
 
 
 def _masked(cfg: dict[str, Any], seq_len: int, sequence_id: bool) -> bool:
@@ -248,5 +315,11 @@ def plan_model(model: Any, setup: Any) -> Any:
              f"activation checkpointing on {recomputed} of {model.n_layers} blocks"]
     if model.config["ffn_type"] == "moe":
         notes.append("MoE FFN activations are approximated as top_k dense FFNs per token plus routing buffers")
+    if model.lora_config is not None:
+        lora = model.lora_config
+        notes.append(f"LoRA r={lora.r} on {','.join(lora.targets)}, base held in {lora.base_dtype}"
+                     + (" (NF4: 4 bits + block scales, ~0.52 B/param)" if lora.base_dtype == "nf4" else "")
+                     + "; adapters fp32 with gradients and optimizer state")
     notes.extend(published(setup.experiment, setup.gpu, setup.world_size))
-    return ModelEstimate(activations=acts, flops=flops, hardware_flops=hardware, tokens=m * seq_len, notes=notes)
+    return ModelEstimate(activations=acts, flops=flops, hardware_flops=hardware, tokens=m * seq_len, notes=notes,
+                         frozen_bytes=frozen_bytes(model))

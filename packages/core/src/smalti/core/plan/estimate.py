@@ -43,13 +43,18 @@ class Layout:
 class ParamCounts:
     """Parameter counts of the model as built: ``total``; ``linear`` (weights autocast casts per forward);
     ``largest_unit`` (the biggest block FSDP gathers at once); ``root`` (not in any block: embeddings, final
-    norm, head, which FSDP2's root keeps gathered); ``largest_tensor`` (for a per-parameter optimizer loop)."""
+    norm, head, which FSDP2's root keeps gathered); ``largest_tensor`` (for a per-parameter optimizer loop).
+
+    Frozen parameters (LoRA's base) have no gradient and no optimizer state: ``trainable`` counts the others
+    (``None``: all), ``frozen_bytes`` is what the frozen ones are held in."""
 
     total: int
     linear: int
     largest_unit: int
     root: int
     largest_tensor: int
+    trainable: int | None = None
+    frozen_bytes: float = 0.0
 
 
 @dataclass
@@ -89,7 +94,7 @@ def state_memory(
     """Bytes per GPU for parameters, gradients and optimizer state.
 
     Args:
-        master_bytes: dtype of the parameters as built (the optimizer's copy; FSDP shards these).
+        master_bytes: dtype of the (trainable) parameters as built (the optimizer's copy; FSDP shards these).
         weight_bytes: dtype of the parameters in forward (FSDP's ``param_dtype``; else ``master_bytes``).
         reduce_bytes: dtype gradients are reduced (and FSDP accumulates unsharded gradients) in.
         amp: autocast is on; with parameters in forward wider than ``compute_bytes``, autocast keeps a
@@ -103,15 +108,16 @@ def state_memory(
             parameter-sized temporary; otherwise it loops over tensors.
     """
     p = counts.total
+    t = p if counts.trainable is None else counts.trainable
     s = StateMemory()
     sharded = layout.kind in ("fsdp", "hsdp") and layout.shard > 1
     shard = layout.shard if sharded else 1
-    s.persistent["parameters"] = p * master_bytes / shard
-    s.persistent["gradients"] = p * master_bytes / shard
-    s.persistent["optimizer state"] = optimizer_state_tensors * p * master_bytes / shard
+    s.persistent["parameters"] = (t * master_bytes + counts.frozen_bytes) / shard
+    s.persistent["gradients"] = t * master_bytes / shard
+    s.persistent["optimizer state"] = optimizer_state_tensors * t * master_bytes / shard
     if layout.kind == "ddp" and layout.world > 1:
         # DistributedDataParallel's buckets are a second copy of the gradients (gradient_as_bucket_view=False).
-        s.persistent["ddp gradient buckets"] = p * master_bytes
+        s.persistent["ddp gradient buckets"] = t * master_bytes
     if sharded:
         units = p - counts.root
         gathered = counts.root + (2 * counts.largest_unit if layout.reshard_after_forward else units)
@@ -121,7 +127,7 @@ def state_memory(
             s.forward_backward["unsharded accumulated gradients"] = p * reduce_bytes
     if amp and weight_bytes > compute_bytes:
         s.forward_backward["autocast weight copies"] = counts.linear * compute_bytes
-    temp = p * master_bytes / shard if foreach_step else counts.largest_tensor * master_bytes
+    temp = t * master_bytes / shard if foreach_step else counts.largest_tensor * master_bytes
     s.optimizer_step["optimizer temporaries"] = temp if optimizer_state_tensors else 0.0
     return s
 

@@ -53,11 +53,19 @@ ACCELERATORS: dict[str, Accelerator] = {
         description="H200 SXM 141GB; compute as H100; NVLink 4 (~360 GB/s bus bandwidth assumed), "
                     "400 Gb/s NIC per GPU (~40 GB/s assumed)",
     ),
+    # A 24 GB card, the single-GPU QLoRA target: dense peaks from NVIDIA's L4 datasheet (half the sparse ones).
+    "l4": Accelerator(
+        "l4", 24 * GiB, 2 * GiB,
+        {"bf16": 121e12, "fp16": 121e12, "fp32": 30.3e12, "fp8": 242.5e12},
+        intra_node_bw=25e9, inter_node_bw=12e9, memory_bw=0.3e12,
+        description="L4 24GB; PCIe Gen4 x16 between GPUs (~25 GB/s bus bandwidth assumed, no NVLink), "
+                    "100 Gb/s NIC (~12 GB/s assumed)",
+    ),
 }
 
 #: Fraction of the dense peak that a well-tuned transformer step sustains (matrix products, attention and
 #: everything else averaged): LLM Foundry's published H100 MFUs for 1b-70b lie at 35-47%, A100's at 43-64%.
-DEFAULT_EFFICIENCY = {"h100": 0.45, "h200": 0.45, "a100": 0.55, "cpu": 1.0}
+DEFAULT_EFFICIENCY = {"h100": 0.45, "h200": 0.45, "a100": 0.55, "l4": 0.45, "cpu": 1.0}
 
 
 def cpu_accelerator() -> Accelerator:
@@ -70,7 +78,7 @@ def cpu_accelerator() -> Accelerator:
 
 
 def get_accelerator(name: str) -> Accelerator:
-    """The accelerator called ``name`` (h100, a100, h200 or cpu)."""
+    """The accelerator called ``name`` (h100, a100, h200, l4 or cpu)."""
     from smalti.core.errors import ConfigError
 
     key = str(name).lower()

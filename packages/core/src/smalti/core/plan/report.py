@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -160,7 +160,9 @@ def count_parameters(model: nn.Module) -> ParamCounts:
     params = list(model.parameters())
     total = sum(p.numel() for p in params)
     linear_ids = {id(p) for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
-    linear = sum(p.numel() for p in params if id(p) in linear_ids)
+    # autocast keeps a half copy of a linear weight wider than half precision (a frozen bf16 base needs none)
+    linear = sum(p.numel() for p in params if id(p) in linear_ids and p.element_size() > 2)
+    frozen = [p for p in params if not p.requires_grad]
     units = shard_units(model)
     unit_sizes = [sum(p.numel() for p in unit.parameters()) for unit in units]
     return ParamCounts(
@@ -168,7 +170,9 @@ def count_parameters(model: nn.Module) -> ParamCounts:
         linear=linear,
         largest_unit=max(unit_sizes, default=0),
         root=total - sum(unit_sizes),
-        largest_tensor=max((p.numel() for p in params), default=0),
+        largest_tensor=max((p.numel() for p in params if p.requires_grad), default=0),
+        trainable=total - sum(p.numel() for p in frozen),
+        frozen_bytes=float(sum(p.numel() * p.element_size() for p in frozen)),
     )
 
 
@@ -219,15 +223,13 @@ def make_plan(overrides: list[str], pm: Any = None) -> Plan:
     world = gpus_per_node * (options["nodes"] if gpu.name != "cpu" else 1)
     intra, inter = options["intra_node_gbps"], options["inter_node_gbps"]
     if intra or inter:
-        from dataclasses import replace
-
         gpu = replace(gpu, intra_node_bw=(intra or gpu.intra_node_bw / 1e9) * 1e9,
                       inter_node_bw=(inter or gpu.inter_node_bw / 1e9) * 1e9)
     layout = layout_of(parallelism, world, gpus_per_node)
     precision = str(cfg.trainer.precision)
     model = build_on_meta(cfg.model)
     counts = count_parameters(model)
-    master = next((p.element_size() for p in model.parameters()), 4)
+    master = next((p.element_size() for p in model.parameters() if p.requires_grad), 4)
     policy = getattr(parallelism, "mp_policy", None)
     weight = _BYTES[getattr(policy, "param_dtype", None)] or master
     reduce = _BYTES[getattr(policy, "reduce_dtype", None)] or weight
@@ -250,6 +252,10 @@ def make_plan(overrides: list[str], pm: Any = None) -> Plan:
 
     def estimate(m: int) -> ModelEstimate | None:
         return pm.hook.smalti_plan_model(model=model, setup=setup(m))
+
+    first = estimate(1)
+    if first is not None and first.frozen_bytes is not None:
+        counts = replace(counts, frozen_bytes=first.frozen_bytes)
 
     def memory_for(m: int) -> tuple[StateMemory, ModelEstimate | None]:
         n_micro = math.ceil(per_gpu / m)
@@ -282,6 +288,9 @@ def make_plan(overrides: list[str], pm: Any = None) -> Plan:
         f"master, {_dtype_name(weight, precision)} in forward, gradients reduced in {_dtype_name(reduce, precision)}",
         f"model: {type(model).__name__}, {counts.total / 1e6:,.1f} M parameters ({counts.linear / 1e6:,.1f} M in "
         f"linear layers, largest block {counts.largest_unit / 1e6:,.1f} M)",
+        *([f"frozen: {(counts.total - counts.trainable) / 1e6:,.1f} M parameters held in "
+           f"{counts.frozen_bytes / 2**30:,.2f} GiB (no gradient, no optimizer state); {counts.trainable / 1e6:,.2f} M "
+           "train"] if counts.trainable is not None and counts.trainable < counts.total else []),
         f"batch: global {global_batch} = {layout.dp} data-parallel x {per_gpu} per GPU; micro batch {micro}"
         f"{' (auto: largest that fits)' if auto else ''} -> {n_micro} micro batch(es) per step",
     ]

@@ -24,7 +24,7 @@ class PlanSetup:
     weight_bytes: int
     #: Ranks splitting each sequence (sequence parallelism); 1 without it.
     sp: int = 1
-    #: The accelerator name (h100, a100, h200, cpu) and the number of GPUs in the run.
+    #: The accelerator name (h100, a100, h200, l4, cpu) and the number of GPUs in the run.
     gpu: str = "h100"
     world_size: int = 1
     #: Whether batches carry ``sequence_id`` (documents masked from each other), as ``plan.sequence_id`` says.
@@ -41,7 +41,9 @@ class ModelEstimate:
     ``flops``: training FLOPs of the micro batch by LLM Foundry's formula (what MFU divides), for the whole
     sequence (each of ``sp`` ranks does ``1/sp`` of it). ``hardware_flops``: FLOPs actually executed,
     recomputation included (default ``flops``). ``tokens``: tokens in the micro batch. ``notes``: lines
-    printed with the plan (assumptions, published figures to compare with).
+    printed with the plan (assumptions, published figures to compare with). ``frozen_bytes``: bytes the frozen
+    parameters are held in when that differs from their dtype on the meta device (e.g. a base quantised to 4
+    bits after loading); ``None``: their meta dtype's size.
     """
 
     activations: dict[str, float]
@@ -49,3 +51,4 @@ class ModelEstimate:
     hardware_flops: float | None = None
     tokens: int = 0
     notes: list[str] = field(default_factory=list)
+    frozen_bytes: float | None = None
