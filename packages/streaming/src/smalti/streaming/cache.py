@@ -40,7 +40,7 @@ from smalti.streaming.mds import (
 from smalti.streaming.storage import Fetcher
 
 if TYPE_CHECKING:
-    from smalti.streaming.dataset import Stream
+    from smalti.streaming.stream import Stream
 
 log = logging.getLogger(__name__)
 

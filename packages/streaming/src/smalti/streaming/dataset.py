@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,12 +17,13 @@ from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from smalti.storage import is_temp_name
 from smalti.streaming import compression as comp
+from smalti.streaming.bundles import BUNDLE_SAMPLES, Bundle, _bundles
 from smalti.streaming.cache import ShardCache
 from smalti.streaming.epoch_plan import ArrayOrder, EpochOrder, GridRemaining, LazyOrder, Remaining
 from smalti.streaming.errors import StreamingError
+from smalti.streaming.fetch_plan import FetchPlan
 from smalti.streaming.index_trust import (
     check_local_lengths,
-    default_cache_root,
     secure_stream_folder,
     sync_index,
 )
@@ -46,141 +43,16 @@ from smalti.streaming.order_blocks import BlockOrder
 from smalti.streaming.order_mosaic import MOSAIC_ALGOS, mosaic_work
 from smalti.streaming.partial import read_rows
 from smalti.streaming.storage import Fetcher
+from smalti.streaming.stream import Stream, parse_schedule_time
 
 log = logging.getLogger(__name__)
 
 BATCHING_METHODS = ("random", "stratified", "per_stream", "device_per_stream")
 PARTITION_ALGOS = ("orig", "relaxed")
-SCHEDULE_UNITS = ("ep", "ba", "sp")
 WARM_UP_STEPS = 2  # global batches whose shards the dataset starts fetching at construction: all of the
 WARM_UP_SHARDS = 4  # first's, the next's up to this many in all; in the order needed, one thread per core
 STALE_TMP_S = 15 * 60  # a download's temporary file untouched this long belongs to a dead process
 _SEGMENT_SEED = 1_000_003  # seed offset between the segments of an epoch with a mid-epoch curriculum change
-_AT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE]\+?[0-9]+)?)\s*([a-z]+)\s*$")
-
-
-def parse_schedule_time(at: Any) -> tuple[int, str]:
-    """``"2ep"``, ``"100ba"``, ``"3200sp"`` (or smalti-core's ``Time``) -> ``(value, unit)``.
-
-    ``dur`` and ``tok`` are refused: the dataset cannot tell where they fall in its sample order.
-    """
-    if hasattr(at, "value") and hasattr(at, "unit"):  # smalti.core.time.Time, without importing smalti-core
-        value, unit = at.value, str(getattr(at.unit, "value", at.unit))
-    else:
-        match = _AT.match(str(at))
-        if not match:
-            raise StreamingError(f"proportion_schedule: cannot read at={at!r}; give a whole number followed by "
-                                 "ep, ba or sp (e.g. '2ep', '100ba', '3200sp')")
-        value, unit = float(match.group(1)), match.group(2)
-    if unit in ("dur", "tok"):
-        raise StreamingError(f"proportion_schedule: at={at!r} is in '{unit}', which the dataset cannot place in "
-                             "its sample order (it knows neither max_duration nor tokens per sample); use ep, ba "
-                             "(global batches) or sp (global samples)")
-    if unit not in SCHEDULE_UNITS:
-        raise StreamingError(f"proportion_schedule: at={at!r} has unit {unit!r}; use one of ep, ba, sp")
-    if float(value) != int(value) or value < 0:
-        raise StreamingError(f"proportion_schedule: at={at!r} must be a whole, non-negative number of {unit}")
-    return int(value), unit
-
-
-@dataclass
-class Stream:
-    """One MDS dataset: ``remote`` (URL or path, optional) cached into ``local``, with one mixing weight.
-
-    ``proportion`` is relative to the other streams; ``repeat`` (times per epoch) and ``choose`` (samples per
-    epoch) are absolute. Give at most one.
-    """
-
-    remote: str | None = None
-    local: str | None = None
-    split: str | None = None
-    proportion: float | None = None
-    repeat: float | None = None
-    choose: int | None = None
-
-    def __post_init__(self) -> None:
-        given = [k for k in ("proportion", "repeat", "choose") if getattr(self, k) is not None]
-        if len(given) > 1:
-            raise StreamingError(f"stream {self.remote or self.local}: give one of proportion/repeat/choose, not {given}")
-        if self.remote is None and self.local is None:
-            raise StreamingError("a stream needs remote, local or both")
-        self._private_root: str | None = None  # the per-user default cache this stream's local folder is in
-        if self.local is None:
-            import hashlib
-
-            tag = hashlib.sha1(str(self.remote).encode()).hexdigest()[:16]
-            self._private_root = str(default_cache_root())
-            self.local = os.path.join(self._private_root, tag)
-
-    @property
-    def weight(self) -> tuple[str, float | int | None]:
-        for kind in ("proportion", "repeat", "choose"):
-            if getattr(self, kind) is not None:
-                return kind, getattr(self, kind)
-        return "none", None
-
-    def local_dir(self) -> Path:
-        return Path(self.local) / self.split if self.split else Path(self.local)
-
-    def remote_path(self, name: str) -> str | None:
-        """The URL (or path) of file ``name`` of this stream's remote copy; ``None`` without a remote."""
-        root = self.remote_root()
-        if root is None:
-            return None
-        return f"{root}/{name}" if "://" in root else os.path.join(root, name)
-
-    def remote_root(self) -> str | None:
-        """The URL (or folder) of this stream's remote copy (with ``split``); ``None`` without a remote."""
-        if self.remote is None:
-            return None
-        parts = [self.remote.rstrip("/")] + ([self.split] if self.split else [])
-        return "/".join(parts) if "://" in self.remote else os.path.join(*parts)
-
-    @property
-    def name(self) -> str:
-        return str(self.remote or self.local)
-
-
-class Bundle:
-    """Consecutive batches one DataLoader worker hands over as one item (see :meth:`StreamingDataset.iter_batches`).
-
-    ``refs``: the global sample ids of each batch of columnar shards the worker has fetched, checked and
-    opened, but not copied. :class:`StreamingDataLoader`'s main process copies those rows from its own
-    mapping of the shard files (the page cache) straight into the batches' tensors
-    (:meth:`StreamingDataset.resolve`): the data crosses no pipe and no shared-memory file and is copied
-    once, and the DataLoader's fixed cost per item is paid once per bundle. ``batches``: batches the worker
-    collated itself (shards that are not columnar).
-    """
-
-    __slots__ = ("refs", "batches")
-
-    def __init__(self, refs: list[np.ndarray] | None = None, batches: list[Any] | None = None) -> None:
-        self.refs, self.batches = refs, batches
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return Bundle, (self.refs, self.batches)
-
-
-BUNDLE_SAMPLES = 512  # a worker hands over about this many samples per item (whole batches, at least one)
-
-
-def _bundles(n_steps: int, worker_id: int, num_workers: int, cap: int) -> Iterator[tuple[int, int]]:
-    """The step ranges ``[lo, hi)`` worker ``worker_id`` makes, in order.
-
-    The steps are cut into consecutive bundles, bundle ``k`` going to worker ``k % num_workers`` (the order
-    in which the DataLoader takes the workers' items): bundles of 1 step each for each worker's first one,
-    then 2, 4, ... up to ``cap`` steps, so the first batches are not held back behind later ones.
-    """
-    if cap <= 1:
-        for step in range(worker_id, n_steps, num_workers):
-            yield step, step + 1
-        return
-    start, k = 0, 0
-    while start < n_steps:
-        size = min(cap, 1 << min(k // num_workers, 30), n_steps - start)
-        if k % num_workers == worker_id:
-            yield start, start + size
-        start, k = start + size, k + 1
 
 
 @functools.lru_cache(maxsize=64)
@@ -661,7 +533,7 @@ class StreamingDataset(IterableDataset):
             out.append((int(unique[k]), pos, offsets[pos]))
         return out
 
-    def _gather(self, ids: np.ndarray, plan: _FetchPlan | None = None) -> list[dict[str, Any]]:
+    def _gather(self, ids: np.ndarray, plan: FetchPlan | None = None) -> list[dict[str, Any]]:
         """The samples of global ids ``ids``, in order (one reader call per shard)."""
         out: list[Any] = [None] * len(ids)
         for shard, pos, offs in self._groups(ids):
@@ -670,7 +542,7 @@ class StreamingDataset(IterableDataset):
                 out[p] = sample
         return out
 
-    def _columns(self, ids: np.ndarray, plan: _FetchPlan | None, vouched: bool = False,
+    def _columns(self, ids: np.ndarray, plan: FetchPlan | None, vouched: bool = False,
                  readers: dict[int, Any] | None = None) -> tuple[Any, ...] | None:
         """``(groups, column views per group, layout)`` of samples ``ids``; ``None`` when a shard is not
         columnar (see ``ShardReader.column_views``), the shards' columns differ, or a column is a uint64
@@ -694,7 +566,7 @@ class StreamingDataset(IterableDataset):
             return None
         return groups, views, layout
 
-    def _bundle(self, batches: list[np.ndarray], plan: _FetchPlan | None) -> Bundle:
+    def _bundle(self, batches: list[np.ndarray], plan: FetchPlan | None) -> Bundle:
         """A worker's :class:`Bundle` of ``batches`` (sample ids): references once their shards are local,
         checked and columnar; else the batches collated here."""
         if not batches:
@@ -729,7 +601,7 @@ class StreamingDataset(IterableDataset):
         parts = {name: torch.split(t, sizes) for name, t in batch.items()}
         return [{name: p[i] for name, p in parts.items()} for i in range(len(sizes))]
 
-    def _collate_columns(self, ids: np.ndarray, plan: _FetchPlan | None, vouched: bool = False,
+    def _collate_columns(self, ids: np.ndarray, plan: FetchPlan | None, vouched: bool = False,
                          readers: dict[int, Any] | None = None) -> dict[str, Any] | None:
         """The batch ``default_collate`` would make of samples ``ids``, built column by column; ``None`` when
         the shards are not columnar (see :meth:`_columns`).
@@ -953,7 +825,7 @@ class StreamingDataset(IterableDataset):
             return int((self._mosaic_grid(self.epoch, 0)[:, self.rank * b : (self.rank + 1) * b] >= 0).sum())
         return self._order(self.epoch).size // self.dp_world
 
-    def _steps(self, bundled: bool = False) -> Iterator[tuple[_FetchPlan, list[np.ndarray]]]:
+    def _steps(self, bundled: bool = False) -> Iterator[tuple[FetchPlan, list[np.ndarray]]]:
         """This process's share of the epoch: ``(plan, [global ids of this rank's batch, ...])`` per bundle of
         global batch steps (see :func:`_bundles`; one step per bundle unless ``bundled``).
 
@@ -966,7 +838,7 @@ class StreamingDataset(IterableDataset):
         remaining = self._remaining(epoch)
         b = self.batch_size
         c0, c1 = self.dp_rank * b, (self.dp_rank + 1) * b
-        plan = _FetchPlan(self, remaining, worker_id, num_workers)
+        plan = FetchPlan(self, remaining, worker_id, num_workers)
         if worker is None:
             self._consumed = 0
         else:
@@ -1109,96 +981,3 @@ class StreamingDataset(IterableDataset):
         if saved != self.shuffle_algo:
             self.shuffle_algo = saved
             self._order_cache = {}
-
-
-class _FetchPlan:
-    """Which process of this node fetches which shard, and a thread that fetches this process's share ahead.
-
-    Every process of the node (local ranks x DataLoader workers) walks the node's columns of the remaining
-    global batches in the same order, a chunk at a time, and gives the ``k``-th shard it meets first to
-    process ``k % participants``. An owner fetches its shards up to ``predownload`` samples ahead of where it
-    is; the others wait for them (see :mod:`smalti.streaming.cache`). The first chunk is walked before the
-    iteration starts, the rest by the thread, ahead of the reading: memory is one chunk of the order and one
-    entry per shard, never the epoch.
-    """
-
-    WALK_SAMPLES = 1 << 16  # node columns computed per step of the walk
-
-    def __init__(self, ds: StreamingDataset, remaining: Remaining | GridRemaining, worker_id: int,
-                 num_workers: int) -> None:
-        self.ds = ds
-        self.progress = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.owner: dict[int, int] = {}
-        self.participants, self.me = 1, 0
-        if ds.predownload <= 0 or len(remaining) == 0:
-            return
-        self.participants = ds.local_world * num_workers
-        self.me = ds.local_rank * num_workers + worker_id
-        self._remaining = remaining
-        self._cols = ds._node_columns()
-        self._chunk = max(1, self.WALK_SAMPLES // max(self._cols[1] - self._cols[0], 1))
-        self._seen = np.zeros(len(ds._shards), dtype=bool)
-        first = self._walk(0)
-        lookahead = max(1, math.ceil(ds.predownload / ds.batch_size)) * num_workers
-        self._thread = threading.Thread(target=self._run, args=(first, lookahead), daemon=True,
-                                        name="smalti-streaming-prefetch")
-        self._thread.start()
-
-    def defer(self, shard: int) -> bool:
-        """Whether another process of this node fetches ``shard`` (this one then waits for its copy)."""
-        return self.participants > 1 and self.owner.get(shard, self.me) != self.me
-
-    def _walk(self, k: int) -> list[tuple[int, int]]:
-        """Give owners to the shards first read in remaining steps ``[k, k + chunk)``; ``(step, shard)`` of
-        this process's, in the order needed."""
-        lo, hi = self._cols
-        flat = self._remaining.rows(k, k + self._chunk, lo, hi).reshape(-1)
-        valid = np.flatnonzero(flat >= 0)
-        shards, _ = self.ds._locate(flat[valid])
-        unique, first = np.unique(shards, return_index=True)
-        new = ~self._seen[unique]
-        unique, first = unique[new], first[new]
-        self._seen[unique] = True
-        by_need = np.argsort(first, kind="stable")
-        steps = k + valid[first[by_need]] // (hi - lo)
-        mine = []
-        for step, shard in zip(steps.tolist(), unique[by_need].tolist()):
-            owner = len(self.owner) % self.participants
-            self.owner[shard] = owner
-            if owner == self.me:
-                mine.append((step, shard))
-        return mine
-
-    def _run(self, first: list[tuple[int, int]], lookahead: int) -> None:
-        todo, k = first, 0
-        while True:
-            for step, shard in todo:
-                while step > self.progress + lookahead:
-                    if self._stop.wait(0.005):
-                        return
-                if self._stop.is_set():
-                    return
-                cache = self.ds.cache
-                if not cache.is_local(shard) and cache.peer_busy(shard):
-                    continue  # another process (the warm-up, a peer rank) is making it: make the next one meanwhile
-                try:
-                    cache.ensure(shard)
-                except Exception as exc:  # the reader meets it again, and raises it, when it needs the shard
-                    log.debug("prefetch of shard %d failed: %r", shard, exc)
-            k += self._chunk
-            if k >= len(self._remaining) or self._stop.is_set():
-                return
-            todo = self._walk(k)
-
-    def finish(self) -> None:
-        """The iteration ended normally: let the thread fetch what peers still expect from this process."""
-        if self._thread is not None:
-            self.progress = 1 << 62
-            self._thread.join()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()

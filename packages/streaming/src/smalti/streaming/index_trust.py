@@ -31,7 +31,7 @@ from smalti.streaming.mds import INDEX, remove_copy
 from smalti.streaming.paths import check_name
 
 if TYPE_CHECKING:
-    from smalti.streaming.dataset import Stream
+    from smalti.streaming.stream import Stream
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from smalti.streaming.dataset import Bundle, StreamingDataset
+from smalti.streaming.bundles import Bundle
+from smalti.streaming.dataset import StreamingDataset
 from smalti.streaming.errors import StreamingError
 
 
