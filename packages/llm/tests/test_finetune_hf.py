@@ -83,7 +83,7 @@ def test_smalti_train_finetune_hf_llama3_learns_and_exports(tmp_path):
     _check_export(run_dir / "hf", source)
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "gemma3", "mixtral", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "gemma3", "mixtral", "qwen3_moe", "olmoe", "qwen2_moe"])
 def test_finetune_hf_in_process_exports_the_trained_model(tmp_path, monkeypatch, family):
     """The run's own model (not a re-import) gives the exported folder's logits in ``transformers``."""
     from hydra import compose, initialize_config_module

@@ -21,6 +21,7 @@ FAMILIES = {
     "qwen3_moe": {},
     "qwen3_moe-norm_topk_prob": {"norm_topk_prob": True},
     "olmoe": {},
+    "qwen2_moe": {},
 }
 
 
@@ -129,6 +130,7 @@ def test_fused_expert_files_import_as_the_per_expert_ones(folder, tmp_path):
     ("qwen3_moe", {"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\]"),
     ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
     ("olmoe", {"clip_qkv": 8.0}, "clip_qkv=8.0"),
+    ("qwen2_moe", {"mlp_only_layers": [0]}, r"mlp_only_layers=\[0\]"),
 ])
 def test_fields_smalti_cannot_reproduce_fail_at_build_naming_them(tmp_path, family, changes, named):
     folder = write_tiny_hf_model(tmp_path, family)

@@ -35,6 +35,8 @@ class MoESchema(BaseModel):
         None, validation_alias=_alias("activation", "activation_fn"))
     capacity_factor: NonNegative | None = Field(None, validation_alias=_alias("capacity_factor", "moe_capacity_factor"))
     num_shared_experts: Annotated[int, Field(ge=0)] = 0
+    shared_expert_size: Annotated[int, Field(ge=0)] = 0
+    shared_expert_gate: bool = False
     router_jitter: Annotated[float, Field(ge=0, lt=1)] = Field(0.0, validation_alias=_alias("router_jitter",
                                                                                                "moe_jitter_eps"))
     jitter_experts: bool = False

@@ -30,7 +30,9 @@ class MoE(nn.Module):
     * ``capacity_factor`` 0 or None is dropless; above 0 each expert takes at most
       ``int(capacity_factor * top_k * T / num_experts)`` entries and later (token, slot) entries are dropped.
     * ``num_shared_experts``: experts every token uses, added to the routed output (one dense FFN of
-      width ``num_shared_experts * ffn_hidden_size``).
+      width ``num_shared_experts * ffn_hidden_size``). ``shared_expert_size``: instead, one shared expert of
+      that width and of the layer's ``mlp_type`` (:class:`SharedExpert`), scaled per token by
+      ``sigmoid(x w)`` when ``shared_expert_gate`` (Qwen2-MoE's shared expert).
     * ``load_balancing``: ``aux_loss`` (MegaBlocks' loss times ``lbl_weight``), ``aux_free`` (DeepSeek-V3:
       a selection bias updated from expert counts after each optimizer step, see
       :mod:`smalti.moe.balancing`) or ``none``. ``zloss_weight`` adds the router z-loss.
@@ -63,6 +65,8 @@ class MoE(nn.Module):
         activation: str = "gelu",
         capacity_factor: float | None = None,
         num_shared_experts: int = 0,
+        shared_expert_size: int = 0,
+        shared_expert_gate: bool = False,
         router_jitter: float = 0.0,
         jitter_experts: bool = False,
         normalize_expert_weights: float | None = None,
@@ -90,6 +94,11 @@ class MoE(nn.Module):
             raise MoEError(f"lbl_scope={lbl_scope!r} must be 'layer' or 'model'")
         if lbl_scope == "model" and zloss_weight:
             raise MoEError("lbl_scope='model' returns balance statistics, not a loss: set zloss_weight=0")
+        if shared_expert_size and num_shared_experts:
+            raise MoEError(f"num_shared_experts={num_shared_experts} and shared_expert_size={shared_expert_size} "
+                           "both describe the shared experts: give one")
+        if shared_expert_gate and not shared_expert_size:
+            raise MoEError("shared_expert_gate=True gates the shared expert of shared_expert_size, which is 0")
         if capacity_factor is not None and capacity_factor < 0:
             raise MoEError(f"capacity_factor={capacity_factor} must be >= 0 (0 or None: dropless)")
         if num_layers < 1:
@@ -125,6 +134,10 @@ class MoE(nn.Module):
                           _Activation(activation),
                           nn.Linear(ffn_hidden_size * num_shared_experts, hidden_size, bias=False, **factory))
             if num_shared_experts else None
+        )
+        self.shared_expert = (
+            SharedExpert(hidden_size, shared_expert_size, mlp_type, activation, shared_expert_gate, **factory)
+            if shared_expert_size else None
         )
         self.register_buffer("tokens_per_expert", torch.zeros(num_experts, device=device), persistent=False)
         self.init_std = init_std
@@ -168,6 +181,8 @@ class MoE(nn.Module):
             y = self.experts_forward(tokens, routing.expert_ids, weights, self.w1, self.w2)
         if self.shared is not None:
             y = y + self.shared(tokens)
+        if self.shared_expert is not None:
+            y = y + self.shared_expert(tokens)
         return y.reshape(shape), self.aux_loss(routing)
 
     def experts_forward(self, tokens: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
@@ -237,6 +252,28 @@ class MoE(nn.Module):
         self.tokens_per_expert.zero_()
 
 
+class SharedExpert(nn.Module):
+    """An expert every token uses: ``down(act(gate_proj(x)) * up(x))`` (``glu``) or ``down(act(up(x)))``
+    (``mlp``), times ``sigmoid(gate(x))`` per token when ``gated`` (Qwen2-MoE's ``shared_expert_gate``)."""
+
+    def __init__(self, hidden_size: int, width: int, mlp_type: str, activation: str, gated: bool,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        factory = {"bias": False, "device": device, "dtype": dtype}
+        self.gate_proj = nn.Linear(hidden_size, width, **factory) if mlp_type == "glu" else None
+        self.up_proj = nn.Linear(hidden_size, width, **factory)
+        self.down_proj = nn.Linear(width, hidden_size, **factory)
+        self.gate = nn.Linear(hidden_size, 1, **factory) if gated else None
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output for tokens ``x [T, hidden_size]``."""
+        act = ACTIVATIONS[self.activation]
+        h = act(self.gate_proj(x)) * self.up_proj(x) if self.gate_proj is not None else act(self.up_proj(x))
+        y = self.down_proj(h)
+        return y * torch.sigmoid(self.gate(x)) if self.gate is not None else y
+
+
 class _Activation(nn.Module):
     def __init__(self, name: str) -> None:
         super().__init__()
@@ -283,4 +320,4 @@ def dense_ffn_reference(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, mlp
     return h @ w2
 
 
-__all__ = ["MoE", "dense_ffn_reference"]
+__all__ = ["MoE", "SharedExpert", "dense_ffn_reference"]

@@ -6,7 +6,8 @@ Families: ``llama`` (Llama 2 shape), ``llama3`` (Llama 3.1 shape: ``rope_scaling
 heads of 32 wider than ``hidden_size / num_attention_heads``) and ``gemma3`` (text: a local layer with a window of
 8 and its own RoPE base, then a global one; ``query_pre_attn_scalar`` apart from ``head_dim``) and ``mixtral``
 (4 experts of width 48, top 2, ``output_router_logits`` on), ``qwen3_moe`` (the same experts, Qwen3's
-attention, no renormalisation of the top 2) and ``olmoe`` (QK-norm over whole projections). Every weight,
+attention, no renormalisation of the top 2), ``olmoe`` (QK-norm over whole projections) and ``qwen2_moe`` (q/k/v
+biases, a shared expert of width 64 behind a sigmoid gate). Every weight,
 norms and biases included, is drawn at random, so that a wrong mapping of any tensor shows in the logits.
 """
 
@@ -27,6 +28,7 @@ FAMILIES = {
     "mixtral": ("MixtralConfig", "mistral"),
     "qwen3_moe": ("Qwen3MoeConfig", "chatml"),
     "olmoe": ("OlmoeConfig", "chatml"),
+    "qwen2_moe": ("Qwen2MoeConfig", "chatml"),
 }
 #: token named by each config id, per tokenizer style
 _TOKENS = {
@@ -63,6 +65,8 @@ def tiny_config(family: str, vocab_size: int = 512, **overrides: Any) -> dict[st
         kwargs.update(head_dim=32, moe_intermediate_size=48, num_experts=4, norm_topk_prob=False, **moe)
     if family == "olmoe":
         kwargs.update(intermediate_size=48, num_experts=4, norm_topk_prob=False, **moe)
+    if family == "qwen2_moe":
+        kwargs.update(moe_intermediate_size=48, shared_expert_intermediate_size=64, num_experts=4, **moe)
     kwargs.update(overrides)
     return kwargs
 

@@ -23,6 +23,7 @@ from smalti.llm.hf.families.mixtral import FAMILY as MIXTRAL
 from smalti.llm.hf.families.mpt import GPT2_FAMILY, MPT_FAMILY
 from smalti.llm.hf.families.olmoe import FAMILY as OLMOE
 from smalti.llm.hf.families.qwen2 import FAMILY as QWEN2
+from smalti.llm.hf.families.qwen2_moe import FAMILY as QWEN2_MOE
 from smalti.llm.hf.families.qwen3 import FAMILY as QWEN3
 from smalti.llm.hf.families.qwen3_moe import FAMILY as QWEN3_MOE
 from smalti.llm.hf.family import Family
@@ -30,7 +31,8 @@ from smalti.llm.hf.family import Family
 log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "smalti.llm.hf_families"
-BUILTIN: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, MIXTRAL, QWEN3_MOE, OLMOE, MPT_FAMILY, GPT2_FAMILY)
+BUILTIN: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, MIXTRAL, QWEN3_MOE, OLMOE, QWEN2_MOE, MPT_FAMILY,
+                               GPT2_FAMILY)
 
 _registered: dict[str, Family] = {}
 _loaded = False

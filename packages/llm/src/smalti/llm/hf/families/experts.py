@@ -41,7 +41,7 @@ def moe_problems(c: dict[str, Any], norm_topk_prob: bool | None = None) -> list[
     """Why a smalti model ``c``'s MoE is not such a router (``norm_topk_prob`` None: either renormalisation)."""
     moe = c.get("moe") or {}
     expected = {"mlp_type": "glu", "score_func": "softmax", "lbl_scope": "model", "num_shared_experts": 0,
-                "capacity_factor": None, "zloss_weight": 0.0}
+                "shared_expert_size": 0, "capacity_factor": None, "zloss_weight": 0.0}
     out = [f"moe.{key}={moe.get(key)!r} (it has {value!r})" for key, value in expected.items()
            if (moe.get(key) or None) != (value or None)]
     if moe.get("load_balancing", "aux_loss") not in ("aux_loss", "none"):
