@@ -1,5 +1,7 @@
 """Every README command meant for GPUs is one that ``smalti plan`` says fits.
 
+It lives in tests/ because the commands use every package (``checkpoint=dcp`` is smalti-checkpoint's).
+
 The commands are read from the fenced code blocks of the root README and every package's README: each
 ``torchrun --nproc-per-node N [--nnodes M] ... -m smalti.core.cli.train <overrides>`` and each
 ``smalti-train -m hydra/launcher=submitit_slurm hydra.launcher.nodes=M hydra.launcher.gpus_per_node=N ...`` is
@@ -17,7 +19,7 @@ import pytest
 
 from smalti.core.plan.report import make_plan
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[1]
 READMES = [ROOT / "README.md", *sorted(ROOT.glob("packages/*/README.md"))]
 
 LLAMA_31_8B = {
