@@ -89,10 +89,11 @@ class PretrainedLLM(LLM):
         require_tokenizer: refuse a folder without ``tokenizer.json`` (the chat data and the export need it).
         init_device: ``meta`` (the trainer fills it) or ``cpu`` (filled now).
         **overrides: :class:`LLM` arguments that do not change the model's function: ``max_seq_len``,
-            ``activation_checkpointing``, ``attn_uses_sequence_id``; and ``lora`` (adapters on the frozen base).
+            ``activation_checkpointing``, ``activation_compression``, ``attn_uses_sequence_id``; and ``lora`` (adapters on the frozen base).
     """
 
-    OVERRIDABLE = ("max_seq_len", "activation_checkpointing", "attn_uses_sequence_id", "lora")
+    OVERRIDABLE = ("max_seq_len", "activation_checkpointing", "activation_compression", "attn_uses_sequence_id",
+                   "lora")
 
     def __init__(self, pretrained: str | os.PathLike, require_tokenizer: bool = True, init_device: str = "meta",
                  **overrides: Any) -> None:

@@ -1,4 +1,4 @@
-"""Activation checkpointing choices: what to recompute (granularity) and in which layers."""
+"""Activation checkpointing and compression choices: what to recompute or compress (granularity), in which layers."""
 
 from __future__ import annotations
 
@@ -69,3 +69,31 @@ def parse_activation_checkpointing(spec: Any, n_layers: int) -> dict[int, str]:
             f"activation_checkpointing.granularity={granularity!r} is not one of {', '.join(GRANULARITIES)}"
         )
     return dict.fromkeys(checkpointed_layers(spec.get("layers", "all"), n_layers), granularity)
+
+
+def parse_activation_compression(spec: Any, n_layers: int) -> dict[int, tuple[str, str]]:
+    """``layer index -> (format, granularity)`` from the model's ``activation_compression`` option.
+
+    ``spec`` is null (off), a format (``bf16``, ``fp8``: every block), or a mapping with ``format``,
+    ``granularity`` (block, attention, ffn: whose saved activations are compressed) and ``layers`` (see
+    :func:`checkpointed_layers`). See :mod:`smalti.core.activation_compression` for the formats.
+    """
+    from smalti.core.activation_compression import FORMATS
+
+    if not spec:
+        return {}
+    if isinstance(spec, str):
+        spec = {"format": spec}
+    if not isinstance(spec, Mapping):
+        raise ModelConfigError(f"activation_compression={spec!r} must be null, a format or a mapping")
+    unknown = set(spec) - {"format", "granularity", "layers"}
+    if unknown:
+        raise ModelConfigError(
+            f"activation_compression has unknown keys {sorted(unknown)}; use format, granularity and layers")
+    fmt, granularity = spec.get("format", "fp8"), spec.get("granularity", "block")
+    if fmt not in FORMATS[1:]:
+        raise ModelConfigError(f"activation_compression.format={fmt!r} is not one of {', '.join(FORMATS[1:])}")
+    if granularity not in GRANULARITIES:
+        raise ModelConfigError(
+            f"activation_compression.granularity={granularity!r} is not one of {', '.join(GRANULARITIES)}")
+    return dict.fromkeys(checkpointed_layers(spec.get("layers", "all"), n_layers), (fmt, granularity))

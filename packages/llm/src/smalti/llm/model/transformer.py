@@ -22,11 +22,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from smalti.core.activation_compression import ActivationCompression
 from smalti.llm.choices import POSITIONS
 from smalti.llm.errors import ModelConfigError
 from smalti.llm.model.attention import Attention
 from smalti.llm.model.attention_mask import AttentionMask
-from smalti.llm.model.checkpointing import parse_activation_checkpointing
+from smalti.llm.model.checkpointing import parse_activation_checkpointing, parse_activation_compression
 from smalti.llm.model.ffn import make_ffn
 from smalti.llm.model.fused_loss import fused_linear_cross_entropy
 from smalti.llm.model.metrics import LanguageCrossEntropy, LanguagePerplexity, TokenAccuracy
@@ -82,6 +83,9 @@ class Block(nn.Module):
         self.post_ffn_norm = post_ffn_norm
         self.windowed = windowed
         self.checkpointing: str | None = None  # "block", "attention" or "ffn"
+        #: what this block's saved activations are stored as, and around which part ("block", "attention", "ffn")
+        self.compression: ActivationCompression | None = None
+        self.compression_scope: str | None = None
         self._compiled: Any = None  # a torch.compile of Block._forward, set by compile_forward
 
     def compile_forward(self, **kwargs: Any) -> None:
@@ -102,6 +106,9 @@ class Block(nn.Module):
         run = self._forward if self._compiled is None else functools.partial(self._compiled, self)
         if self.checkpointing == "block" and torch.is_grad_enabled():
             return checkpoint(run, x, mask, sp, use_reentrant=False)
+        if self.compression_scope == "block" and torch.is_grad_enabled():
+            with self.compression:
+                return run(x, mask, sp)
         return run(x, mask, sp)
 
     def _forward(
@@ -111,6 +118,9 @@ class Block(nn.Module):
         h = self.norm_1(x)
         if self.checkpointing == "attention" and recompute:
             a = checkpoint(self.attn, h, mask, sp, use_reentrant=False)
+        elif self.compression_scope == "attention" and recompute:
+            with self.compression:
+                a = self.attn(h, mask, sp)
         else:
             a = self.attn(h, mask, sp)
         if self.post_attn_norm is not None:
@@ -119,6 +129,9 @@ class Block(nn.Module):
         h = self.norm_2(x)
         if self.checkpointing == "ffn" and recompute:
             y, aux = checkpoint(self.ffn, h, use_reentrant=False)
+        elif self.compression_scope == "ffn" and recompute:
+            with self.compression:
+                y, aux = self.ffn(h)
         else:
             y, aux = self.ffn(h)
         if self.post_ffn_norm is not None:
@@ -148,6 +161,9 @@ class LLM(nn.Module):
         tie_embeddings: share the input embedding with the output head.
         attn_uses_sequence_id: mask attention across packed documents when the batch has ``sequence_id``.
         activation_checkpointing: null, true, a granularity or ``{granularity, layers}``.
+        activation_compression: null, ``bf16``, ``fp8`` or ``{format, granularity, layers}``: store the
+            activations kept for backward in that format (:mod:`smalti.core.activation_compression`); a part
+            that is checkpointed keeps only its input, which is not compressed.
         init_device: ``cpu``, ``cuda`` or ``meta`` (no memory; call :meth:`init_weights` after ``to_empty``).
         init_std: std of the normal init; residual output projections get ``init_std / sqrt(2 n_layers)``.
         fused_loss: in training, compute the output projection and the cross-entropy together in chunks of
@@ -195,6 +211,7 @@ class LLM(nn.Module):
         tie_embeddings: bool = True,
         attn_uses_sequence_id: bool = True,
         activation_checkpointing: Any = None,
+        activation_compression: Any = None,
         init_device: str | None = None,
         init_std: float = 0.02,
         fused_loss: bool = True,
@@ -281,6 +298,7 @@ class LLM(nn.Module):
             self.norm_f = make_norm(norm_type, d_model, norm_eps, bias)
             self.lm_head = None if tie_embeddings else nn.Linear(d_model, vocab_size, bias=False)
         self.set_activation_checkpointing(activation_checkpointing)
+        self.set_activation_compression(activation_compression)
         self.sp: SequenceParallelGroup | None = None
         self.n_params = sum(p.numel() for p in self.parameters())
         self.n_active_params = self._active_params()
@@ -300,6 +318,14 @@ class LLM(nn.Module):
         chosen = parse_activation_checkpointing(spec, self.n_layers)
         for i, block in enumerate(self.blocks):
             block.checkpointing = chosen.get(i)
+
+    def set_activation_compression(self, spec: Any) -> None:
+        """Choose how each block stores the activations it keeps for backward (``activation_compression``)."""
+        chosen = parse_activation_compression(spec, self.n_layers)
+        for i, block in enumerate(self.blocks):
+            fmt, scope = chosen.get(i, (None, None))
+            block.compression = ActivationCompression(fmt) if fmt else None
+            block.compression_scope = scope
 
     def compile(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
         """``torch.compile`` each transformer block (what ``Trainer(compile=True)`` / ``trainer.compile=true``
