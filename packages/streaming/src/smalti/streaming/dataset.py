@@ -900,6 +900,14 @@ class StreamingDataset(IterableDataset):
         if self._resume and self._resume[0] <= epoch:
             self._resume = None
 
+    def transforms_samples(self) -> bool:
+        """Whether this subclass changes what a sample is (``__getitem__``/``__iter__`` overridden, as LLM
+        Foundry's and smalti-llm's text datasets do): whole batches read straight from the shards would skip
+        that, so :class:`~smalti.streaming.StreamingDataLoader` takes the per-sample path for it."""
+        cls = type(self)
+        return any(getattr(cls, name) is not getattr(StreamingDataset, name)
+                   for name in ("__getitem__", "__getitems__", "__iter__"))
+
     def smalti_dataloader(self, **loader_kwargs: Any) -> Any:
         """A :class:`~smalti.streaming.StreamingDataLoader` over this dataset with ``loader_kwargs``.
 

@@ -13,15 +13,17 @@ import os
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from smalti.streaming.bundles import Bundle
-from smalti.streaming.dataset import StreamingDataset
 from smalti.streaming.errors import StreamingError
+
+if TYPE_CHECKING:  # the dataset imports this module (smalti_dataloader), never the other way round
+    from smalti.streaming.dataset import StreamingDataset
 
 
 def batch_len(batch: Any) -> int:
@@ -65,15 +67,6 @@ class _Batches(IterableDataset):
 
 def _as_is(batch: Any) -> Any:
     return batch
-
-
-def _transforms_samples(dataset: StreamingDataset) -> bool:
-    """Whether a subclass changes what a sample is (``__getitem__``/``__iter__`` overridden, as LLM Foundry's
-    and our text datasets do): whole batches read straight from the shards would skip that, so such a dataset
-    goes through the per-sample path."""
-    cls = type(dataset)
-    return any(getattr(cls, name) is not getattr(StreamingDataset, name)
-               for name in ("__getitem__", "__getitems__", "__iter__"))
 
 
 AF_UNIX_PATH_MAX = 107  # bytes of a socket path Linux accepts (sun_path is 108 with its NUL)
@@ -124,7 +117,7 @@ class StreamingDataLoader(DataLoader):
     position_is_global = True  # its state_dict is the dataset's: valid on any data-parallel size
 
     def __init__(self, dataset: StreamingDataset, *args: Any, **kwargs: Any) -> None:
-        if not isinstance(dataset, StreamingDataset):
+        if not callable(getattr(dataset, "transforms_samples", None)):
             raise StreamingError(f"StreamingDataLoader needs a StreamingDataset, got {type(dataset).__name__}")
         if kwargs.get("persistent_workers"):
             raise StreamingError("persistent_workers=True would keep each worker's copy of the dataset at its old "
@@ -139,7 +132,7 @@ class StreamingDataLoader(DataLoader):
             warn_if_worker_socket_path_too_long()
         batched = (given.get("batch_size", 1) == dataset.batch_size and given.get("sampler") is None
                    and given.get("batch_sampler") is None and not given.get("shuffle")
-                   and not _transforms_samples(dataset))
+                   and not dataset.transforms_samples())
         if batched:
             if given.get("num_workers") and given.get("prefetch_factor") is None:
                 # a batch costs a worker well under a millisecond: with torch's 2 in flight per worker, the
