@@ -95,8 +95,8 @@ def test_an_mpt_recipe_checkpoint_exports_as_gpt2_that_transformers_loads(tmp_pa
     import transformers
 
     from smalti.llm.cli import main
-    from smalti.llm.export import build_with_weights
     from smalti.llm.hf.exporter import checkpoint_tensors
+    from smalti.llm.model.copies import build_with_weights
 
     run = tmp_path / "run"
     env = {**os.environ, "SMALTI_RUN_NAME": "mpt-ckpt", "OMP_NUM_THREADS": "1"}

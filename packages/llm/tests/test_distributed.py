@@ -62,7 +62,7 @@ def test_fsdp_two_ranks_match_one_rank():
         torch.testing.assert_close(full, expected_weights[name], rtol=1e-4, atol=1e-5)
 
     # What the MLflow registry exports: the whole model gathered from the shards (collective), on rank 0.
-    from smalti.llm.export import full_state_dict, plain_copy
+    from smalti.llm.model.copies import full_state_dict, plain_copy
 
     gathered = full_state_dict(model)
     if rank == 0:

@@ -83,7 +83,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _hf_export(args: argparse.Namespace) -> int:
     if args.checkpoint:
-        from smalti.llm.hf.exporter import export_checkpoint
+        from smalti.llm.hf.checkpoint_export import export_checkpoint
 
         export_checkpoint(args.checkpoint, args.out, pretrained=args.pretrained, dtype=args.dtype,
                           max_shard_size=args.max_shard_size, tokenizer=args.tokenizer, merge=args.merge)

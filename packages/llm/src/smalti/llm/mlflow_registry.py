@@ -105,7 +105,7 @@ class MLflowModelRegistry(Callback):
 
     def _register_plain(self, state: Any, artifact_path: str) -> None:
         """Write the model in its own folder and register it under ``artifact_path`` (collective under FSDP)."""
-        from smalti.llm.export import full_state_dict, plain_copy
+        from smalti.llm.model.copies import full_state_dict, plain_copy
         from smalti.llm.model.transformer import LLM
 
         mlflow_logger = find_mlflow_logger(state)

@@ -19,7 +19,7 @@ _EXPORTS = {
     "load_hf_weights": "smalti.llm.hf.importer",
     "export_hf": "smalti.llm.hf.exporter",
     "export_model": "smalti.llm.hf.exporter",
-    "export_checkpoint": "smalti.llm.hf.exporter",
+    "export_checkpoint": "smalti.llm.hf.checkpoint_export",
     "hf_config": "smalti.llm.hf.exporter",
     "HFExport": "smalti.llm.hf.callback",
     "find_hf_export": "smalti.llm.hf.callback",

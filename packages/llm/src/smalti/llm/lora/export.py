@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from smalti.core import distributed
-from smalti.llm.export import build_with_weights, full_state_dict
 from smalti.llm.lora.apply import merged_state_dict
 from smalti.llm.lora.naming import clean_name
 from smalti.llm.lora.peft_format import save_adapter
+from smalti.llm.model.copies import build_with_weights, full_state_dict
 
 log = logging.getLogger(__name__)
 
