@@ -8,6 +8,7 @@ import json
 import os
 import struct
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -132,6 +133,11 @@ def test_default_cache_is_per_user_and_private(make_dataset, upload_dataset, pri
         with pytest.raises(UnsafePathError, match=f"{root} is owned by uid 65534"):
             StreamingDataset(remote=remote, batch_size=2)
         os.chown(root, 0, -1)
+    # the first dataset's warm-up threads fetch its shards in the background: let them finish before the cache
+    # is moved, or a late one writes into the link planted below (the path is re-resolved at each write)
+    for thread in threading.enumerate():
+        if thread.name.startswith("smalti-streaming-warm-up"):
+            thread.join(timeout=60)
     other = tmp_path / "elsewhere"
     other.mkdir()
     root.rename(tmp_path / "moved")
