@@ -8,6 +8,7 @@ bf16 autocast, as ``amp_bf16``.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -64,6 +65,11 @@ class Float8Training(Algorithm):
             return True
         return bool(module.in_features % 16 or module.out_features % 16)
 
+    def layers_to_convert(self, model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+        """The linear layers of ``model`` this algorithm runs in float8, by name (the plan counts them too)."""
+        return {name: m for name, m in model.named_modules()
+                if isinstance(m, torch.nn.Linear) and not self.keeps(name, m)}
+
     def on_init(self, state: Any, logger: Any) -> None:
         if state.precision != "amp_fp8":
             raise ConfigError(
@@ -72,12 +78,9 @@ class Float8Training(Algorithm):
         float8 = _torchao_float8()
         config = float8.Float8LinearConfig.from_recipe_name(self.recipe)
         if self.fsdp_float8_all_gather:
-            import dataclasses
-
             config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
-        linears = {name for name, m in state.raw_model.named_modules() if isinstance(m, torch.nn.Linear)}
-        candidates = {name for name in linears
-                      if not self.keeps(name, state.raw_model.get_submodule(name))}
+        linears = sum(isinstance(m, torch.nn.Linear) for m in state.raw_model.modules())
+        candidates = set(self.layers_to_convert(state.raw_model))
 
         def convert(module: torch.nn.Module, name: str) -> bool:
             return not isinstance(module, torch.nn.Linear) or name in candidates
@@ -86,12 +89,12 @@ class Float8Training(Algorithm):
         self.converted = sorted(candidates)
         if not self.converted:
             raise ConfigError(
-                f"precision=amp_fp8 found no linear layer to run in float8 (of {len(linears)}, all matched "
+                f"precision=amp_fp8 found no linear layer to run in float8 (of {linears}, all matched "
                 f"algorithms.float8.skip={list(self.skip)} or have a width that is not a multiple of 16)"
             )
         self._precompute = self.fsdp_float8_all_gather
         logger.log_hyperparameters({"fp8/recipe": self.recipe, "fp8/layers": len(self.converted),
-                                    "fp8/bf16_linear_layers": len(linears) - len(self.converted)})
+                                    "fp8/bf16_linear_layers": linears - len(self.converted)})
 
     def on_after_optimizer_step(self, state: Any, logger: Any) -> None:
         # FSDP2's float8 all-gather casts each shard with one amax over the whole weight: torchao computes

@@ -350,8 +350,7 @@ def fp8_shares(cfg: Any, model: nn.Module, counts: Any, est: ModelEstimate) -> t
     settings = dict((cfg.get("algorithms") or {}).get("float8") or {})
     settings.pop("_target_", None)
     algorithm = Float8Training(**settings)
-    params = sum(m.weight.numel() for name, m in model.named_modules()
-                 if isinstance(m, nn.Linear) and not algorithm.keeps(name, m))
+    params = sum(m.weight.numel() for m in algorithm.layers_to_convert(model).values())
     share = min(1.0, 6 * params * est.tokens / est.flops) if est.flops else 0.0
     return share, (params / counts.total if algorithm.fsdp_float8_all_gather else 0.0)
 
