@@ -10,6 +10,11 @@ As in MegaBlocks, the expert weights' gradients are scaled by ``1 / ep``: when t
 every gradient is then that of the mean of the ranks' losses, as in one process holding all the tokens.
 Expert weights differ per rank, so data parallelism must leave them out of its all-reduce
 (:meth:`smalti.moe.MoE.expert_parameters`).
+
+:func:`shard_experts` turns a layer built with all its experts (on the meta device, or filled the same on every
+rank) into its expert-parallel shard after construction, as a parallelism plugin does: ``w1``/``w2`` become
+DTensors ``Shard(0)`` over the mesh's expert dimension, so a checkpoint or a weight loader sees which experts a
+rank holds, and FSDP2 over the remaining data-parallel ranks can shard them further.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.nn.functional import all_to_all_single
 
 from smalti.moe import ops
+from smalti.moe.errors import MoEError
 
 if TYPE_CHECKING:
     from smalti.moe.layer import MoE
@@ -60,10 +66,42 @@ def expert_parallel_forward(layer: MoE, tokens: torch.Tensor, expert_ids: torch.
         torch.arange(local, device=tokens.device).repeat(ep), recv_matrix.reshape(-1)
     ).unsqueeze(1)
     ones = torch.ones_like(local_ids, dtype=received.dtype)
-    w1, w2 = _ScaleGrad.apply(layer.w1, 1.0 / ep), _ScaleGrad.apply(layer.w2, 1.0 / ep)
+    w1, w2 = _ScaleGrad.apply(_local(layer.w1), 1.0 / ep), _ScaleGrad.apply(_local(layer.w2), 1.0 / ep)
     computed = layer.experts_forward(received, local_ids, ones, w1, w2)
     returned = all_to_all_single(
         torch.empty(sum(send_splits), tokens.shape[1], dtype=tokens.dtype, device=tokens.device),
         computed, output_split_sizes=send_splits, input_split_sizes=recv_splits, group=group,
     )
     return ops.scatter_rows(returned, perm, weights, k, layer.backend)
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of ``weight``: the local part of an expert-sharded DTensor (differentiably)."""
+    from torch.distributed.tensor import DTensor
+
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+def shard_experts(layer: MoE, ep_mesh: Any) -> None:
+    """Split ``layer``'s routed experts over the 1-D device mesh ``ep_mesh``: rank ``r`` keeps experts
+    ``r * E/ep .. (r + 1) * E/ep - 1`` of ``w1``/``w2`` as DTensors ``Shard(0)``, and tokens travel to them by
+    all-to-all. The layer must hold all ``num_experts`` (built whole, on meta or identical on every rank)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    ep = ep_mesh.size()
+    if layer.num_experts % ep:
+        raise MoEError(f"num_experts={layer.num_experts} does not divide over ep={ep} expert-parallel ranks; "
+                       f"choose an ep that divides {layer.num_experts}")
+    if layer.w1.shape[0] != layer.num_experts or isinstance(layer.w1, DTensor):
+        raise MoEError(f"shard_experts: the layer holds {layer.w1.shape[0]} of its {layer.num_experts} experts; "
+                       "it must be built whole (no expert_group) before its experts are sharded")
+    local = layer.num_experts // ep
+    start = ep_mesh.get_local_rank() * local
+    for name in ("w1", "w2"):
+        whole = getattr(layer, name)
+        part = whole.detach()[start : start + local].clone()
+        sharded = DTensor.from_local(part, ep_mesh, [Shard(0)], run_check=False,
+                                     shape=whole.shape, stride=whole.stride())
+        setattr(layer, name, torch.nn.Parameter(sharded, requires_grad=whole.requires_grad))
+    layer.expert_group = ep_mesh.get_group()
+    layer.num_local_experts = local
