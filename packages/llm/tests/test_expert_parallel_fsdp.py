@@ -84,3 +84,11 @@ def test_ep2_with_fsdp_gives_one_process_losses(shared_tmp_path):
     for name, value in model.state_dict().items():
         full = value.full_tensor() if isinstance(value, DTensor) else value
         torch.testing.assert_close(full, reference.state_dict()[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_bad_ep_is_refused_naming_it():
+    from smalti.core.errors import ConfigError
+    from smalti.llm.parallelism import ExpertParallelFSDP
+
+    with pytest.raises(ConfigError, match=r"parallelism.ep=0"):
+        ExpertParallelFSDP(ep=0)

@@ -91,14 +91,14 @@ def test_sequence_parallel_option_replicates_streaming_data():
     assert _compose(["experiment=mpt_125m", "callbacks=[]", "logger=[]"]).data.train.replication is None
 
 
-@pytest.mark.parametrize("parallelism", ["single", "ddp", "fsdp", "fsdp_sp"])
+@pytest.mark.parametrize("parallelism", ["single", "ddp", "fsdp", "fsdp_sp", "fsdp_ep"])
 def test_big_recipes_take_another_parallelism_option(parallelism):
     """The bf16 mixed-precision policy lives in the recipe's parallelism option, so swapping the option (one GPU
     to debug, plain FSDP) builds instead of failing on keys the other option does not take."""
     cfg = _compose(["experiment=mpt_125m", f"parallelism={parallelism}", "callbacks=[]", "logger=[]"])
     built = instantiate(cfg.parallelism)
     assert type(built).__name__ == {"single": "SingleDevice", "ddp": "DDP", "fsdp": "FSDP",
-                                     "fsdp_sp": "SequenceParallelFSDP"}[parallelism]
+                                     "fsdp_sp": "SequenceParallelFSDP", "fsdp_ep": "ExpertParallelFSDP"}[parallelism]
     assert "gradient_clipping" in cfg.algorithms
 
 

@@ -130,6 +130,22 @@ class SequenceParallelSchema(Schema):
         return self
 
 
+class ExpertParallelSchema(Schema):
+    """:class:`smalti.llm.parallelism.ExpertParallelFSDP` (``parallelism=fsdp_ep``)."""
+
+    ep: PositiveInt = 1
+    param_dtype: _DTYPES | None = None
+    reduce_dtype: _DTYPES | None = None
+    reduce_every_microbatch: bool = True
+
+    @model_validator(mode="after")
+    def _divides_world(self, info: ValidationInfo) -> ExpertParallelSchema:
+        world = world_size(info)
+        if world > 1 and world % self.ep:
+            raise field_error("ep", self.ep, f"a divisor of the world size {world}")
+        return self
+
+
 class TextSchema(Schema):
     """Token datasets built from text: ``TokenizedText``, and the base of the finetuning datasets' schemas."""
 
@@ -190,6 +206,7 @@ def schemas() -> dict[str, Any]:
         "smalti.llm.model.transformer.LLM": LLMSchema,
         "smalti.llm.hf.PretrainedLLM": PretrainedLLMSchema,
         "smalti.llm.parallelism.SequenceParallelFSDP": SequenceParallelSchema,
+        "smalti.llm.parallelism.ExpertParallelFSDP": ExpertParallelSchema,
         "smalti.llm.data.text.TokenizedText": TextSchema,
         "smalti.llm.data.finetune.FinetuneDataset": FinetuneTextSchema,
         "smalti.llm.data.chat.ChatDataset": ChatSchema,
