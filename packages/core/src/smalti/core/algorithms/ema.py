@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from smalti.core._compat import foreach_copy_, foreach_lerp_
+from smalti.core.config.types import ProperFraction, TimeOrBatches
 from smalti.core.errors import ConfigError
 from smalti.core.plugins import Algorithm
 from smalti.core.tensors import copy_saved_tensors, local_shard, weights_and_float_buffers
@@ -24,8 +25,8 @@ class EMA(Algorithm):
     are then in the shadow). Steps skipped by ``state.skip_optimizer_step`` do not update the average.
     """
 
-    def __init__(self, half_life: str | int | None = "100ba", smoothing: float | None = None,
-                 update_interval: str | int = "1ba", ema_start: str | int = "0ba",
+    def __init__(self, half_life: TimeOrBatches | None = "100ba", smoothing: ProperFraction | None = None,
+                 update_interval: TimeOrBatches = "1ba", ema_start: TimeOrBatches = "0ba",
                  swap_at_fit_end: bool = False) -> None:
         if (half_life is None) == (smoothing is None):
             raise ConfigError(

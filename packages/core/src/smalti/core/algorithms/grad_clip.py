@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
+from smalti.core.config.types import PositiveFloat, TimeOrBatches
 from smalti.core.errors import ConfigError
 from smalti.core.intervals import batch_count
 from smalti.core.plugins import Algorithm
@@ -25,7 +26,7 @@ class GradientClipping(Algorithm):
     """
 
     def __init__(
-        self, clipping_type: str = "norm", clipping_threshold: float = 1.0, log_every: str | int = "10ba"
+        self, clipping_type: Literal["norm", "value"] = "norm", clipping_threshold: PositiveFloat = 1.0, log_every: TimeOrBatches = "10ba"
     ) -> None:
         if clipping_type not in ("norm", "value"):
             raise ConfigError(

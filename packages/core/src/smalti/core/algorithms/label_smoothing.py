@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from smalti.core.config.types import ProperFraction
 from smalti.core.errors import ConfigError, TrainingError
 from smalti.core.plugins import Algorithm
 
@@ -22,7 +23,7 @@ class LabelSmoothing(Algorithm):
     A model whose loss is computed without materialising the logits (a fused loss) cannot be smoothed here.
     """
 
-    def __init__(self, smoothing: float = 0.1, ignore_index: int = -100) -> None:
+    def __init__(self, smoothing: ProperFraction = 0.1, ignore_index: int = -100) -> None:
         if not 0.0 <= smoothing < 1.0:
             raise ConfigError(f"algorithms.label_smoothing.smoothing={smoothing} must be in [0, 1)")
         self.smoothing = float(smoothing)

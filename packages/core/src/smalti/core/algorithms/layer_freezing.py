@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from smalti.core.config.types import Probability, TimeOrFraction
 from smalti.core.errors import ConfigError, TimeError
 from smalti.core.plugins import Algorithm
 from smalti.core.time import Time
@@ -37,7 +38,7 @@ class LayerFreezing(Algorithm):
     a function of the step, so a resumed run freezes the same layers.
     """
 
-    def __init__(self, freeze_start: str | float = "0.5dur", freeze_level: float = 1.0,
+    def __init__(self, freeze_start: TimeOrFraction = "0.5dur", freeze_level: Probability = 1.0,
                  drop_optimizer_state: bool = False) -> None:
         if not 0.0 <= freeze_level <= 1.0:
             raise ConfigError(f"algorithms.layer_freezing.freeze_level={freeze_level} must be in [0, 1]")

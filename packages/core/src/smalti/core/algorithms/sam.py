@@ -9,6 +9,7 @@ import torch
 
 from smalti.core import distributed
 from smalti.core._compat import foreach_add_, foreach_copy_, foreach_mul
+from smalti.core.config.types import NonNegativeFloat, PositiveFloat, TimeOrBatches
 from smalti.core.errors import ConfigError
 from smalti.core.intervals import batch_count
 from smalti.core.plugins import Algorithm
@@ -34,10 +35,10 @@ class SAM(Algorithm):
 
     def __init__(
         self,
-        rho: float = 0.05,
-        epsilon: float = 1.0e-12,
-        interval: str | int = 1,
-        log_every: str | int = "10ba",
+        rho: PositiveFloat = 0.05,
+        epsilon: NonNegativeFloat = 1.0e-12,
+        interval: TimeOrBatches = 1,
+        log_every: TimeOrBatches = "10ba",
     ) -> None:
         if not rho > 0:
             raise ConfigError(f"algorithms.sam.rho={rho} must be > 0")

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from smalti.core.config.types import PositiveInt, TimeOrFraction
 from smalti.core.errors import ConfigError, TimeError, TrainingError
 from smalti.core.plugins import Algorithm
 from smalti.core.time import Time
@@ -24,8 +25,8 @@ class SeqLengthWarmup(Algorithm):
     when it changes. The length is a function of the step, so a resumed run cuts the same way.
     """
 
-    def __init__(self, duration: str | float = "0.3dur", min_seq_length: int = 8, max_seq_length: int = 1024,
-                 step_size: int = 8, truncate: bool = True) -> None:
+    def __init__(self, duration: TimeOrFraction = "0.3dur", min_seq_length: PositiveInt = 8, max_seq_length: PositiveInt = 1024,
+                 step_size: PositiveInt = 8, truncate: bool = True) -> None:
         if not 0 < min_seq_length <= max_seq_length:
             raise ConfigError(
                 f"algorithms.seq_length_warmup.min_seq_length={min_seq_length} must be > 0 and <= max_seq_length="

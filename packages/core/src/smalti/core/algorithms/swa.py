@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.optim.swa_utils import SWALR, get_swa_multi_avg_fn
 
 from smalti.core._compat import BatchNorm, foreach_copy_
+from smalti.core.config.types import NonNegativeFloat, NonNegativeInt, TimeOrBatches
 from smalti.core.errors import ConfigError, TimeError, TrainingError
 from smalti.core.plugins import Algorithm
 from smalti.core.tensors import copy_saved_tensors, local_shard, weights_and_float_buffers
@@ -44,13 +45,13 @@ class SWA(Algorithm):
 
     def __init__(
         self,
-        swa_start: str | int = "0.7dur",
-        update_interval: str | int = "1ep",
-        swa_lr: float | None = None,
-        anneal_steps: int = 10,
-        anneal_strategy: str = "cos",
+        swa_start: TimeOrBatches = "0.7dur",
+        update_interval: TimeOrBatches = "1ep",
+        swa_lr: NonNegativeFloat | None = None,
+        anneal_steps: NonNegativeInt = 10,
+        anneal_strategy: Literal["cos", "linear"] = "cos",
         swap_at_fit_end: bool = True,
-        bn_update_batches: int = 16,
+        bn_update_batches: NonNegativeInt = 16,
     ) -> None:
         self.swa_start = _time(swa_start, "swa_start", "dur")
         self.update_interval = _time(update_interval, "update_interval", "ba")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
+from smalti.core.config.types import TimeOrBatches
 from smalti.core.errors import ConfigError
 from smalti.core.intervals import batch_count
 from smalti.core.plugins import Callback
@@ -71,8 +72,8 @@ class ActivationMonitor(Callback):
 
     def __init__(
         self,
-        interval: str | int = "25ba",
-        stats: Sequence[str] = ("max", "average", "std"),
+        interval: TimeOrBatches = "25ba",
+        stats: Sequence[Literal["max", "average", "std", "l2_norm", "kurtosis"]] = ("max", "average", "std"),
         modules: Sequence[str] | None = None,
         module_types: Sequence[str] | None = None,
     ) -> None:

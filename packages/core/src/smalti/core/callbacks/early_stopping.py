@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
+from smalti.core.config.types import NonNegativeFloat, PositiveInt
 from smalti.core.errors import ConfigError
 from smalti.core.plugins import Callback
 
@@ -17,7 +18,7 @@ class EarlyStopping(Callback):
     first finite value sets the best. Metrics are computed over all ranks, so every rank stops together.
     """
 
-    def __init__(self, monitor: str, mode: str = "min", patience: int = 3, min_delta: float = 0.0) -> None:
+    def __init__(self, monitor: str, mode: Literal["min", "max"] = "min", patience: PositiveInt = 3, min_delta: NonNegativeFloat = 0.0) -> None:
         if mode not in ("min", "max"):
             raise ConfigError(f"callbacks.early_stopping.mode={mode!r} must be 'min' or 'max'")
         if patience < 1:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from smalti.core.config.types import NonNegativeFloat
 from smalti.core.errors import ConfigError, SmaltiError
 from smalti.core.plugins import Callback, hookimpl
 
@@ -89,7 +90,7 @@ class Goodput(Callback):
     """
 
     def __init__(
-        self, path: str | None = None, flush_interval_s: float = 30.0, started_at: float | None = None
+        self, path: str | None = None, flush_interval_s: NonNegativeFloat = 30.0, started_at: NonNegativeFloat | None = None
     ) -> None:
         if flush_interval_s < 0:
             raise ConfigError(f"callbacks.goodput.flush_interval_s={flush_interval_s} must be >= 0")

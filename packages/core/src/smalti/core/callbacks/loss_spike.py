@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import torch
 
+from smalti.core.config.types import Field, NonNegativeInt, PositiveFloat, PositiveInt, TimeOrBatches
 from smalti.core.errors import ConfigError, TrainingError
 from smalti.core.intervals import batch_count
 from smalti.core.plugins import Callback
@@ -55,9 +56,9 @@ class LossSpike(Callback):
     The loss the trainer logs is already the mean over ranks, so every rank decides the same.
     """
 
-    def __init__(self, action: str = "log", window_size: int = 100, outlier_multiplier: float = 2.0,
-                 patience: int = 4, loss_cap: float | None = 10.0, max_rollbacks: int = 3,
-                 check_interval: str | int = "1ba") -> None:
+    def __init__(self, action: Literal["log", "save_and_stop", "rollback"] = "log", window_size: PositiveInt = 100, outlier_multiplier: Annotated[float, Field(gt=1)] = 2.0,
+                 patience: NonNegativeInt = 4, loss_cap: PositiveFloat | None = 10.0, max_rollbacks: NonNegativeInt = 3,
+                 check_interval: TimeOrBatches = "1ba") -> None:
         if action not in ACTIONS:
             raise ConfigError(f"callbacks.loss_spike.action={action!r} must be one of {', '.join(ACTIONS)}")
         if window_size < 1:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from smalti.core.config.types import TimeOrBatches
 from smalti.core.intervals import interval_fires
 from smalti.core.plugins import Callback
 from smalti.core.time import Time
@@ -52,7 +53,7 @@ class MemoryMonitor(Callback):
     memory). On CPU: ``memory/rss_gb`` and ``memory/peak_rss_gb`` of the process.
     """
 
-    def __init__(self, interval: str | int = "10ba") -> None:
+    def __init__(self, interval: TimeOrBatches = "10ba") -> None:
         self.interval = Time.from_input(interval, "ba")
 
     def on_batch_end(self, state: Any, logger: Any) -> None:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
+from smalti.core.config.types import NonNegativeInt
 from smalti.core.errors import ConfigError, TrainingError
 from smalti.core.plugins import Callback
 
@@ -26,7 +27,7 @@ class NaNGuard(Callback):
     batches in a row.
     """
 
-    def __init__(self, action: str = "stop", max_skips: int = 10) -> None:
+    def __init__(self, action: Literal["stop", "skip"] = "stop", max_skips: NonNegativeInt = 10) -> None:
         if action not in ("stop", "skip"):
             raise ConfigError(f"callbacks.nan_guard.action={action!r} must be 'stop' or 'skip'")
         if max_skips < 0:

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from smalti.core.config.types import TimeOrBatches
 from smalti.core.intervals import batch_count
 from smalti.core.plugins import Callback
 from smalti.core.tensors import local_shard
@@ -45,7 +46,7 @@ class OptimizerMonitor(Callback):
     batch end, where the trainer already waits for the step. ``per_layer=False`` logs the global norm only.
     """
 
-    def __init__(self, interval: str | int = "10ba", per_layer: bool = True) -> None:
+    def __init__(self, interval: TimeOrBatches = "10ba", per_layer: bool = True) -> None:
         self.interval = Time(batch_count(interval, "callbacks.optimizer_monitor.interval"), TimeUnit.BATCH)
         self.per_layer = per_layer
         self._every = int(self.interval.value)

@@ -13,6 +13,7 @@ from typing import Any, TextIO
 
 import torch
 
+from smalti.core.config.types import NonNegativeInt, PositiveInt
 from smalti.core.errors import ConfigError, SmaltiError
 from smalti.core.plugins import Callback
 
@@ -36,7 +37,7 @@ class Profiler(Callback):
     ``smalti profile summary outputs/<run>`` lists the top operators by time over every rank's traces.
     """
 
-    def __init__(self, wait: int = 5, warmup: int = 1, active: int = 3, repeat: int = 1, skip_first: int = 0,
+    def __init__(self, wait: NonNegativeInt = 5, warmup: NonNegativeInt = 1, active: PositiveInt = 3, repeat: NonNegativeInt = 1, skip_first: NonNegativeInt = 0,
                  profile_memory: bool = False, record_shapes: bool = False, with_stack: bool = False,
                  trace_dir: str | None = None, gzip_traces: bool = False) -> None:
         for key, value, low in (("wait", wait, 0), ("warmup", warmup, 0), ("active", active, 1),

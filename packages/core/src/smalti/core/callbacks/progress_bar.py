@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from smalti.core.config.types import PositiveInt
 from smalti.core.errors import TimeError
 from smalti.core.plugins import Callback
 
@@ -16,7 +17,7 @@ class ProgressBar(Callback):
     Only rank 0 draws it, and only on a TTY unless ``force`` is set.
     """
 
-    def __init__(self, force: bool = False, refresh_every: int = 10) -> None:
+    def __init__(self, force: bool = False, refresh_every: PositiveInt = 10) -> None:
         self.force = force
         self.refresh_every = refresh_every
         self._bar: Any = None

@@ -8,6 +8,7 @@ import time
 from collections import deque
 from typing import Any
 
+from smalti.core.config.types import NonNegativeInt, PositiveInt, TimeOrBatches
 from smalti.core.errors import ConfigError, TimeError
 from smalti.core.intervals import batch_count
 from smalti.core.plugins import Callback
@@ -39,7 +40,7 @@ class RuntimeEstimator(Callback):
     this process spent on each. The estimate is shown on the progress bar (``eta``) when one is drawn.
     """
 
-    def __init__(self, interval: str | int = "10ba", window_size: int = 50, skip_batches: int = 1) -> None:
+    def __init__(self, interval: TimeOrBatches = "10ba", window_size: PositiveInt = 50, skip_batches: NonNegativeInt = 1) -> None:
         every = batch_count(interval, "callbacks.runtime_estimator.interval")
         if window_size < 1:
             raise ConfigError(f"callbacks.runtime_estimator.window_size={window_size} must be >= 1")

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from smalti.core.config.types import PositiveFloat, PositiveInt
 from smalti.core.errors import ConfigError
 from smalti.core.plugins import Callback
 
@@ -71,7 +72,7 @@ class SpeedMonitor(Callback):
     GPU without ``gpu_flops_available`` MFU is not logged.
     """
 
-    def __init__(self, window_size: int = 100, gpu_flops_available: float | None = None) -> None:
+    def __init__(self, window_size: PositiveInt = 100, gpu_flops_available: PositiveFloat | None = None) -> None:
         if window_size < 1:
             raise ConfigError(f"callbacks.speed_monitor.window_size={window_size} must be >= 1")
         self.window_size = window_size

@@ -1,21 +1,25 @@
 """smalti-core's config schemas: the ``trainer`` and ``data`` sections and core's own components.
 
-Returned by core's ``smalti_config_schemas`` hook (:mod:`smalti.core.plugin`). Each schema mirrors the
-arguments of the class it checks; arguments without a rule are left to the builder.
+Returned by core's ``smalti_config_schemas`` hook (:mod:`smalti.core.plugin`). A component's schema is read
+off its constructor (types, constraints and defaults are written there once); only rules that span keys are
+written here. The two sections are not components, so their schemas are written out.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
+from smalti.core.config.derive import schema_for
 from smalti.core.config.types import (
     NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
     Probability,
+    ProperFraction,
     Schema,
     TimeOrBatches,
     TimeStr,
@@ -86,280 +90,58 @@ class DataSchema(Schema):
         return self
 
 
-class AdamSchema(Schema):
-    """``torch.optim.Adam``'s options; the subclasses below carry each Adam variant's own defaults."""
-
-    lr: NonNegativeFloat = 1e-3
-    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
-    eps: PositiveFloat = 1e-8
-    weight_decay: NonNegativeFloat = 0.0
+#: Checks for ``torch.optim``'s Adam family, whose signatures (``lr: float | Tensor``) say too little; the
+#: defaults are still each optimizer's own.
+_ADAM_CHECKS = {"lr": NonNegativeFloat, "betas": tuple[ProperFraction, ProperFraction], "eps": PositiveFloat,
+                "weight_decay": NonNegativeFloat}
+_SGD_CHECKS = {"lr": NonNegativeFloat, "momentum": Probability, "weight_decay": NonNegativeFloat}
 
 
-class AdamWSchema(AdamSchema):
-    """``torch.optim.AdamW``'s options."""
-
-    weight_decay: NonNegativeFloat = 1e-2
-
-
-class DecoupledAdamWSchema(AdamSchema):
-    """:class:`smalti.core.optim.DecoupledAdamW`'s options."""
-
-    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.95)
-    weight_decay: NonNegativeFloat = 1e-5
-
-
-class SGDSchema(Schema):
-    """``torch.optim.SGD`` options."""
-
-    lr: NonNegativeFloat = 1e-3
-    momentum: Probability = 0.0
-    weight_decay: NonNegativeFloat = 0.0
-
-
-class WarmupSchedulerSchema(Schema):
-    """The warmup schedulers of :mod:`smalti.core.optim.schedulers`."""
-
-    t_warmup: TimeStr = "0ba"
-    t_max: TimeStr | None = None
-    alpha_f: Probability = 0.0
-
-
-class DDPSchema(Schema):
-    backend: str | None = None
-    timeout_s: PositiveFloat = 600
-    bucket_cap_mb: PositiveInt = 25
-
-
-_DTYPE = Literal["float32", "bfloat16", "float16"]
-
-
-class FSDPSchema(Schema):
-    backend: str | None = None
-    timeout_s: PositiveFloat = 600
-    param_dtype: _DTYPE | None = None
-    reduce_dtype: _DTYPE | None = None
-    reduce_every_microbatch: bool = True
-
-
-class HSDPSchema(FSDPSchema):
-    replicate: Annotated[int, Field(ge=-1)] = -1
-    shard: Annotated[int, Field(ge=-1)] = -1
-
-
-class EarlyStoppingSchema(Schema):
-    monitor: str
-    mode: Literal["min", "max"] = "min"
-    patience: PositiveInt = 3
-    min_delta: NonNegativeFloat = 0.0
-
-
-class IntervalSchema(Schema):
-    """Callbacks with only an ``interval`` (memory and optimizer monitors)."""
-
-    interval: TimeOrBatches = "10ba"
-
-
-class NaNGuardSchema(Schema):
-    action: Literal["stop", "skip"] = "stop"
-    max_skips: NonNegativeInt = 10
-
-
-class ProgressBarSchema(Schema):
-    force: bool = False
-    refresh_every: PositiveInt = 10
-
-
-class SpeedMonitorSchema(Schema):
-    window_size: PositiveInt = 100
-    gpu_flops_available: PositiveFloat | None = None
-
-
-class EMASchema(Schema):
-    half_life: TimeOrBatches | None = "100ba"
-    smoothing: Annotated[float, Field(ge=0, lt=1)] | None = None
-    update_interval: TimeOrBatches = "1ba"
-    ema_start: TimeOrBatches = "0ba"
-
-
-class GradientClippingSchema(Schema):
-    clipping_type: Literal["norm", "value"] = "norm"
-    clipping_threshold: PositiveFloat = 1.0
-    log_every: TimeOrBatches = "10ba"
-
-
-class OptimizerMonitorSchema(IntervalSchema):
-    per_layer: bool = True
-
-
-class LossSpikeSchema(Schema):
-    action: Literal["log", "save_and_stop", "rollback"] = "log"
-    window_size: PositiveInt = 100
-    outlier_multiplier: Annotated[float, Field(gt=1)] = 2.0
-    patience: NonNegativeInt = 4
-    loss_cap: PositiveFloat | None = 10.0
-    max_rollbacks: NonNegativeInt = 3
-    check_interval: TimeOrBatches = "1ba"
-
-
-class RuntimeEstimatorSchema(IntervalSchema):
-    window_size: PositiveInt = 50
-    skip_batches: NonNegativeInt = 1
-
-
-class ProfilerSchema(Schema):
-    wait: NonNegativeInt = 5
-    warmup: NonNegativeInt = 1
-    active: PositiveInt = 3
-    repeat: NonNegativeInt = 1
-    skip_first: NonNegativeInt = 0
-    profile_memory: bool = False
-    record_shapes: bool = False
-    with_stack: bool = False
-    trace_dir: str | None = None
-    gzip_traces: bool = False
-
-
-class ActivationMonitorSchema(Schema):
-    interval: TimeOrBatches = "25ba"
-    stats: list[Literal["max", "average", "std", "l2_norm", "kurtosis"]] = ["max", "average", "std"]
-    modules: list[str] | None = None
-    module_types: list[str] | None = None
-
-
-class GoodputSchema(Schema):
-    path: str | None = None
-    flush_interval_s: NonNegativeFloat = 30.0
-    started_at: NonNegativeFloat | None = None
-
-
-#: A time string, or a plain number read as a fraction of the run (``0.5`` is ``0.5dur``).
-TimeOrFraction = TimeStr | NonNegativeFloat
-
-
-class LabelSmoothingSchema(Schema):
-    smoothing: Annotated[float, Field(ge=0, lt=1)] = 0.1
-    ignore_index: int = -100
-
-
-class Float8TrainingSchema(Schema):
-    recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
-    skip: list[str] = ["lm_head", "head", "output", "*router*"]
-    fsdp_float8_all_gather: bool = True
-
-
-class LayerFreezingSchema(Schema):
-    freeze_start: TimeOrFraction = "0.5dur"
-    freeze_level: Probability = 1.0
-    drop_optimizer_state: bool = False
-
-
-class SeqLengthWarmupSchema(Schema):
-    duration: TimeOrFraction = "0.3dur"
-    min_seq_length: PositiveInt = 8
-    max_seq_length: PositiveInt = 1024
-    step_size: PositiveInt = 8
-    truncate: bool = True
-
+class _SeqLengthRules(Schema):
     @model_validator(mode="after")
-    def _lengths(self) -> SeqLengthWarmupSchema:
-        if self.min_seq_length > self.max_seq_length:
-            raise field_error("min_seq_length", self.min_seq_length,
-                              f"at most max_seq_length ({self.max_seq_length})")
+    def _lengths(self) -> Schema:
+        low, high = getattr(self, "min_seq_length", None), getattr(self, "max_seq_length", None)
+        if isinstance(low, int) and isinstance(high, int) and low > high:
+            raise field_error("min_seq_length", low, f"at most max_seq_length ({high})")
         return self
 
 
-class SAMSchema(Schema):
-    rho: PositiveFloat = 0.05
-    epsilon: NonNegativeFloat = 1.0e-12
-    interval: TimeOrBatches = 1
-    log_every: TimeOrBatches = "10ba"
-
-
-class SWASchema(Schema):
-    swa_start: TimeOrBatches = "0.7dur"
-    update_interval: TimeOrBatches = "1ep"
-    swa_lr: NonNegativeFloat | None = None
-    anneal_steps: NonNegativeInt = 10
-    anneal_strategy: Literal["cos", "linear"] = "cos"
-    swap_at_fit_end: bool = True
-    bn_update_batches: NonNegativeInt = 16
-
-
-class ConsoleLoggerSchema(Schema):
-    log_interval: TimeOrBatches = "10ba"
-
-
-class MLPRegressorSchema(Schema):
-    in_features: PositiveInt = 16
-    hidden: PositiveInt = 64
-    out_features: PositiveInt = 4
-    depth: PositiveInt = 2
-    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0
-
-
-class TinyLMSchema(Schema):
-    vocab_size: PositiveInt = 256
-    d_model: PositiveInt = 128
-    n_heads: PositiveInt = 4
-    n_layers: PositiveInt = 2
-    max_seq_len: PositiveInt = 256
-
+class _TinyLMRules(Schema):
     @model_validator(mode="after")
-    def _heads_divide_width(self) -> TinyLMSchema:
-        if self.d_model % self.n_heads:
-            raise field_error("n_heads", self.n_heads, f"a divisor of model.d_model={self.d_model}")
+    def _heads_divide_width(self) -> Schema:
+        d_model, n_heads = getattr(self, "d_model", None), getattr(self, "n_heads", None)
+        if isinstance(d_model, int) and isinstance(n_heads, int) and d_model % n_heads:
+            raise field_error("n_heads", n_heads, f"a divisor of model.d_model={d_model}")
         return self
-
-
-class CharCorpusSchema(Schema):
-    seq_len: PositiveInt = 64
-    split: Literal["train", "eval"] = "train"
-    eval_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.1
-
-
-class SyntheticRegressionSchema(Schema):
-    num_samples: PositiveInt = 512
-    in_features: PositiveInt = 16
-    out_features: PositiveInt = 4
-    noise: NonNegativeFloat = 0.01
 
 
 def schemas() -> dict[str, type]:
-    """What core's ``smalti_config_schemas`` hook returns."""
-    warmups = ("ConstantWithWarmup", "CosineWithWarmup", "InverseSqrtWithWarmup", "LinearWithWarmup")
-    return {
-        "trainer": TrainerSchema,
-        "data": DataSchema,
-        "torch.optim.AdamW": AdamWSchema,
-        "torch.optim.Adam": AdamSchema,
-        "smalti.core.optim.DecoupledAdamW": DecoupledAdamWSchema,
-        "torch.optim.SGD": SGDSchema,
-        **{f"smalti.core.optim.{name}": WarmupSchedulerSchema for name in warmups},
-        "smalti.core.parallelism.DDP": DDPSchema,
-        "smalti.core.parallelism.FSDP": FSDPSchema,
-        "smalti.core.parallelism.HSDP": HSDPSchema,
-        "smalti.core.callbacks.EarlyStopping": EarlyStoppingSchema,
-        "smalti.core.callbacks.MemoryMonitor": IntervalSchema,
-        "smalti.core.callbacks.NaNGuard": NaNGuardSchema,
-        "smalti.core.callbacks.ProgressBar": ProgressBarSchema,
-        "smalti.core.callbacks.SpeedMonitor": SpeedMonitorSchema,
-        "smalti.core.callbacks.OptimizerMonitor": OptimizerMonitorSchema,
-        "smalti.core.callbacks.LossSpike": LossSpikeSchema,
-        "smalti.core.callbacks.RuntimeEstimator": RuntimeEstimatorSchema,
-        "smalti.core.callbacks.Profiler": ProfilerSchema,
-        "smalti.core.callbacks.ActivationMonitor": ActivationMonitorSchema,
-        "smalti.core.callbacks.Goodput": GoodputSchema,
-        "smalti.core.algorithms.LabelSmoothing": LabelSmoothingSchema,
-        "smalti.core.algorithms.LayerFreezing": LayerFreezingSchema,
-        "smalti.core.algorithms.Float8Training": Float8TrainingSchema,
-        "smalti.core.algorithms.SeqLengthWarmup": SeqLengthWarmupSchema,
-        "smalti.core.algorithms.SAM": SAMSchema,
-        "smalti.core.algorithms.SWA": SWASchema,
-        "smalti.core.algorithms.EMA": EMASchema,
-        "smalti.core.algorithms.GradientClipping": GradientClippingSchema,
-        "smalti.core.loggers.ConsoleLogger": ConsoleLoggerSchema,
-        "smalti.core.examples.MLPRegressor": MLPRegressorSchema,
-        "smalti.core.examples.TinyLM": TinyLMSchema,
-        "smalti.core.examples.CharCorpus": CharCorpusSchema,
-        "smalti.core.examples.SyntheticRegression": SyntheticRegressionSchema,
-    }
+    """What core's ``smalti_config_schemas`` hook returns: the two sections, and each component's schema read
+    off its constructor (:func:`~smalti.core.config.derive.schema_for`)."""
+    import torch
+
+    found: dict[str, type] = {"trainer": TrainerSchema, "data": DataSchema}
+    for name, checks in (("AdamW", _ADAM_CHECKS), ("Adam", _ADAM_CHECKS), ("SGD", _SGD_CHECKS)):
+        found[f"torch.optim.{name}"] = schema_for(getattr(torch.optim, name), checks=checks)
+    for package, names in _COMPONENTS.items():
+        module = importlib.import_module(package)
+        for name in names:
+            found[f"{package}.{name}"] = schema_for(getattr(module, name), base=_RULES.get(name, Schema))
+    return found
+
+
+#: Core's components by the package configs name them from (``_target_: smalti.core.callbacks.Profiler``).
+_COMPONENTS = {
+    "smalti.core.optim": ("DecoupledAdamW", "ConstantWithWarmup", "CosineWithWarmup", "InverseSqrtWithWarmup",
+                          "LinearWithWarmup"),
+    "smalti.core.parallelism": ("SingleDevice", "DDP", "FSDP", "HSDP"),
+    "smalti.core.callbacks": ("EarlyStopping", "MemoryMonitor", "NaNGuard", "ProgressBar", "SpeedMonitor",
+                              "OptimizerMonitor", "LossSpike", "RuntimeEstimator", "Profiler", "ActivationMonitor",
+                              "Goodput", "LRMonitor"),
+    "smalti.core.algorithms": ("LabelSmoothing", "LayerFreezing", "Float8Training", "SeqLengthWarmup", "SAM", "SWA",
+                               "EMA", "GradientClipping"),
+    "smalti.core.loggers": ("ConsoleLogger", "JSONLLogger", "MLflowLogger", "TensorBoardLogger", "WandBLogger"),
+    "smalti.core.examples": ("MLPRegressor", "TinyLM", "CharCorpus", "SyntheticRegression"),
+}
+#: Rules that span keys, by component name.
+_RULES: dict[str, type[Schema]] = {"SeqLengthWarmup": _SeqLengthRules, "TinyLM": _TinyLMRules}

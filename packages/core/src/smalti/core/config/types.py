@@ -1,16 +1,19 @@
 """Building blocks for config schemas: a pydantic base class and the value types smalti's options share.
 
-A schema is a pydantic model of one config node (a section such as ``trainer``, or every node whose
-``_target_`` is a given class). Packages return them from the ``smalti_config_schemas`` hook; see
+Components annotate their constructor's arguments with these types (``interval: TimeOrBatches = "10ba"``),
+and :func:`smalti.core.config.derive.schema_for` reads the schema off the signature. A schema is a pydantic
+model of one config node (a section such as ``trainer``, or every node whose ``_target_`` is a given class). Packages return them from the ``smalti_config_schemas`` hook; see
 :mod:`smalti.core.config.validate` for how they are applied. Example::
 
     from typing import Literal
-    from smalti.core.config.types import PositiveInt, Probability, Schema, TimeStr
+    from smalti.core.config.derive import schema_for
+    from smalti.core.config.types import Probability, TimeStr
 
-    class DropoutSchema(Schema):
-        p: Probability = 0.1
-        every: TimeStr = "1ba"
-        mode: Literal["row", "element"] = "element"
+    class Dropout(Algorithm):
+        def __init__(self, p: Probability = 0.1, every: TimeStr = "1ba",
+                     mode: Literal["row", "element"] = "element") -> None: ...
+
+    schemas = {"my_package.Dropout": schema_for(Dropout)}  # what the smalti_config_schemas hook returns
 """
 
 from __future__ import annotations
@@ -28,13 +31,16 @@ __all__ = [
     "AfterValidator",
     "ExistingPath",
     "Field",
+    "IntFromMinusOne",
     "NonNegativeFloat",
     "NonNegativeInt",
     "PositiveFloat",
     "PositiveInt",
     "Probability",
+    "ProperFraction",
     "Schema",
     "TimeOrBatches",
+    "TimeOrFraction",
     "TimeStr",
     "ValidationInfo",
     "model_validator",
@@ -86,6 +92,12 @@ PositiveFloat = Annotated[float, Field(gt=0)]
 NonNegativeFloat = Annotated[float, Field(ge=0)]
 #: A probability or fraction in [0, 1].
 Probability = Annotated[float, Field(ge=0, le=1)]
+#: A fraction in [0, 1): a decay, a smoothing or a dropout rate.
+ProperFraction = Annotated[float, Field(ge=0, lt=1)]
+#: A count where -1 means "all" or "work it out" (a mesh dimension's size, how many checkpoints to keep).
+IntFromMinusOne = Annotated[int, Field(ge=-1)]
+#: A time string, or a plain number read as a fraction of the run (``0.5`` is ``0.5dur``).
+TimeOrFraction = TimeStr | NonNegativeFloat
 #: A local path that must exist (URLs such as ``s3://...`` are not checked here).
 ExistingPath = Annotated[str, AfterValidator(_existing_path)]
 

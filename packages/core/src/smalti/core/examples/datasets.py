@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated, Literal
 
 import torch
 from torch.utils.data import Dataset
 
+from smalti.core.config.types import Field, NonNegativeFloat, PositiveInt
 from smalti.core.errors import ConfigError
 
 CORPUS_PATH = Path(__file__).with_name("corpus") / "corpus.txt"
@@ -18,7 +20,7 @@ class CharCorpus(Dataset):
     The last ``eval_fraction`` of the file is the ``eval`` split. Each item is ``{"input_ids": LongTensor}``.
     """
 
-    def __init__(self, seq_len: int = 64, split: str = "train", eval_fraction: float = 0.1, path: str | None = None) -> None:
+    def __init__(self, seq_len: PositiveInt = 64, split: Literal["train", "eval"] = "train", eval_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.1, path: str | None = None) -> None:
         source = Path(path) if path else CORPUS_PATH
         if not source.is_file():
             raise ConfigError(f"data path {str(source)!r} is not a file; give a UTF-8 text file")
@@ -44,7 +46,7 @@ class CharCorpus(Dataset):
 class SyntheticRegression(Dataset):
     """``num_samples`` pairs ``(x, y)`` with ``y = x @ W + noise`` for a fixed random ``W`` (seeded)."""
 
-    def __init__(self, num_samples: int = 512, in_features: int = 16, out_features: int = 4, noise: float = 0.01,
+    def __init__(self, num_samples: PositiveInt = 512, in_features: PositiveInt = 16, out_features: PositiveInt = 4, noise: NonNegativeFloat = 0.01,
                  seed: int = 0) -> None:
         gen = torch.Generator().manual_seed(seed)
         self.x = torch.randn(num_samples, in_features, generator=gen)

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from smalti.core.config.types import PositiveInt, ProperFraction
+
 # torchmetrics (which imports scipy.signal and, when installed, transformers: seconds per process) is imported
 # only where a metric is built or checked, not at import: training without evaluation never needs it.
 
@@ -27,8 +29,8 @@ class MLPRegressor(nn.Module):
     which checkpoints save and restore, so runs with it resume bit-identically too.
     """
 
-    def __init__(self, in_features: int = 16, hidden: int = 64, out_features: int = 4, depth: int = 2,
-                 dropout: float = 0.0) -> None:
+    def __init__(self, in_features: PositiveInt = 16, hidden: PositiveInt = 64, out_features: PositiveInt = 4, depth: PositiveInt = 2,
+                 dropout: ProperFraction = 0.0) -> None:
         super().__init__()
         dims = [in_features] + [hidden] * depth
         self.blocks = nn.ModuleList(
@@ -85,8 +87,8 @@ class Block(nn.Module):
 class TinyLM(nn.Module):
     """A byte-level causal transformer. Batches are ``{"input_ids": LongTensor[B, T + 1]}``."""
 
-    def __init__(self, vocab_size: int = 256, d_model: int = 128, n_heads: int = 4, n_layers: int = 2,
-                 max_seq_len: int = 256) -> None:
+    def __init__(self, vocab_size: PositiveInt = 256, d_model: PositiveInt = 128, n_heads: PositiveInt = 4, n_layers: PositiveInt = 2,
+                 max_seq_len: PositiveInt = 256) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab_size, d_model)
         self.pos = nn.Embedding(max_seq_len, d_model)

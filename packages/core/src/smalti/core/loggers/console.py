@@ -6,6 +6,7 @@ import sys
 from typing import Any, TextIO
 
 from smalti.core import distributed
+from smalti.core.config.types import TimeOrBatches
 from smalti.core.intervals import interval_fires
 from smalti.core.plugins import LoggerDestination
 from smalti.core.time import Time, TimeUnit
@@ -26,7 +27,7 @@ class ConsoleLogger(LoggerDestination):
     DEFAULT_KEYS = ("loss/", "lr-", "grad_norm", "throughput/samples_per_sec", "throughput/tokens_per_sec",
                     "throughput/mfu", "nan_guard/", "memory/peak")
 
-    def __init__(self, log_interval: str | int = "10ba", rank_zero_only: bool = True, stream: TextIO | None = None,
+    def __init__(self, log_interval: TimeOrBatches = "10ba", rank_zero_only: bool = True, stream: TextIO | None = None,
                  keys: list[str] | None = None) -> None:
         """``keys``: metric-name prefixes to print (default: loss, lr, grad norm, throughput, MFU); ``["*"]`` for all."""
         self.interval = Time.from_input(log_interval, "ba")

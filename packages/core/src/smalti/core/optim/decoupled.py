@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from smalti.core.config.types import NonNegativeFloat, PositiveFloat, ProperFraction
+
 #: The param-group key of the decay per step at the peak LR. Not ``decoupled_weight_decay``: torch's Adam owns
 #: that key (a bool) and AdamW sets it to True whenever a state dict is loaded, which read as a decay of 1.0
 #: zeroed every weight on the first step after a resume.
@@ -55,8 +57,8 @@ class _DecoupledWeightDecay:
 class DecoupledAdamW(_DecoupledWeightDecay, torch.optim.AdamW):
     """AdamW with weight decay ``weight_decay * lr / initial_lr`` (default ``weight_decay=1e-5``)."""
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95),
-                 eps: float = 1e-8, weight_decay: float = 1e-5, **kwargs: Any) -> None:
+    def __init__(self, params: Iterable[Any], lr: NonNegativeFloat = 1e-3, betas: tuple[ProperFraction, ProperFraction] = (0.9, 0.95),
+                 eps: PositiveFloat = 1e-8, weight_decay: NonNegativeFloat = 1e-5, **kwargs: Any) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=0.0, **kwargs)
         self._take_weight_decay(weight_decay)
 

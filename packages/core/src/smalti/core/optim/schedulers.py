@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from smalti.core.config.types import Probability, TimeStr
 from smalti.core.errors import ConfigError, TimeError
 from smalti.core.time import Time, TimeUnit
 
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 class Schedule:
     """Linear warmup from 0 over ``t_warmup``, then :meth:`decay` over the rest of ``t_max``."""
 
-    def __init__(self, t_warmup: str | Time = "0ba", t_max: str | Time | None = None, alpha_f: float = 0.0) -> None:
+    def __init__(self, t_warmup: TimeStr | Time = "0ba", t_max: TimeStr | Time | None = None, alpha_f: Probability = 0.0) -> None:
         self.t_warmup = Time.from_input(t_warmup)
         self.t_max = Time.from_input(t_max) if t_max is not None else None
         if not 0.0 <= alpha_f <= 1.0:

@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from smalti.core import distributed
+from smalti.core.config.types import PositiveFloat, PositiveInt
 from smalti.core.parallelism.base import Parallelism
 
 
@@ -22,9 +23,9 @@ class DDP(Parallelism):
     def __init__(
         self,
         backend: str | None = None,
-        timeout_s: float = 600,
+        timeout_s: PositiveFloat = 600,
         find_unused_parameters: bool = False,
-        bucket_cap_mb: int = 25,
+        bucket_cap_mb: PositiveInt = 25,
     ) -> None:
         super().__init__(backend, timeout_s)
         self.find_unused_parameters = find_unused_parameters

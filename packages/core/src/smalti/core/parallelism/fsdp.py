@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Literal
 
 import torch
 from torch import nn
@@ -11,9 +12,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from smalti.core import distributed
+from smalti.core.config.types import IntFromMinusOne, PositiveFloat
 from smalti.core.errors import ConfigError
 from smalti.core.parallelism.base import Parallelism
 
+#: The dtypes FSDP2 computes (``param_dtype``) and reduces gradients (``reduce_dtype``) in, by config name.
+ParamDtype = Literal["float32", "bfloat16", "float16"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, None: None}
 
 
@@ -46,10 +50,10 @@ class FSDP(Parallelism):
     def __init__(
         self,
         backend: str | None = None,
-        timeout_s: float = 600,
+        timeout_s: PositiveFloat = 600,
         reshard_after_forward: bool = True,
-        param_dtype: str | None = None,
-        reduce_dtype: str | None = None,
+        param_dtype: ParamDtype | None = None,
+        reduce_dtype: ParamDtype | None = None,
         reduce_every_microbatch: bool = True,
     ) -> None:
         super().__init__(backend, timeout_s)
@@ -88,7 +92,7 @@ class HSDP(FSDP):
 
     name = "hsdp"
 
-    def __init__(self, replicate: int = -1, shard: int = -1, **kwargs) -> None:
+    def __init__(self, replicate: IntFromMinusOne = -1, shard: IntFromMinusOne = -1, **kwargs) -> None:
         super().__init__(**kwargs)
         self.replicate = replicate
         self.shard = shard
