@@ -118,39 +118,122 @@ class Blocks:
         import threading
 
         self.entered, self.release = threading.Event(), threading.Event()
+        self.inside = None
 
     @impl
     def on_event(self, state):
+        from smalti.core.dispatch import current_hook
+
+        self.inside = current_hook()
         self.entered.set()
         self.release.wait(30)
 
 
 class Wraps:
+    def __init__(self):
+        self.order = []
+
     @impl(wrapper=True)
     def on_event(self, state):
-        return (yield)
+        self.order.append("before")
+        result = yield
+        self.order.append("after")
+        return result
 
 
 @pytest.mark.parametrize("path", ["fast", "pluggy"])
 def test_running_hooks_names_the_hook_and_the_plugin_a_thread_is_in(path):
-    """What the hang watchdog reports, read through the one function that knows the stack's shape, on both ways
-    a hook is called (FastHook's, and pluggy's when a wrapper makes FastHook hand over)."""
+    """What the hang watchdog reports, on both ways a hook is called (FastHook's, and pluggy's when a wrapper
+    makes FastHook hand over): read from another thread, and with current_hook() inside the implementation."""
     import threading
 
-    from smalti.core.dispatch import running_hooks
+    from smalti.core.dispatch import current_hook, running_hooks
 
     blocker, calls = Blocks(), []
     plugins = [Recorder("a", calls), blocker] + ([Wraps()] if path == "pluggy" else [])
-    hook = FastHook(manager(*plugins), "on_event")
-    worker = threading.Thread(target=lambda: hook(state=1, logger=None), daemon=True)
+    pm = pluggy.PluginManager("t")
+    pm.add_hookspecs(Spec)
+    for i, plugin in enumerate(plugins):
+        pm.register(plugin, name=f"p{i}")
+    hook = FastHook(pm, "on_event")
+    results = []
+    worker = threading.Thread(target=lambda: results.append(hook(state=1, logger=None)), daemon=True)
     worker.start()
     try:
         assert blocker.entered.wait(30)
         (call,) = running_hooks(worker.ident)
-        assert (call.hook, call.plugin, call.where) == ("on_event", blocker, "Blocks.on_event")
+        assert (call.hook, call.plugin, call.plugin_name, call.where) == ("on_event", blocker, "p1", "Blocks.on_event")
         assert call.impl_index == (0 if path == "fast" else 1)  # called first, or right after the wrapper
+        assert blocker.inside == call  # the same record, read in the hook's own thread
+        assert current_hook() is None and running_hooks(threading.get_ident()) == []  # this thread runs none
     finally:
         blocker.release.set()
         worker.join(30)
     assert running_hooks(worker.ident) == []
+    # the implementations ran in pluggy's order either way: blocker first (registered after "a"), then "a"
+    assert results == [["a"]] and calls == [("a", 1)]
+    if path == "pluggy":
+        assert plugins[2].order == ["before", "after"]
 
+
+def test_a_thread_inside_a_hook_wrapper_is_reported_in_the_hook():
+    """Outside the plain implementations, in a wrapper's code, the report names the hook and the wrappers."""
+    import threading
+
+    from smalti.core.dispatch import running_hooks
+
+    entered, release = threading.Event(), threading.Event()
+
+    class SlowWrapper:
+        @impl(wrapper=True)
+        def on_event(self, state):
+            entered.set()
+            release.wait(30)
+            return (yield)
+
+    pm = pluggy.PluginManager("t")
+    pm.add_hookspecs(Spec)
+    pm.register(Recorder("a", []), name="a")
+    pm.register(SlowWrapper(), name="slow")
+    hook = FastHook(pm, "on_event")
+    worker = threading.Thread(target=lambda: hook(state=1, logger=None), daemon=True)
+    worker.start()
+    try:
+        assert entered.wait(30)
+        (call,) = running_hooks(worker.ident)
+        assert (call.hook, call.plugin_name, call.impl_index) == ("on_event", "slow", -1)
+    finally:
+        release.set()
+        worker.join(30)
+
+
+def test_pluggy_path_keeps_order_firstresult_and_exceptions():
+    """Handed to pluggy (a wrapper present), the plain implementations still run last registered first, a
+    firstresult hook stops at the first answer, and an error propagates with the record put back."""
+    from smalti.core.dispatch import current_hook
+
+    calls = []
+    pm = manager(Recorder("a", calls, answer=None), Recorder("b", calls, answer=True), Recorder("c", calls))
+
+    class WrapShould:
+        @impl(wrapper=True)
+        def should(self, state):
+            return (yield)
+
+    pm.register(WrapShould())
+    assert FastHook(pm, "should")(state=0) is True
+    assert calls == ["c", "b"]
+    order = []
+    pm = manager(*(Recorder(n, order) for n in "abc"), Wraps())
+    assert FastHook(pm, "on_event")(state=5, logger=0) == ["c", "b", "a"]
+    assert order == [("c", 5), ("b", 5), ("a", 5)]
+
+    class Boom:
+        @impl
+        def on_event(self):
+            raise ValueError("boom")
+
+    pm.register(Boom())
+    with pytest.raises(ValueError, match="boom"):
+        FastHook(pm, "on_event")(state=0, logger=0)
+    assert current_hook() is None

@@ -24,8 +24,9 @@ def _spec_names() -> set[str]:
 
 
 def _called_hook_names(src: Path) -> set[str]:
-    """Hook names the sources call: ``<...hook...>.<name>``, ``"<name>"`` (a hook looked up by name) and
-    ``Event.<MEMBER>`` (dispatched as ``on_<value>``); implementations do not count."""
+    """Hook names the sources call: ``<...hook...>.<name>``, ``"<name>"`` (a hook looked up by name),
+    ``Event.<MEMBER>`` and ``<events>.fire("<value>")`` (dispatched as ``on_<value>``); implementations do not
+    count."""
     names: set[str] = set()
     for path in src.rglob("*.py"):
         if path.relative_to(src).as_posix() in NOT_CALLERS:
@@ -34,6 +35,10 @@ def _called_hook_names(src: Path) -> set[str]:
         # @hookimpl(specname="on_x") implements a hook, it does not call it
         implements = {id(kw.value) for kw in ast.walk(tree) if isinstance(kw, ast.keyword) and kw.arg == "specname"}
         for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "fire":
+                first = node.args[0] if node.args else None  # events.fire("exception"): on_exception
+                if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                    names.add(f"on_{first.value}")
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in implements:
                 names.add(node.value)
             elif isinstance(node, ast.Attribute):

@@ -21,10 +21,9 @@ from smalti.core import distributed
 from smalti.core.batching import batch_size_of, move_to_device, num_tokens_of, split_batch
 from smalti.core.callbacks.progress_bar import ProgressBar
 from smalti.core.data import no_batch_message, seed_data_loading
-from smalti.core.dispatch import FastHook
 from smalti.core.errors import ConfigError, TrainingError
 from smalti.core.evaluator import Evaluator
-from smalti.core.events import Event
+from smalti.core.events import Event, Events
 from smalti.core.intervals import interval_fires
 from smalti.core.logger import Logger
 from smalti.core.optim import DecoupledAdamW, Schedule
@@ -187,7 +186,9 @@ class Trainer:
         if self.state.dataloader_len == 0:
             raise TrainingError(no_batch_message(train_dataloader, self.state.world_size))
         self.logger = Logger(self.pm.hook, self.state)
-        self.hook = self.pm.hook
+        #: Fires every hook of the loop (smalti.core.events.Events): one call form, whichever dispatcher runs it.
+        self.events = Events(self.pm, self.state, self.logger)
+        self._should_eval = self.events.hook("should_eval")  # who implements it: read every batch
         callbacks = _named(callbacks)
         if progress_bar and not any(isinstance(c, ProgressBar) for c in callbacks.values()):
             callbacks["progress_bar"] = ProgressBar()
@@ -199,11 +200,6 @@ class Trainer:
         )
         self._closed = False
         self._replay = 0
-        # The loop's hooks, called without pluggy's per-call machinery (smalti.core.dispatch).
-        self._step_hooks = _StepHooks(self.pm)
-        # One FastHook per hook: the step's own (above) are shared with _event/_decision, the rest made on first use.
-        self._callers: dict[Event, FastHook] = {e: getattr(self._step_hooks, e.value) for e in _STEP_EVENTS}
-        self._decisions: dict[str, FastHook] = {n: getattr(self._step_hooks, n) for n in _STEP_DECISIONS}
         # A parallelism that keeps the base class's no-op gradient_sync needs no context around each microbatch.
         self._sync_context = type(self.parallelism).gradient_sync is not Parallelism.gradient_sync
         self._log_intervals = self._loss_intervals(log_interval)
@@ -215,7 +211,7 @@ class Trainer:
         self._host_counts: tuple[Any, int, int] | None = None
         self._microbatch_settled = False
         try:
-            self._event(Event.INIT)
+            self.events.fire(Event.INIT)
             model = self.state.raw_model
             on_meta = any(p.is_meta for p in model.parameters())
             if on_meta and not self.parallelism.shards_parameters:
@@ -239,10 +235,10 @@ class Trainer:
                 self._ensure_metrics(evaluator)
             if config is not None:
                 self.logger.log_hyperparameters(config)
-            self._event(Event.BEFORE_LOAD)
+            self.events.fire(Event.BEFORE_LOAD)
             if load_state is not None:
                 self.state.load_state_dict(load_state)
-            self._event(Event.AFTER_LOAD)
+            self.events.fire(Event.AFTER_LOAD)
         except BaseException as exc:
             self._fail(exc)
             raise
@@ -355,19 +351,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ events
 
-    def _event(self, event: Event) -> None:
-        hook = self._callers.get(event)
-        if hook is None:
-            hook = self._callers[event] = FastHook(self.pm, event.hook_name)
-        if hook.impls:  # most events have no implementation
-            hook(state=self.state, logger=self.logger)
-
-    def _decision(self, hook_name: str) -> FastHook:
-        hook = self._decisions.get(hook_name)
-        if hook is None:
-            hook = self._decisions[hook_name] = FastHook(self.pm, hook_name)
-        return hook
-
     # ------------------------------------------------------------------ the loop
 
     def fit(self) -> FitResult:
@@ -379,16 +362,16 @@ class Trainer:
         """
         state = self.state
         try:
-            self._event(Event.FIT_START)
+            self.events.fire(Event.FIT_START)
             while not self._done():
                 self._run_epoch()
                 if state.stop_requested:
                     break
             self._flush_losses()
-            state.checkpoint_requested = bool(self.hook.should_checkpoint(state=state, event=Event.FIT_END))
-            if self.hook.should_eval(state=state, event=Event.FIT_END):
+            state.checkpoint_requested = bool(self.events.decide("should_checkpoint", event=Event.FIT_END))
+            if self.events.decide("should_eval", event=Event.FIT_END):
                 self.eval()
-            self._event(Event.FIT_END)
+            self.events.fire(Event.FIT_END)
         except BaseException as exc:
             self._fail(exc)
             raise
@@ -408,19 +391,18 @@ class Trainer:
         state = self.state
         loader = state.train_dataloader
         self._prepare_epoch(loader)
-        self._event(Event.EPOCH_START)
+        self.events.fire(Event.EPOCH_START)
         iterator = iter(loader)
         for _ in range(self._replay):
             next(iterator, None)
         self._replay = 0
         produced = False
         epoch_len = state.dataloader_len
-        hooks, logger = self._step_hooks, self.logger
+        events = self.events
         while not self._done():
             if epoch_len is not None and state.timestamp.batch_in_epoch >= epoch_len:
                 break
-            if hooks.before_dataloader.impls:
-                hooks.before_dataloader(state=state, logger=logger)
+            events.fire(Event.BEFORE_DATALOADER)
             try:
                 batch = next(iterator)
             except StopIteration:
@@ -430,8 +412,7 @@ class Trainer:
             samples, tokens = batch_size_of(batch), self._num_tokens(batch)
             state.batch = move_to_device(batch, state.device)
             self._host_counts = (state.batch, samples, tokens)
-            if hooks.after_dataloader.impls:
-                hooks.after_dataloader(state=state, logger=logger)
+            events.fire(Event.AFTER_DATALOADER)
             self.train_step(state.batch)
             self._after_batch()
         else:
@@ -442,12 +423,12 @@ class Trainer:
                 "and drop_last with the batch size"
             )
         state.timestamp.advance_epoch()
-        self._event(Event.EPOCH_END)
-        if self.hook.should_eval(state=state, event=Event.EPOCH_END):
+        self.events.fire(Event.EPOCH_END)
+        if self.events.decide("should_eval", event=Event.EPOCH_END):
             self.eval()
-        state.checkpoint_requested = bool(self.hook.should_checkpoint(state=state, event=Event.EPOCH_END))
-        self._event(Event.EPOCH_CHECKPOINT)
-        if self.hook.should_stop(state=state):  # an epoch-end eval can be what decides it
+        state.checkpoint_requested = bool(self.events.decide("should_checkpoint", event=Event.EPOCH_END))
+        self.events.fire(Event.EPOCH_CHECKPOINT)
+        if self.events.decide("should_stop"):  # an epoch-end eval can be what decides it
             state.stop_requested = True
 
     def _prepare_epoch(self, loader: Any) -> None:
@@ -474,7 +455,7 @@ class Trainer:
 
     def _after_batch(self) -> None:
         state = self.state
-        hooks, logger = self._step_hooks, self.logger
+        events = self.events
         if state.batch_loss is not None:
             self._pending_losses.append((state.timestamp.batch, state.batch_loss))
             every = self._log_every
@@ -485,22 +466,16 @@ class Trainer:
                 fires = any(interval_fires(i, state, "batch_end") for i in self._log_intervals)
             if fires:
                 self._flush_losses()
-        if hooks.batch_end.impls:
-            hooks.batch_end(state=state, logger=logger)
-        should_eval = hooks.should_eval
-        if (state.evaluators or not _only_default_should_eval(should_eval.impls)) and should_eval(
-            state=state, event=Event.BATCH_END
+        events.fire(Event.BATCH_END)
+        if (state.evaluators or not _only_default_should_eval(self._should_eval.impls)) and events.decide(
+            "should_eval", event=Event.BATCH_END
         ):
             self.eval()
-        should_checkpoint = hooks.should_checkpoint
-        state.checkpoint_requested = bool(
-            should_checkpoint.impls and should_checkpoint(state=state, event=Event.BATCH_END)
-        )
+        state.checkpoint_requested = bool(events.decide("should_checkpoint", event=Event.BATCH_END))
         if state.checkpoint_requested:
             self._flush_losses()  # a resumed run restarts after the checkpoint: the steps before it are logged
-        if hooks.batch_checkpoint.impls:
-            hooks.batch_checkpoint(state=state, logger=logger)
-        if hooks.should_stop.impls and hooks.should_stop(state=state):
+        events.fire(Event.BATCH_CHECKPOINT)
+        if events.decide("should_stop"):
             state.stop_requested = True
 
     def _flush_losses(self) -> None:
@@ -525,10 +500,9 @@ class Trainer:
     def train_step(self, batch: Any) -> torch.Tensor:
         """One optimizer step on ``batch``: microbatches, backward, optimizer and scheduler step, time advance."""
         state = self.state
-        hooks, logger = self._step_hooks, self.logger
+        events = self.events
         start = time.perf_counter()
-        if hooks.batch_start.impls:
-            hooks.batch_start(state=state, logger=logger)
+        events.fire(Event.BATCH_START)
         # Ranks of one sequence- or tensor-parallel group read the same samples: count them once. A model
         # under sequence parallelism counts only its own chunk's tokens, so tokens sum over every rank.
         counted, self._host_counts = self._host_counts, None
@@ -541,8 +515,7 @@ class Trainer:
         while True:
             for opt in state.optimizers:
                 opt.zero_grad(set_to_none=True)
-            if hooks.before_train_batch.impls:
-                hooks.before_train_batch(state=state, logger=logger)
+            events.fire(Event.BEFORE_TRAIN_BATCH)
             oom = False
             try:
                 loss = self.forward_backward(batch)
@@ -554,18 +527,16 @@ class Trainer:
                 self._shrink_microbatch(batch)
                 continue
             break
-        if hooks.on_gradients_ready.impls:  # a second pass over the batch for SAM-like algorithms
-            hooks.on_gradients_ready(state=state, logger=self.logger, recompute=lambda: self.forward_backward(batch))
+        # a second pass over the batch for SAM-like algorithms
+        events.fire(Event.GRADIENTS_READY, recompute=lambda: self.forward_backward(batch))
         # Averaged in place over ranks: a copy, as ``loss`` may share memory with ``state.loss``.
         state.batch_loss = distributed.all_reduce_mean_(loss.clone()) if state.world_size > 1 else loss
         if state.grad_scaler is not None:
             for opt in state.optimizers:
                 state.grad_scaler.unscale_(opt)
-        if hooks.after_train_batch.impls:
-            hooks.after_train_batch(state=state, logger=logger)
+        events.fire(Event.AFTER_TRAIN_BATCH)
         state.skip_optimizer_step = False
-        if hooks.before_optimizer_step.impls:
-            hooks.before_optimizer_step(state=state, logger=logger)
+        events.fire(Event.BEFORE_OPTIMIZER_STEP)
         if not state.skip_optimizer_step:
             for opt in state.optimizers:
                 if state.grad_scaler is not None:
@@ -577,8 +548,7 @@ class Trainer:
             state.grad_scaler.update()
         for sched in state.schedulers:
             sched.step()
-        if hooks.after_optimizer_step.impls:
-            hooks.after_optimizer_step(state=state, logger=logger)
+        events.fire(Event.AFTER_OPTIMIZER_STEP)
         state.timestamp.advance_batch(state.batch_num_samples, state.batch_num_tokens, time.perf_counter() - start)
         return state.batch_loss
 
@@ -640,13 +610,13 @@ class Trainer:
         if state.device.type == "cuda":
             torch.cuda.empty_cache()
         log.warning("out of memory at microbatch size %d on some rank; retrying the batch at %d", old, new)
-        self.hook.on_microbatch_size_change(state=state, logger=self.logger, old=old, new=new)
+        self.events.fire("microbatch_size_change", old=old, new=new)
         self.logger.log_metrics({"trainer/device_train_microbatch_size": new})
 
     def forward_backward(self, batch: Any) -> torch.Tensor:
         """Forward and backward over the microbatches of ``batch``; returns the batch's mean loss (detached)."""
         state = self.state
-        hooks, logger = self._step_hooks, self.logger
+        events = self.events
         total = batch_size_of(batch)
         micro_size = state.device_train_microbatch_size or self._microbatch_size(batch, total)
         microbatches = (batch,) if micro_size >= total else split_batch(batch, micro_size)
@@ -655,8 +625,7 @@ class Trainer:
         for idx, micro in enumerate(microbatches):
             state.microbatch_idx = idx
             state.microbatch = micro
-            if hooks.microbatch_start.impls:
-                hooks.microbatch_start(state=state, logger=logger)
+            events.fire(Event.MICROBATCH_START)
             # Only a parallelism with its own gradient_sync needs a context around each microbatch.
             if self._sync_context:
                 with self.parallelism.gradient_sync(state.model, enabled=idx == count - 1):
@@ -664,8 +633,7 @@ class Trainer:
             else:
                 part = self._microbatch_forward_backward(total, count)
             batch_loss = part if batch_loss is None else batch_loss + part
-            if hooks.microbatch_end.impls:
-                hooks.microbatch_end(state=state, logger=logger)
+            events.fire(Event.MICROBATCH_END)
         state.microbatch = None
         state.outputs = None
         assert batch_loss is not None  # split_batch gives at least one microbatch
@@ -675,26 +643,22 @@ class Trainer:
         """Forward, loss and backward of ``state.microbatch``, one of ``count`` microbatches of a ``total``-sample
         batch; returns its detached fp32 loss, weighted by its share of the batch."""
         state = self.state
-        hooks, logger = self._step_hooks, self.logger
-        if hooks.before_forward.impls:
-            hooks.before_forward(state=state, logger=logger)
+        events = self.events
+        events.fire(Event.BEFORE_FORWARD)
         if state.precision == "fp32":  # no autocast region to enter
             self._forward_and_loss()
         else:
             with autocast(state.precision, state.device):
                 self._forward_and_loss()
-        if hooks.after_loss.impls:
-            hooks.after_loss(state=state, logger=logger)
+        events.fire(Event.AFTER_LOSS)
         # One microbatch (the common case) needs no weighting: no extra op in the graph or after it.
         weight = 1.0 if count == 1 else batch_size_of(state.microbatch) / total
         scaled = state.loss if weight == 1.0 else state.loss * weight
         if state.grad_scaler is not None:
             scaled = state.grad_scaler.scale(scaled)
-        if hooks.before_backward.impls:
-            hooks.before_backward(state=state, logger=logger)
+        events.fire(Event.BEFORE_BACKWARD)
         scaled.backward()
-        if hooks.after_backward.impls:
-            hooks.after_backward(state=state, logger=logger)
+        events.fire(Event.AFTER_BACKWARD)
         part = state.loss.detach()
         if part.dtype != torch.float32:
             part = part.float()
@@ -703,12 +667,10 @@ class Trainer:
     def _forward_and_loss(self) -> None:
         """``state.outputs`` and ``state.loss`` of ``state.microbatch``: the region autocast covers."""
         state = self.state
-        hooks, logger = self._step_hooks, self.logger
+        events = self.events
         state.outputs = state.model(state.microbatch)
-        if hooks.after_forward.impls:
-            hooks.after_forward(state=state, logger=logger)
-        if hooks.before_loss.impls:
-            hooks.before_loss(state=state, logger=logger)
+        events.fire(Event.AFTER_FORWARD)
+        events.fire(Event.BEFORE_LOSS)
         state.loss = state.raw_model.loss(state.outputs, state.microbatch)
 
     # ------------------------------------------------------------------ evaluation
@@ -720,7 +682,7 @@ class Trainer:
             return {}
         # the pending step losses go first: W&B drops a step logged after a later one (eval logs at this step)
         self._flush_losses()
-        self._event(Event.EVAL_BEFORE_ALL)
+        self.events.fire(Event.EVAL_BEFORE_ALL)
         was_training = state.model.training
         state.model.eval()
         try:
@@ -730,7 +692,7 @@ class Trainer:
             state.model.train(was_training)
             state.eval_label = None
         state.last_eval_batch = state.timestamp.batch
-        self._event(Event.EVAL_AFTER_ALL)
+        self.events.fire(Event.EVAL_AFTER_ALL)
         return state.eval_metrics
 
     def _ensure_metrics(self, evaluator: Evaluator) -> None:
@@ -747,7 +709,7 @@ class Trainer:
         for metric in metrics.values():
             metric.reset()
             metric.to(state.device)
-        self._event(Event.EVAL_START)
+        self.events.fire(Event.EVAL_START)
         seed_data_loading(evaluator.dataloader, self.seed, 0, stream=f"eval/{evaluator.label}")
         eval_forward = getattr(state.raw_model, "eval_forward", None)
         updater = getattr(state.raw_model, "update_metric", None)
@@ -756,20 +718,20 @@ class Trainer:
                 if 0 <= evaluator.subset_num_batches <= i:
                     break
                 state.batch = move_to_device(batch, state.device)
-                self._event(Event.EVAL_BATCH_START)
-                self._event(Event.EVAL_BEFORE_FORWARD)
+                self.events.fire(Event.EVAL_BATCH_START)
+                self.events.fire(Event.EVAL_BEFORE_FORWARD)
                 with autocast(state.precision, state.device):
                     state.outputs = eval_forward(state.batch) if callable(eval_forward) else state.model(state.batch)
-                self._event(Event.EVAL_AFTER_FORWARD)
+                self.events.fire(Event.EVAL_AFTER_FORWARD)
                 for metric in metrics.values():
                     if callable(updater):
                         updater(state.batch, state.outputs, metric)
                     else:
                         metric.update(state.outputs, state.batch[1])
-                self._event(Event.EVAL_BATCH_END)
+                self.events.fire(Event.EVAL_BATCH_END)
         values = {name: float(metric.compute()) for name, metric in metrics.items()}
         state.outputs = None
-        self._event(Event.EVAL_END)
+        self.events.fire(Event.EVAL_END)
         self.logger.log_metrics({f"metrics/{evaluator.label}/{name}": v for name, v in values.items()})
         return values
 
@@ -781,7 +743,7 @@ class Trainer:
                 self._flush_losses()  # the losses of the steps that did finish
             except Exception:  # noqa: BLE001 - the original error is the one to report
                 log.debug("could not log the pending losses", exc_info=True)
-            self.hook.on_exception(state=self.state, logger=self.logger, exc=exc)
+            self.events.fire("exception", exc=exc)
         finally:
             self.close()
 
@@ -791,7 +753,7 @@ class Trainer:
             return
         self._closed = True
         try:
-            self._event(Event.CLOSE)
+            self.events.fire(Event.CLOSE)
         finally:
             self.pm.unregister_run_plugins(self._run_plugins)
 
@@ -802,36 +764,9 @@ class Trainer:
         self.close()
 
 
-#: The events the loop fires every batch; with the decision hooks it asks every batch, :class:`_StepHooks`.
-_STEP_EVENTS = (
-    Event.BEFORE_DATALOADER, Event.AFTER_DATALOADER, Event.BATCH_START, Event.BEFORE_TRAIN_BATCH,
-    Event.MICROBATCH_START, Event.BEFORE_FORWARD, Event.AFTER_FORWARD, Event.BEFORE_LOSS, Event.AFTER_LOSS,
-    Event.BEFORE_BACKWARD, Event.AFTER_BACKWARD, Event.MICROBATCH_END, Event.AFTER_TRAIN_BATCH,
-    Event.BEFORE_OPTIMIZER_STEP, Event.AFTER_OPTIMIZER_STEP, Event.BATCH_END, Event.BATCH_CHECKPOINT,
-)
-_STEP_DECISIONS = ("should_eval", "should_checkpoint", "should_stop", "on_gradients_ready")
-
-
 def _only_default_should_eval(impls: list[Any]) -> bool:
     """Whether core's interval rule is the only ``should_eval``: it says no when there is nothing to evaluate."""
     return len(impls) == 1 and impls[0].function is default_should_eval
-
-
-class _StepHooks:
-    """The hooks of one batch as attributes (``hooks.batch_end``), looked up once per trainer.
-
-    The loop checks ``hooks.<event>.impls`` before calling, so an event no plugin implements costs an
-    attribute read and no call. Each :class:`FastHook` reads its implementations live: plugins registered
-    or unregistered mid-run are seen at the next batch.
-    """
-
-    __slots__ = tuple(e.value for e in _STEP_EVENTS) + _STEP_DECISIONS
-
-    def __init__(self, pm: SmaltiPluginManager) -> None:
-        for event in _STEP_EVENTS:
-            setattr(self, event.value, FastHook(pm, event.hook_name))
-        for name in _STEP_DECISIONS:
-            setattr(self, name, FastHook(pm, name))
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 Every rank runs a daemon thread that watches the time since the last finished batch (train or eval). The
 trainer hooks record where each rank was last: the batch count (``state.timestamp.batch``) and the event, so
 positions compare across ranks as (step, phase). On a time-out each rank also reads its training thread's
-live stack to name the hook (and the plugin running it) it is stuck in, then writes, into ``report_dir``,
+hook-call record (:func:`smalti.core.dispatch.running_hooks`) to name the hook (and the plugin running it) it
+is stuck in, then writes, into ``report_dir``,
 its own stacks (``faulthandler``, every thread) and a JSON line of where it was, both named with the
 torchelastic restart attempt (``rank{r}-attempt{a}.json``, ``stacks-rank{r}-attempt{a}.txt``). After a short
 grace period (until every rank of this attempt has written) each rank merges this attempt's files into
@@ -203,7 +204,7 @@ class HangWatchdog(Callback):
 
     def where(self, idle: float) -> dict[str, Any]:
         """This rank's entry of the report: its position, the hooks its training thread is in, and timing."""
-        in_hooks = hooks_in_progress(self._train_thread, self._plugin_manager()) if self._train_thread else []
+        in_hooks = hooks_in_progress(self._train_thread) if self._train_thread else []
         batch = self._state.timestamp.batch if self._state is not None else self._batch
         # Within one event the plugins run in the same order on every rank: the place in that order breaks ties
         # (a rank stuck in an early plugin's hook is behind a peer waiting in a later plugin's collective).
@@ -286,27 +287,17 @@ class HangWatchdog(Callback):
             log.warning("hang watchdog: could not log the report: %s", exc)
 
 
-def hooks_in_progress(thread_id: int, pm: Any = None) -> list[dict[str, Any]]:
-    """The hooks thread ``thread_id`` is running now, outermost first, each with the plugin whose code runs and
-    that plugin's place in the hook's call order (``impl_index``, 0 = called first).
+def hooks_in_progress(thread_id: int) -> list[dict[str, Any]]:
+    """The hooks thread ``thread_id`` is running now, outermost first, each with the plugin whose code runs
+    (``name: Class.method``) and that plugin's place in the hook's call order (``impl_index``, 0 = called first).
 
-    ``pm`` (default: the process's plugin manager) names the plugins. The calls are read by
-    :func:`smalti.core.dispatch.running_hooks`, which owns the knowledge of how a hook call looks on a stack.
+    Read from :func:`smalti.core.dispatch.running_hooks`: the dispatcher records each implementation call as it
+    makes it, so the report depends on no frame, local variable or file name of the dispatcher's.
     """
     from smalti.core.dispatch import running_hooks
 
-    hooks: list[dict[str, Any]] = []
-    for call in running_hooks(thread_id):
-        plugin_name = call.where
-        if call.plugin is not None:
-            if pm is None:
-                from smalti.core.plugins.manager import get_plugin_manager
-
-                pm = get_plugin_manager()
-            name = pm.get_name(call.plugin) if pm.is_registered(call.plugin) else None
-            plugin_name = f"{name}: {call.where}" if name else call.where
-        hooks.append({"hook": call.hook, "plugin": plugin_name, "impl_index": call.impl_index})
-    return hooks
+    return [{"hook": call.hook, "plugin": f"{call.plugin_name}: {call.where}" if call.plugin_name else call.where,
+             "impl_index": call.impl_index} for call in running_hooks(thread_id)]
 
 
 def _flush_loggers(timeout_s: float, pm: Any) -> None:
