@@ -181,3 +181,37 @@ def test_mosaic_shuffles_keep_their_orders(algo: str, ncn: int) -> None:
     order, nodes = shuffle_order(shards, algo, 17, 2, ncn, block_size=500)
     digest = hashlib.sha256(order.astype("<i8").tobytes() + nodes.astype("<i8").tobytes()).hexdigest()[:16]
     assert digest == PINNED[algo, ncn]
+
+
+def _blocks_digests() -> dict[str, str]:
+    """Digests of ``blocks`` orders over cases that take every path: full and short blocks, a block size that
+    is no power of two, uneven shards with shard_first_ids, a resume off the batch grid, a 1e10 slice."""
+    sizes = np.random.default_rng(4).integers(0, 3000, 97)
+    first = np.concatenate([[0], np.cumsum(sizes)[:-1]]) * 3 + 11
+    out = {}
+    cases = {"uneven": dict(sizes=sizes, C=5, G=96, block=1024, first=first),
+             "odd_block": dict(sizes=sizes, C=3, G=77, block=1000, first=None),
+             "one_node": dict(sizes=sizes[:9], C=1, G=1, block=1 << 18, first=None)}
+    for name, c in cases.items():
+        bo = BlockOrder(c["sizes"], seed=23, epoch=4, num_canonical_nodes=c["C"], global_batch=c["G"],
+                        block_size=c["block"], shard_first_ids=c["first"])
+        parts = [bo.full(), bo.shifted_grid(12345, 0, 7, c["G"] // 4, c["G"] - c["G"] // 5).reshape(-1)]
+        rank, per_rank = (1, c["G"] // 8) if c["G"] >= 8 else (0, c["G"])
+        parts += list(bo.iter_rank(rank, per_rank, start_batch=5, chunk_samples=500))
+        out[name] = hashlib.sha256(np.concatenate([p.reshape(-1) for p in parts]).astype("<i8").tobytes()).hexdigest()[:16]
+    big = BlockOrder(_virtual(10**10), seed=9176, epoch=3, num_canonical_nodes=8, global_batch=2048)
+    k = 7_777_777_777 // 2048
+    parts = [big.grid(0, 2), big.grid(k, k + 3, 32, 64), big.grid(big.num_batches - 2, big.num_batches),
+             big.node_rows(6, 10**9, 10**9 + 300_000)]
+    out["1e10"] = hashlib.sha256(np.concatenate([p.reshape(-1) for p in parts]).astype("<i8").tobytes()).hexdigest()[:16]
+    return out
+
+
+# the blocks orders as first released: a faster implementation must give them bit for bit (checkpoints
+# taken with blocks resume into the same order)
+PINNED_BLOCKS = {"uneven": "34edc0036ec97a2e", "odd_block": "e9be58b593db5711", "one_node": "1a99a2eacacd8a62",
+                 "1e10": "97726bef81f6a512"}
+
+
+def test_blocks_orders_are_pinned() -> None:
+    assert _blocks_digests() == PINNED_BLOCKS
