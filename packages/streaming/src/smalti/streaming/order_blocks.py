@@ -37,6 +37,7 @@ _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
 _ROUNDS = 4
 _ROUND_KEYS = [np.uint64((i + 1) * 0x9E3779B97F4A7C15 % (1 << 64)) for i in range(_ROUNDS)]
+_M64 = (1 << 64) - 1
 _CHUNK = 1 << 16  # samples decoded per vectorised pass: small enough for the CPU cache
 
 
@@ -71,6 +72,42 @@ def _feistel(v: np.ndarray, h: np.ndarray | np.uint64, keys: np.ndarray) -> np.n
     left <<= h
     left |= right
     return left
+
+
+def _feistel_scalar(v: np.ndarray, h: int, round_keys: list[np.uint64]) -> np.ndarray:
+    """:func:`_feistel` with one key for all values (its round keys given): a new array."""
+    hu = np.uint64(h)
+    shift = np.uint64(64 - h)
+    left = v >> hu
+    right = v & np.uint64((1 << h) - 1)
+    f = np.empty_like(v)
+    for round_key in round_keys:
+        np.bitwise_xor(right, round_key, out=f)
+        f *= _GOLDEN
+        f >>= shift
+        f ^= left
+        left, right, f = right, f, left
+    left <<= hu
+    left |= right
+    return left
+
+
+def _span_in_block(borders: np.ndarray, size: int, pos: np.ndarray) -> np.ndarray:
+    """For positions ``pos`` in ``[0, size)``, how many of the increasing ``borders`` each is at or past.
+
+    Buckets no wider than the narrowest span hold at most one border, so a bucket table and one comparison
+    answer (a binary search per sample costs about five times as much); spans too narrow for a small table
+    fall back to the binary search.
+    """
+    narrowest = int(np.diff(borders, prepend=0, append=size).min())
+    shift = max(narrowest.bit_length() - 1, 0)
+    if (size >> shift) > max(4 * len(pos), 4096):
+        return np.searchsorted(borders, pos, side="right")
+    table = np.searchsorted(borders, np.arange(0, size, 1 << shift, dtype=np.int64), side="right")
+    nxt = np.append(borders, np.iinfo(np.int64).max)
+    span = table[pos >> shift]
+    span += pos >= nxt[span]
+    return span
 
 
 def permute_within(offsets: np.ndarray, sizes: np.ndarray | int, keys: np.ndarray) -> np.ndarray:
@@ -132,85 +169,105 @@ class BlockOrder:
         # 1. shards in a run order, cut into pieces of equal sample counts; a cut shard becomes two spans
         perm = run_rng.permutation(len(sizes))
         run_sizes = sizes[perm]
-        run_starts = np.concatenate([[0], np.cumsum(run_sizes)])
+        run_starts = np.empty(len(sizes) + 1, dtype=np.int64)
+        run_starts[0] = 0
+        np.cumsum(run_sizes, out=run_starts[1:])
         cuts = np.linspace(0, n, num_canonical_nodes + 1).round().astype(np.int64)
-        bounds = np.sort(np.concatenate([run_starts, cuts]))
-        bounds = bounds[np.concatenate([[True], bounds[1:] != bounds[:-1]])]
-        span_len = np.diff(bounds)
-        keep = span_len > 0
-        span_lo, span_len = bounds[:-1][keep], span_len[keep]
-        slot = np.searchsorted(run_starts, span_lo, side="right") - 1
-        span_first = first[perm][slot] + (span_lo - run_starts[slot])
-        span_node = np.searchsorted(cuts, span_lo, side="right") - 1
+        # spans: the non-empty shards in run order, split where a piece border falls inside one
+        nonempty = run_sizes > 0
+        if nonempty.all():
+            span_lo, slot = run_starts[:-1], None
+        else:
+            slot = np.flatnonzero(nonempty)
+            span_lo = run_starts[slot]
+        inner = cuts[1:-1]
+        at = np.searchsorted(span_lo, inner, side="right")
+        split = np.flatnonzero((at > 0) & (span_lo[np.maximum(at - 1, 0)] != inner))
+        split = split[np.concatenate([[True], inner[split][1:] != inner[split][:-1]])] if len(split) else split
+        slot = np.arange(len(span_lo)) if slot is None else slot
+        if len(split):
+            span_lo = np.insert(span_lo, at[split], inner[split])
+            slot = np.insert(slot, at[split], slot[at[split] - 1])
+        span_len = np.diff(span_lo, append=n)
+        span_first = first[perm[slot]]
+        span_first += span_lo - run_starts[slot]
         # ... and each epoch the spans of every piece in a new order
-        node_bounds = np.searchsorted(span_node, np.arange(num_canonical_nodes + 1))
-        order = np.concatenate([lo + epoch_rng.permutation(hi - lo) for lo, hi in zip(node_bounds[:-1], node_bounds[1:])])
-        self._span_first = span_first[order]
+        node_bounds = np.searchsorted(span_lo, cuts)
+        order = np.empty(len(span_lo), dtype=np.int64)
+        for lo, hi in zip(node_bounds[:-1], node_bounds[1:]):
+            order[lo:hi] = epoch_rng.permutation(hi - lo)
+            order[lo:hi] += lo
         self._span_len = span_len[order]
-        self._pos = np.concatenate([[0], np.cumsum(self._span_len)])  # epoch sequence position of each span
+        self._pos = np.empty(len(order) + 1, dtype=np.int64)  # epoch sequence position of each span
+        self._pos[0] = 0
+        np.cumsum(self._span_len, out=self._pos[1:])
+        self._off = span_first[order]  # a sample's id is its epoch position plus its span's offset
+        self._off -= self._pos[:-1]
         self._lengths = np.diff(cuts)  # samples per canonical node
         self._node_start = cuts[:-1]
-        self._key = _mix(np.array([seed_u ^ _mix(np.array([self.epoch % (1 << 64)], np.uint64))[0]], np.uint64))[0]
-        self._block_shift = self.block.bit_length() - 1 if self.block & (self.block - 1) == 0 else None
-        last = np.maximum(self._lengths - 1, 0) // self.block
-        self._short_block = np.where(self._lengths % self.block != 0, last, -1)
-        shorts = self._short_block[self._short_block >= 0]
-        self._first_short_row = int(shorts.min()) * self.block if len(shorts) else np.iinfo(np.int64).max
-        self._build_lookup()
+        self._key = int(_mix(np.array([seed_u ^ int(_mix(np.array([self.epoch % (1 << 64)], np.uint64))[0])],
+                                      np.uint64))[0])
         self._build_interleave()
 
     # ---------------------------------------------------------------- epoch sequence position -> sample id
 
-    def _build_lookup(self) -> None:
-        """A bucket table from epoch positions to spans: two gathers per sample instead of a binary search."""
-        spans, n = len(self._span_len), self.num_samples
-        self._bucket = max(1, n // max(2 * spans, 1))
-        buckets = n // self._bucket + 1
-        # first_span[j]: the last span starting at or before j * bucket (counted, not binary-searched)
-        at = -(-self._pos[:-1] // self._bucket)
-        self._first_span = np.cumsum(np.bincount(at, minlength=buckets)[:buckets]) - 1
-        hops = np.diff(self._first_span)
-        self._max_hops = int(hops.max()) if len(hops) else 0
+    def _block_keys(self, node: int, block: int) -> list[np.uint64]:
+        """The Feistel round keys of canonical node ``node``'s block ``block``."""
+        k = ((((node << 40) | block) ^ self._key) * int(_MIX1)) & _M64
+        k ^= k >> 29
+        return [np.uint64((k + int(rk)) & _M64) for rk in _ROUND_KEYS]
 
-    def _span_of(self, pos: np.ndarray) -> np.ndarray:
-        if self._max_hops > 4:
-            return np.searchsorted(self._pos, pos, side="right") - 1
-        span = self._first_span[pos // self._bucket]
-        for _ in range(self._max_hops):
-            span += pos >= self._pos[span + 1]
-        return span
+    def _node_ids(self, node: int, rows: np.ndarray) -> np.ndarray:
+        """Sample ids at ``rows`` (nondecreasing) of canonical node ``node``'s shuffled sequence.
+
+        Rows are taken a block at a time: the block's keys are scalars and the spans it covers a short table
+        of borders, so a sample costs a few vectorised passes over small arrays.
+        """
+        out = np.empty(len(rows), dtype=np.int64)
+        if not len(rows):
+            return out
+        B, length = self.block, int(self._lengths[node])
+        base = int(self._node_start[node])
+        first_block, last_block = int(rows[0]) // B, int(rows[-1]) // B
+        cut = np.searchsorted(rows, np.arange(first_block + 1, last_block + 1, dtype=np.int64) * B)
+        lo = 0
+        for block, hi in zip(range(first_block, last_block + 1), [*cut.tolist(), len(rows)]):
+            if hi == lo:
+                continue
+            size = min(B, length - block * B)
+            h = max(((max(size, 2) - 1).bit_length() + 1) // 2, 1)  # 4**h >= size, as _half_bits
+            keys = self._block_keys(node, block)
+            v = rows[lo:hi] - block * B
+            perm = _feistel_scalar(v.view(np.uint64), h, keys)
+            if size < 1 << (2 * h):  # cycle-walk back into a block shorter than 4**h
+                outside = np.flatnonzero(perm >= np.uint64(size))
+                while len(outside):
+                    w = _feistel_scalar(perm[outside], h, keys)
+                    perm[outside] = w
+                    outside = outside[w >= np.uint64(size)]
+            pos = perm.view(np.int64)
+            start = base + block * B
+            s0 = int(np.searchsorted(self._pos, start, side="right")) - 1
+            s1 = int(np.searchsorted(self._pos, start + size, side="left"))
+            offs = self._off[s0:s1] + start
+            if s1 - s0 == 1:
+                pos += offs[0]
+            else:
+                pos += offs[_span_in_block(self._pos[s0 + 1 : s1] - start, size, pos)]
+            out[lo:hi] = pos
+            lo = hi
+        return out
 
     def _sample_ids(self, node: np.ndarray, row: np.ndarray) -> np.ndarray:
-        """The sample at row ``row`` of canonical node ``node``'s shuffled sequence."""
-        if self._block_shift is not None:
-            block = row >> self._block_shift
-            offset = row & (self.block - 1)
-        else:
-            block, offset = np.divmod(row, self.block)
-        keys = (node << 40) | block
-        keys = keys.view(np.uint64)
-        keys ^= self._key
-        keys *= _MIX1
-        keys ^= keys >> np.uint64(29)
-        short = None
-        if len(row) and row.max() >= self._first_short_row:  # a node's last block, when it is not full
-            short = np.flatnonzero(block == self._short_block[node])
-        if short is not None and len(short):
-            perm = np.empty_like(offset)
-            full = np.ones(len(row), dtype=bool)
-            full[short] = False
-            perm[full] = permute_within(offset[full], self.block, keys[full])
-            size = self._lengths[node[short]] - block[short] * self.block
-            perm[short] = permute_within(offset[short], size, keys[short])
-        else:
-            perm = permute_within(offset, self.block, keys)
-        pos = perm
-        pos += self._node_start[node]
-        pos += block * self.block
-        span = self._span_of(pos)
-        pos -= self._pos[span]
-        pos += self._span_first[span]
-        return pos
+        """The sample at row ``row`` of canonical node ``node``'s shuffled sequence, element-wise."""
+        out = np.empty(len(row), dtype=np.int64)
+        by = np.lexsort((row, node))
+        node_s = node[by]
+        edges = np.flatnonzero(np.diff(node_s)) + 1
+        for lo, hi in zip([0, *edges.tolist()], [*edges.tolist(), len(by)]):
+            if hi > lo:
+                out[by[lo:hi]] = self._node_ids(int(node_s[lo]), row[by[lo:hi]])
+        return out
 
     # ---------------------------------------------------------------- interleave of the canonical nodes
 
@@ -247,24 +304,37 @@ class BlockOrder:
 
     # ---------------------------------------------------------------- batches
 
-    def _grid_rows(self, k0: int, k1: int, c0: int, c1: int) -> tuple[np.ndarray, np.ndarray]:
-        """(node, row) of columns ``[c0, c1)`` of global batches ``[k0, k1)``, all full (no padding).
+    def _grid_ids(self, k0: int, k1: int, c0: int, c1: int) -> np.ndarray:
+        """Ids of columns ``[c0, c1)`` of global batches ``[k0, k1)``, all full (no padding), flat.
 
         Inside a global batch each node's samples are one run of its rows; columns ``[c0, c1)`` cut a
-        piece out of some of these runs, and the pieces, batch after batch, are the answer.
+        piece out of some of these runs. A node's pieces, batch after batch, are increasing rows of its
+        sequence, computed together and put in place.
         """
-        G, C = self.global_batch, self.num_nodes
+        G = self.global_batch
         taken = self._taken(np.arange(k0, k1 + 1, dtype=np.int64) * G)  # (K + 1, nodes)
         counts = np.diff(taken, axis=0)
         inside = np.cumsum(counts, axis=1) - counts  # where each node's run starts inside its batch
         lo = np.maximum(inside, c0)
-        piece = np.maximum(np.minimum(inside + counts, c1) - lo, 0).ravel()
-        first_row = (taken[:-1] + (lo - inside)).ravel()
-        out_start = np.cumsum(piece) - piece
-        node = np.repeat(np.tile(np.arange(C, dtype=np.int64), k1 - k0), piece)
-        row = np.repeat(first_row - out_start, piece)
-        row += np.arange(len(row), dtype=np.int64)
-        return node, row
+        piece = np.maximum(np.minimum(inside + counts, c1) - lo, 0)
+        first_row = taken[:-1] + (lo - inside)
+        out_start = (np.cumsum(piece.ravel()) - piece.ravel()).reshape(piece.shape)
+        out = np.empty(int(piece.sum()), dtype=np.int64)
+        nodes = np.flatnonzero(piece.any(axis=0))
+        for c in nodes.tolist():
+            have = np.flatnonzero(piece[:, c])
+            runs = piece[have, c]
+            run_at = np.cumsum(runs) - runs
+            rows = np.repeat(first_row[have, c] - run_at, runs)
+            rows += np.arange(len(rows), dtype=np.int64)
+            ids = self._node_ids(c, rows)
+            if len(nodes) == 1:  # one node's columns: its pieces are the output, in order
+                out[:] = ids
+            else:
+                dest = np.repeat(out_start[have, c] - run_at, runs)
+                dest += np.arange(len(dest), dtype=np.int64)
+                out[dest] = ids
+        return out
 
     def _last_rows(self, c0: int, c1: int) -> tuple[np.ndarray, np.ndarray]:
         """(node, row) of columns ``[c0, c1)`` of the last global batch, padded with the epoch's first samples."""
@@ -290,8 +360,7 @@ class BlockOrder:
         full_end = k1 - 1 if padded and k1 == self.num_batches else k1
         parts = []
         if full_end > k0:
-            node, row = self._grid_rows(k0, full_end, c0, c1)
-            parts.append(self._sample_ids(node, row))
+            parts.append(self._grid_ids(k0, full_end, c0, c1))
         if full_end < k1:
             parts.append(self._sample_ids(*self._last_rows(c0, c1)))
         return np.concatenate(parts).reshape(k1 - k0, c1 - c0)
@@ -339,7 +408,7 @@ class BlockOrder:
     def node_rows(self, node: int, lo: int, hi: int) -> np.ndarray:
         """Rows ``[lo, hi)`` of canonical node ``node``'s shuffled sequence."""
         rows = np.arange(max(lo, 0), min(hi, int(self._lengths[node])), dtype=np.int64)
-        return self._sample_ids(np.full(len(rows), node, dtype=np.int64), rows)
+        return self._node_ids(node, rows)
 
     def full(self) -> np.ndarray:
         """The whole padded epoch order as one array (small datasets, tests)."""
