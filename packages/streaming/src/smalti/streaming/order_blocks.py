@@ -176,21 +176,19 @@ class BlockOrder:
         # spans: the non-empty shards in run order, split where a piece border falls inside one
         nonempty = run_sizes > 0
         if nonempty.all():
-            span_lo, slot = run_starts[:-1], None
+            span_lo, span_first = run_starts[:-1], first[perm]
         else:
-            slot = np.flatnonzero(nonempty)
-            span_lo = run_starts[slot]
+            keep = np.flatnonzero(nonempty)
+            span_lo, span_first = run_starts[keep], first[perm[keep]]
         inner = cuts[1:-1]
         at = np.searchsorted(span_lo, inner, side="right")
         split = np.flatnonzero((at > 0) & (span_lo[np.maximum(at - 1, 0)] != inner))
         split = split[np.concatenate([[True], inner[split][1:] != inner[split][:-1]])] if len(split) else split
-        slot = np.arange(len(span_lo)) if slot is None else slot
         if len(split):
-            span_lo = np.insert(span_lo, at[split], inner[split])
-            slot = np.insert(slot, at[split], slot[at[split] - 1])
+            where, lo = at[split], inner[split]
+            span_first = np.insert(span_first, where, span_first[where - 1] + (lo - span_lo[where - 1]))
+            span_lo = np.insert(span_lo, where, lo)
         span_len = np.diff(span_lo, append=n)
-        span_first = first[perm[slot]]
-        span_first += span_lo - run_starts[slot]
         # ... and each epoch the spans of every piece in a new order
         node_bounds = np.searchsorted(span_lo, cuts)
         order = np.empty(len(span_lo), dtype=np.int64)
