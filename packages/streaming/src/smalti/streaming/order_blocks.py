@@ -157,8 +157,6 @@ class BlockOrder:
         self.num_nodes = num_canonical_nodes
         self.global_batch = global_batch
         self.block = int(block_size or DEFAULT_BLOCK)
-        first = np.concatenate([[0], np.cumsum(sizes)[:-1]]) if shard_first_ids is None else \
-            np.asarray(shard_first_ids, dtype=np.int64)
         self.num_samples = int(sizes.sum())
         n = self.num_samples
         self.num_batches = -(-n // global_batch)
@@ -166,8 +164,18 @@ class BlockOrder:
         seed_u = self.seed % (1 << 64)
         run_rng = np.random.default_rng([seed_u, 0x5B10C5])
         epoch_rng = np.random.default_rng([seed_u, self.epoch % (1 << 64), 0x5B10C5])
+        # Temporaries are dropped as soon as they are used and shard indices are int32: the peak memory of
+        # these tables is what a process pays at 1e6 shards. (Shuffling an int32 arange draws the same
+        # numbers as permutation(count), so the orders are unchanged.)
+        index_type = np.int32 if len(sizes) < 1 << 31 else np.int64
         # 1. shards in a run order, cut into pieces of equal sample counts; a cut shard becomes two spans
-        perm = run_rng.permutation(len(sizes))
+        perm = run_rng.permutation(np.arange(len(sizes), dtype=index_type))
+        if shard_first_ids is None:
+            first = np.empty(len(sizes), dtype=np.int64)
+            first[:1] = 0
+            np.cumsum(sizes[:-1], out=first[1:])
+        else:
+            first = np.asarray(shard_first_ids, dtype=np.int64)
         run_sizes = sizes[perm]
         run_starts = np.empty(len(sizes) + 1, dtype=np.int64)
         run_starts[0] = 0
@@ -175,11 +183,13 @@ class BlockOrder:
         cuts = np.linspace(0, n, num_canonical_nodes + 1).round().astype(np.int64)
         # spans: the non-empty shards in run order, split where a piece border falls inside one
         nonempty = run_sizes > 0
+        del run_sizes
         if nonempty.all():
             span_lo, span_first = run_starts[:-1], first[perm]
         else:
             keep = np.flatnonzero(nonempty)
             span_lo, span_first = run_starts[keep], first[perm[keep]]
+        del perm, first, nonempty
         inner = cuts[1:-1]
         at = np.searchsorted(span_lo, inner, side="right")
         split = np.flatnonzero((at > 0) & (span_lo[np.maximum(at - 1, 0)] != inner))
@@ -188,18 +198,21 @@ class BlockOrder:
             where, lo = at[split], inner[split]
             span_first = np.insert(span_first, where, span_first[where - 1] + (lo - span_lo[where - 1]))
             span_lo = np.insert(span_lo, where, lo)
-        span_len = np.diff(span_lo, append=n)
         # ... and each epoch the spans of every piece in a new order
         node_bounds = np.searchsorted(span_lo, cuts)
-        order = np.empty(len(span_lo), dtype=np.int64)
-        for lo, hi in zip(node_bounds[:-1], node_bounds[1:]):
-            order[lo:hi] = epoch_rng.permutation(hi - lo)
+        order = np.empty(len(span_lo), dtype=index_type)
+        for lo, hi in zip(node_bounds[:-1].tolist(), node_bounds[1:].tolist()):
+            order[lo:hi] = epoch_rng.permutation(np.arange(hi - lo, dtype=index_type))
             order[lo:hi] += lo
-        self._span_len = span_len[order]
+        span_len = np.diff(span_lo, append=n)
+        del span_lo, run_starts
         self._pos = np.empty(len(order) + 1, dtype=np.int64)  # epoch sequence position of each span
         self._pos[0] = 0
-        np.cumsum(self._span_len, out=self._pos[1:])
+        np.take(span_len, order, out=self._pos[1:])
+        del span_len
+        np.cumsum(self._pos[1:], out=self._pos[1:])
         self._off = span_first[order]  # a sample's id is its epoch position plus its span's offset
+        del span_first, order
         self._off -= self._pos[:-1]
         self._lengths = np.diff(cuts)  # samples per canonical node
         self._node_start = cuts[:-1]
