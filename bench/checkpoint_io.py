@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from smalti.checkpoint.huge_pages import huge_page_buffer
+from smalti.checkpoint.io.huge_pages import huge_page_buffer
 from smalti.core import LoggerDestination
 
 RAW_WRITE_WAYS = ("plain", "writeback", "direct")
@@ -124,7 +124,7 @@ def raw_write(path: Path, data: memoryview, how: str) -> float:
     chunk. ``direct``: ``O_DIRECT`` writes straight from ``data`` (page-aligned: no copy at all); a ragged
     end of less than a block goes buffered.
     """
-    from smalti.checkpoint.hashing_file import CHUNK_BYTES, SYNC_FILE_RANGE_WRITE, sync_file_range
+    from smalti.checkpoint.io import CHUNK_BYTES, SYNC_FILE_RANGE_WRITE, sync_file_range
 
     start = time.perf_counter()
     if how == "direct":

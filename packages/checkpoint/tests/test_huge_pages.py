@@ -4,7 +4,7 @@ import ctypes
 
 import pytest
 
-from smalti.checkpoint.huge_pages import HUGE_PAGE_BYTES, huge_page_buffer
+from smalti.checkpoint.io.huge_pages import HUGE_PAGE_BYTES, huge_page_buffer
 
 
 @pytest.mark.parametrize("nbytes", [1, 4096, 3 * HUGE_PAGE_BYTES + 5])

@@ -162,7 +162,7 @@ def test_after_a_failed_load_the_checked_files_still_get_their_verdict_and_no_bu
 def test_a_load_borrows_the_saves_buffers_and_gives_them_back(tmp_path, monkeypatch):
     """Reads of the pool's size take their huge-page buffers from the pool the saves fill and return them at
     close, so a load after a save (or a second load) maps no new memory."""
-    from smalti.checkpoint.hashing_file import BOUNCE_POOL, CHUNK_BYTES
+    from smalti.checkpoint.io import BOUNCE_POOL, CHUNK_BYTES
 
     data = write(tmp_path / "f.bin", 3 * CHUNK_BYTES + 4321, seed=7)
     BOUNCE_POOL.clear()
@@ -184,7 +184,7 @@ def test_a_load_borrows_the_saves_buffers_and_gives_them_back(tmp_path, monkeypa
     def no_new_memory(nbytes):
         raise AssertionError("a buffer was mapped although the pool had two")
 
-    monkeypatch.setattr("smalti.checkpoint.hashing_file.huge_page_buffer", no_new_memory)
+    monkeypatch.setattr("smalti.checkpoint.io.pool.huge_page_buffer", no_new_memory)
     monkeypatch.setattr(module, "huge_page_buffer", no_new_memory)
     assert read_all() == data
     assert BOUNCE_POOL.idle == 2

@@ -10,17 +10,16 @@ import random
 import pytest
 
 from smalti.checkpoint import hashing_file
-from smalti.checkpoint.hashing_file import (
-    ALIGN_BYTES,
+from smalti.checkpoint.hashing_file import BufferedHashingFile, DirectHashingFile, open_hashing_file
+from smalti.checkpoint.io import (
+    BLOCK_BYTES,
     BOUNCE_BUFFERS,
     CHUNK_BYTES,
+    HUGE_PAGE_BYTES,
     BouncePool,
-    BufferedHashingFile,
-    DirectHashingFile,
     buffer_address,
-    open_hashing_file,
 )
-from smalti.checkpoint.huge_pages import HUGE_PAGE_BYTES
+from smalti.checkpoint.io import pool as io_pool
 
 pytestmark = pytest.mark.skipif(not getattr(os, "O_DIRECT", 0), reason="needs O_DIRECT")
 
@@ -70,20 +69,20 @@ def test_every_byte_is_written_from_a_bounce_buffer_in_whole_blocks(tmp_path, pw
     # the disk starts after the first MiB, not after a whole chunk is copied
     assert [n for _, n, _, _ in whole[:5]] == [1 << 20, 2 << 20, 4 << 20, 8 << 20, CHUNK_BYTES]
     assert all(
-        direct and n % ALIGN_BYTES == 0 and offset % ALIGN_BYTES == 0 for _, n, offset, direct in whole
+        direct and n % BLOCK_BYTES == 0 and offset % BLOCK_BYTES == 0 for _, n, offset, direct in whole
     )
-    assert not tail[3] and tail[1] < ALIGN_BYTES  # only the last partial block goes through the page cache
+    assert not tail[3] and tail[1] < BLOCK_BYTES  # only the last partial block goes through the page cache
 
 
 def test_bounce_buffers_are_reused_by_the_next_file_and_the_pool_stays_bounded(tmp_path, monkeypatch):
     made = []
-    real = hashing_file.huge_page_buffer
+    real = io_pool.huge_page_buffer
 
     def counting(nbytes):
         made.append(nbytes)
         return real(nbytes)
 
-    monkeypatch.setattr(hashing_file, "huge_page_buffer", counting)
+    monkeypatch.setattr(io_pool, "huge_page_buffer", counting)
     monkeypatch.setattr(hashing_file, "BOUNCE_POOL", BouncePool(keep=BOUNCE_BUFFERS))
     pool = hashing_file.BOUNCE_POOL
     data = bytes(2 * CHUNK_BYTES + 5)

@@ -12,7 +12,8 @@ import torch.distributed.checkpoint as dcp
 from torch.utils.serialization import config
 
 from smalti.checkpoint.hashes import ALGORITHMS
-from smalti.checkpoint.hashing_file import CHUNK_BYTES, BufferedHashingFile, open_hashing_file
+from smalti.checkpoint.hashing_file import BufferedHashingFile, open_hashing_file
+from smalti.checkpoint.io import CHUNK_BYTES
 from smalti.checkpoint.manifest import hash_file
 from smalti.checkpoint.writer import HashingFileSystemWriter
 

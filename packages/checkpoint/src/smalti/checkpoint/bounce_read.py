@@ -1,7 +1,7 @@
 """Reading checkpoint files front to back with ``O_DIRECT`` into reused huge-page buffers, on I/O threads.
 
 The disk moves data far faster into memory on 2 MiB huge pages than into a tensor's scattered 4 KiB pages
-(see :mod:`smalti.checkpoint.huge_pages`): on the development machine ``O_DIRECT`` into a huge-page buffer
+(see :mod:`smalti.checkpoint.io.huge_pages`): on the development machine ``O_DIRECT`` into a huge-page buffer
 reads 2.8-3.3 GB/s, buffered reads straight into a tensor 1.1-1.7 GB/s. So a load reads each file in
 :data:`CHUNK_BYTES` pieces into a few reused huge-page ("bounce") buffers: :class:`ReadPipeline`'s I/O
 threads keep the next reads in flight (``preadv`` runs without the GIL) while the caller copies the bytes of
@@ -27,11 +27,18 @@ from pathlib import Path
 import numpy as np
 
 from smalti.checkpoint.errors import CheckpointError
-from smalti.checkpoint.hashing_file import BOUNCE_POOL, CHUNK_BYTES  # one read: one of the pool's buffers
-from smalti.checkpoint.huge_pages import huge_page_buffer
+from smalti.checkpoint.io import (
+    BLOCK_BYTES,
+    BOUNCE_POOL,
+    CHUNK_BYTES,
+    READ_FLAGS,
+    chunk_ranges,
+    huge_page_buffer,
+    leave_direct_io,
+    merge_ranges,
+    open_maybe_direct,
+)
 
-#: O_DIRECT's alignment of offsets, lengths and buffers (the largest logical block size in common use)
-BLOCK_BYTES = 4096
 #: reads in flight at once (one per I/O thread): the next ones are already queued at the disk when one ends.
 #: The virtual disk of the development machine splits reads into 4 MiB requests and reads faster the more it
 #: has queued (1 GiB under load, GB/s: 2 threads x 16 MiB 2.2, 3 threads 2.4, 4 threads 2.6, raw 64 MiB reads 2.7)
@@ -42,34 +49,12 @@ DEFAULT_BUFFERS = 6
 LARGE_READ_BYTES = 1 << 20
 
 
-def _align_down(n: int) -> int:
-    return n // BLOCK_BYTES * BLOCK_BYTES
-
-
-def _align_up(n: int) -> int:
-    return -(-n // BLOCK_BYTES) * BLOCK_BYTES
-
-
-def merge_ranges(ranges: list[tuple[int, int]], gap: int = CHUNK_BYTES) -> list[tuple[int, int]]:
-    """``[start, end)`` ranges widened to whole blocks, sorted, and merged where less than ``gap`` apart (one
-    longer read beats two reads and a seek)."""
-    merged: list[tuple[int, int]] = []
-    for start, end in sorted((_align_down(s), _align_up(e)) for s, e in ranges if e > s):
-        if merged and start <= merged[-1][1] + gap:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
-
-
 class _Job:
     """The reads of one file: its chunks, which are issued, and their results (by index)."""
 
     def __init__(self, path: Path, ranges: list[tuple[int, int]], chunk_bytes: int) -> None:
         self.path = path
-        self.chunks = [
-            (at, min(chunk_bytes, end - at)) for start, end in ranges for at in range(start, end, chunk_bytes)
-        ]
+        self.chunks = chunk_ranges(ranges, chunk_bytes)
         self.issued = 0
         self.in_flight = 0
         self.results: dict[int, tuple[int, memoryview] | BaseException] = {}
@@ -88,7 +73,7 @@ class ReadPipeline:
     The streams must be consumed (or cancelled) in the order they were opened.
 
     The threads start with the first :meth:`open` and end with :meth:`close`; they take the buffers as they
-    first need them, from the process-wide pool the saves use (:data:`~smalti.checkpoint.hashing_file.BOUNCE_POOL`,
+    first need them, from the process-wide pool the saves use (:data:`~smalti.checkpoint.io.BOUNCE_POOL`,
     so a load after a save maps no new memory), and :meth:`close` gives the free ones back.
     """
 
@@ -171,7 +156,7 @@ class ReadPipeline:
             if job is not None and (self._free or self._unallocated):
                 if job.fd is None:
                     try:
-                        job.fd, job.direct = _open_for_reading(job.path)
+                        job.fd, job.direct = open_maybe_direct(job.path, READ_FLAGS, direct=True)
                     except OSError as exc:
                         job.results[job.issued] = CheckpointError(
                             f"cannot read checkpoint file {job.path}: {exc}"
@@ -225,19 +210,18 @@ class ReadPipeline:
         """Fill ``view`` from ``offset``: the bytes read (fewer only where the file ends)."""
         done = 0
         while done < len(view):
-            fd = job.fd
+            fd, direct = job.fd, job.direct
             assert fd is not None
             try:
                 n = os.preadv(fd, [view[done:]], offset + done)
             except OSError as exc:
-                if exc.errno != errno.EINVAL or not job.direct:
+                if exc.errno != errno.EINVAL or not direct:
                     raise
                 # O_DIRECT refused for this read: the page cache it is, for the rest of the file
                 with self._cond:
                     if job.direct:
-                        buffered = os.open(job.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
-                        os.close(fd)
-                        job.fd, job.direct = buffered, False
+                        leave_direct_io(fd)
+                        job.direct = False
                 continue
             if n == 0:
                 break
@@ -287,20 +271,6 @@ class ReadPipeline:
             self._cond.notify_all()
 
 
-def _open_for_reading(path: Path) -> tuple[int, bool]:
-    """``(fd, whether it reads with O_DIRECT)``: ``O_DIRECT`` where the file system takes it."""
-    # O_NOFOLLOW: a checkpoint's file that is a link (out of its folder) is refused (ELOOP), not read
-    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
-    direct = getattr(os, "O_DIRECT", 0)
-    if direct:
-        try:
-            return os.open(path, flags | direct), True
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-    return os.open(path, flags), False
-
-
 class FileStream:
     """The bytes of one file as :class:`ReadPipeline` reads them, handed out by :meth:`read_into`. Offsets
     should mostly increase: each read lets go of the buffers that end before its start, and of those it has
@@ -322,11 +292,6 @@ class FileStream:
         self._fallback_fd: int | None = None
         #: ``time.monotonic()`` after which waiting for a read fails (``None``: no limit)
         self.deadline: float | None = None
-
-    @property
-    def ended(self) -> bool:
-        """Whether every byte of the stream has been taken from the pipeline."""
-        return self._ended
 
     def read_into(self, offset: int, view: memoryview) -> int:
         """Copy bytes ``[offset, offset + len(view))`` of the file into ``view``; how many were copied (fewer
@@ -435,7 +400,7 @@ class FileStream:
     def _pread(self, offset: int, view: memoryview) -> int:
         if self._fallback_fd is None:
             try:
-                self._fallback_fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+                self._fallback_fd, _ = open_maybe_direct(self.path, READ_FLAGS, direct=False)
             except OSError as exc:
                 raise CheckpointError(f"cannot read checkpoint file {self.path}: {exc}") from None
         done = 0

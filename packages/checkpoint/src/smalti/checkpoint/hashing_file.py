@@ -8,7 +8,7 @@ Two ways to write, picked by :func:`open_hashing_file`:
   digest of each large write runs on a helper thread alongside its write. Small writes (zip headers, pickles)
   are gathered into one buffer first.
 * :class:`DirectHashingFile` (``direct=True`` where the file system allows it): every byte is copied into
-  reused huge-page bounce buffers (:class:`BouncePool`, :func:`~smalti.checkpoint.huge_pages.huge_page_buffer`)
+  reused huge-page bounce buffers (:data:`~smalti.checkpoint.io.BOUNCE_POOL`, :func:`~smalti.checkpoint.io.huge_page_buffer`)
   and hashed right after its copy, while it is in the cache; a helper thread writes each full 16 MiB
   buffer with ``O_DIRECT`` while the next one fills (the copy and the hash release the GIL). A copy is
   cheaper than it looks: the disk's DMA moves a buffer in as many pieces as it has physically separate runs
@@ -24,23 +24,25 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import errno
-import fcntl
 import os
-import sys
-import threading
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from smalti.checkpoint.hashes import DEFAULT_ALGORITHM, new_hasher, tagged
-from smalti.checkpoint.huge_pages import buffer_address, huge_page_buffer
+from smalti.checkpoint.io import (
+    BOUNCE_BUFFERS,
+    BOUNCE_POOL,
+    CHUNK_BYTES,
+    SYNC_FILE_RANGE_WRITE,
+    align_down,
+    buffer_address,
+    leave_direct_io,
+    open_maybe_direct,
+    sync_file_range,
+)
 
-CHUNK_BYTES = 16 << 20
-#: bounce buffers per direct-I/O file: one filling, the others queued for or in the write
-BOUNCE_BUFFERS = 4
 #: a file's first buffer goes to the disk when this much is in it, each next one when twice as much as the
 #: one before (up to :data:`CHUNK_BYTES`): the disk starts before a whole chunk is copied
 _FIRST_WRITE_BYTES = 1 << 20
@@ -48,53 +50,6 @@ _FIRST_WRITE_BYTES = 1 << 20
 #: hash to read each piece from the cache the copy just put it in, large enough that the GIL changes hands
 #: seldom (under CPU load, 1 MiB pieces starved the disk: 0.54 of a raw write against 0.73 with 4 MiB)
 _COPY_PIECE_BYTES = 4 << 20
-ALIGN_BYTES = 4096  # O_DIRECT needs offsets, lengths and addresses aligned to the logical block size (<= 4 KiB)
-SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages; do not wait for it
-_O_DIRECT = getattr(os, "O_DIRECT", 0)
-
-
-def _load_sync_file_range() -> Callable[[int, int, int, int], None] | None:
-    """Linux's ``sync_file_range(2)`` through ctypes (the ``os`` module does not expose it); None elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        function = libc.sync_file_range
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    function.restype = ctypes.c_int
-
-    def sync_file_range(fd: int, offset: int, nbytes: int, flags: int) -> None:
-        if function(fd, offset, nbytes, flags) != 0:
-            error = ctypes.get_errno()
-            raise OSError(error, os.strerror(error))
-
-    return sync_file_range
-
-
-sync_file_range = _load_sync_file_range()
-
-
-def open_maybe_direct(path: str | os.PathLike[str], flags: int, direct: bool) -> tuple[int, bool]:
-    """``os.open`` with ``O_DIRECT`` added when ``direct`` and the file system allows it; the descriptor and
-    whether it is direct (a file system without direct I/O answers EINVAL: the file opens without it)."""
-    flags |= getattr(os, "O_CLOEXEC", 0)
-    if direct and _O_DIRECT:
-        try:
-            return os.open(path, flags | _O_DIRECT, 0o666), True
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-    return os.open(path, flags, 0o666), False
-
-
-def leave_direct_io(fd: int) -> None:
-    """Turn ``O_DIRECT`` off for an open file (for an unaligned tail, or a file system that refuses direct I/O
-    on the first read or write although it accepted the open)."""
-    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
-
-
 #: writes smaller than this are gathered into one buffer (zip headers and pickles between the tensors' bytes)
 _SMALL_BYTES = 256 << 10
 
@@ -219,48 +174,6 @@ class BufferedHashingFile(_HashingFileBase):
         self._synced_to = self._written
 
 
-class BouncePool:
-    """A process-wide stock of :data:`CHUNK_BYTES` huge-page buffers that :class:`DirectHashingFile` borrows.
-
-    Mapping and faulting in tens of MiB of huge pages costs milliseconds per file; kept here they are paid for
-    once per process. A file takes its buffers when it opens and gives them back when it closes (after its
-    last write has returned, so no write reads a buffer someone else fills). At most ``keep`` idle buffers are
-    kept (the rest are unmapped as their last view goes): by default two files' worth, 128 MiB, enough for
-    two DCP writer threads; :meth:`clear` lets them go. A forked child process starts with an empty stock.
-    """
-
-    def __init__(self, keep: int = 2 * BOUNCE_BUFFERS) -> None:
-        self.keep = keep
-        self._idle: list[memoryview] = []
-        self._lock = threading.Lock()
-
-    def take(self, count: int) -> list[memoryview]:
-        """``count`` buffers: idle ones first, new ones for the rest."""
-        with self._lock:
-            taken = [self._idle.pop() for _ in range(min(count, len(self._idle)))]
-        return taken + [huge_page_buffer(CHUNK_BYTES) for _ in range(count - len(taken))]
-
-    def give(self, buffers: list[memoryview]) -> None:
-        """Return buffers no write is using any more."""
-        with self._lock:
-            self._idle += buffers[: max(self.keep - len(self._idle), 0)]
-
-    def clear(self) -> None:
-        """Drop every idle buffer (their memory goes back to the system)."""
-        with self._lock:
-            self._idle = []
-
-    @property
-    def idle(self) -> int:
-        """How many buffers are in stock."""
-        return len(self._idle)
-
-
-BOUNCE_POOL = BouncePool()
-if hasattr(os, "register_at_fork"):  # a forked child's copy of the stock would be its private (copied) pages
-    os.register_at_fork(after_in_child=lambda: BOUNCE_POOL.__init__(BOUNCE_POOL.keep))
-
-
 class DirectHashingFile(_HashingFileBase):
     """``O_DIRECT`` writes from huge-page bounce buffers (see the module docstring): every byte is copied into
     the current buffer and hashed right after, while it is in the cache; a helper thread writes each full
@@ -278,7 +191,7 @@ class DirectHashingFile(_HashingFileBase):
         self._current = self._free.popleft()
         self._filled = 0
         self._limit = _FIRST_WRITE_BYTES  # the current buffer goes to the write thread when this much is in it
-        self._submitted = 0  # file offset of the current buffer's first byte (a multiple of ALIGN_BYTES)
+        self._submitted = 0  # file offset of the current buffer's first byte (a multiple of BLOCK_BYTES)
         self._failed = False  # a write failed: nothing more is written (the error went to the caller)
 
     def write(self, data: Any) -> int:
@@ -367,7 +280,7 @@ class DirectHashingFile(_HashingFileBase):
             data, offset = data[n:], offset + n
 
     def _write_tail(self, data: memoryview, offset: int) -> None:
-        aligned = len(data) // ALIGN_BYTES * ALIGN_BYTES
+        aligned = align_down(len(data))
         if aligned:
             self._write_at(data[:aligned], offset)
         if aligned < len(data):
@@ -379,9 +292,6 @@ class DirectHashingFile(_HashingFileBase):
         if self._direct:
             leave_direct_io(self._fd)
             self._direct = False
-
-
-HashingFile = BufferedHashingFile | DirectHashingFile
 
 
 def open_hashing_file(

@@ -35,6 +35,7 @@ from smalti.checkpoint._compat import PyTorchFileReader, narrow_tensor_by_index,
 from smalti.checkpoint.bounce_read import FileStream, ReadPipeline
 from smalti.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from smalti.checkpoint.hashes import check_algorithm, new_hasher
+from smalti.checkpoint.io import CHUNK_BYTES
 from smalti.checkpoint.safe_load import SafeFileSystemReader, no_link_inside
 
 #: how much of this rank's files is read ahead of the load (the size of the read buffers), unless told otherwise
@@ -110,7 +111,7 @@ class ReadAhead:
                 check_algorithm(f.hash.partition(":")[0], f"the manifest entry of {folder / f.relpath}")
         self._checks = {f.relpath: FileCheck(folder / f.relpath, f) for f in files}
         self.pipeline = (
-            ReadPipeline(max(window_bytes // bounce_read.CHUNK_BYTES, bounce_read.DEFAULT_BUFFERS))
+            ReadPipeline(max(window_bytes // CHUNK_BYTES, bounce_read.DEFAULT_BUFFERS))
             if files
             else None
         )
@@ -120,10 +121,6 @@ class ReadAhead:
             for f in files
             if self.pipeline is not None
         }
-
-    def holds(self, relpath: str) -> bool:
-        """Whether ``relpath`` is in this rank's share."""
-        return relpath in self._checks
 
     def check(self, relpath: str) -> FileCheck | None:
         """The digest of ``relpath`` (``None``: another rank checks it)."""
