@@ -19,7 +19,8 @@ for pkg in $("$VENV/bin/python" scripts/packages.py all); do
     *) if grep -q '^test *=' "packages/$pkg/pyproject.toml"; then args+=(-e "packages/$pkg[test]"); else args+=(-e "packages/$pkg"); fi ;;
   esac
 done
-pip_install --no-build-isolation "${args[@]}" ruff "import-linter>=2.1"  # lint-imports: the import layering check
+# lint-imports: the import layering check; vulture: the dead-code scan (scripts/deadcode.py)
+pip_install --no-build-isolation "${args[@]}" ruff "import-linter>=2.1" "vulture>=2.11"
 # Azurite (the Azure Blob emulator smalti-storage's tests start) from npm into .tools/azurite, once.
 if [ ! -x .tools/azurite/node_modules/.bin/azurite-blob ]; then
   if command -v npm >/dev/null; then

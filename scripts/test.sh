@@ -16,6 +16,9 @@ bash scripts/setup.sh
 # Import layering (contracts in pyproject.toml's [tool.importlinter]): packages meet as ARCHITECTURE.md says and
 # no package's modules import each other in a circle.
 .venv/bin/lint-imports
+# Dead code (vulture over packages/*/src; uses counted from the tests, bench/, configs' _target_s, entry points and
+# scripts/deadcode_whitelist.py).
+.venv/bin/python scripts/deadcode.py
 failed=()
 root=$PWD
 # One package's suite runs from inside its folder (cd packages/<pkg> && pytest), the others from the root.

@@ -72,7 +72,6 @@ class Prefaulter:
         self._tensors = [
             t for t in local if t.device.type == "cpu" and t.numel() * t.element_size() >= self.MIN_BYTES
         ]
-        self.populated = 0  # tensors mapped so far
         self._thread: threading.Thread | None = None
         if self._tensors and _madvise is not None:
             self._thread = threading.Thread(target=self._run, name="smalti-ckpt-prefault", daemon=True)
@@ -82,7 +81,6 @@ class Prefaulter:
         for tensor in self._tensors:
             if not populate(tensor):
                 return
-            self.populated += 1
 
     def join(self) -> None:
         """Wait until every page is mapped (or the kernel refused)."""

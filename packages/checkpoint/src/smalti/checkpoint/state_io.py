@@ -57,8 +57,6 @@ from smalti.storage import atomic_write_bytes
 log = logging.getLogger(__name__)
 
 EXTRA_DIR = "extra"
-#: Keys of the per-rank file that ``load_ignore_keys`` can name (plus ``plugins.<name>``).
-EXTRA_KEYS = ("timestamp", "schedulers", "rng", "dataloader", "grad_scaler", "plugins")
 
 
 def extra_relpath(rank: int) -> str:

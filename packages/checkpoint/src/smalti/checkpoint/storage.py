@@ -138,11 +138,6 @@ class CheckpointStore:
         raw = self.read_bytes(f"{name}/{MANIFEST_NAME}")
         return None if raw is None else parse_manifest(raw, self._where(f"{name}/{MANIFEST_NAME}"))
 
-    def read_latest(self) -> str | None:
-        """The checkpoint name ``latest`` points at, ``None`` when there is none."""
-        raw = self.read_bytes(LATEST_NAME)
-        return raw.decode().strip() or None if raw else None
-
     # ------------------------------------------------------------------ writing
 
     def put_bytes(self, rel: str, data: bytes) -> None:
