@@ -1,10 +1,10 @@
 """The ``blocks`` epoch order: any batch of the epoch computed directly, in memory that grows with shards only.
 
 mosaicml-streaming's shuffles (:mod:`smalti.streaming.order`) build the whole epoch as arrays of every sample
-id (about 73 bytes and 0.25 us per sample: 73 GB and four minutes at 1e9 samples, on every rank, every epoch
-and every resume). :class:`BlockOrder` keeps only per-span tables (a span is a shard, or the part of one on
-one canonical node) and computes the ids of global batches ``[k0, k1)``, or one rank's columns of them, when
-they are needed:
+id (memory and time for every sample: tens of GB and minutes at 1e9 samples, on every rank, every epoch and
+every resume; figures in the README's "The blocks order at pretraining scale"). :class:`BlockOrder` keeps
+only per-span tables (a span is a shard, or the part of one on one canonical node) and computes the ids of
+global batches ``[k0, k1)``, or one rank's columns of them, when they are needed:
 
 1. Shards are put in a ``seed``-random order once per run and the sample sequence is cut into
    ``num_canonical_nodes`` contiguous pieces of (nearly) equal sample counts; a shard cut by a piece border
