@@ -1,8 +1,8 @@
 """Reading checkpoint files front to back with ``O_DIRECT`` into reused huge-page buffers, on I/O threads.
 
 The disk moves data far faster into memory on 2 MiB huge pages than into a tensor's scattered 4 KiB pages
-(see :mod:`smalti.checkpoint.io.huge_pages`): on the development machine ``O_DIRECT`` into a huge-page buffer
-reads 2.8-3.3 GB/s, buffered reads straight into a tensor 1.1-1.7 GB/s. So a load reads each file in
+(see :mod:`smalti.checkpoint.io.huge_pages`, and the README's performance section for the figures). So a
+load reads each file in
 :data:`CHUNK_BYTES` pieces into a few reused huge-page ("bounce") buffers: :class:`ReadPipeline`'s I/O
 threads keep the next reads in flight (``preadv`` runs without the GIL) while the caller copies the bytes of
 the current buffer into the tensors (a memory copy, several times the disk's speed) and feeds the file's
@@ -39,9 +39,8 @@ from smalti.checkpoint.io import (
     open_maybe_direct,
 )
 
-#: reads in flight at once (one per I/O thread): the next ones are already queued at the disk when one ends.
-#: The virtual disk of the development machine splits reads into 4 MiB requests and reads faster the more it
-#: has queued (1 GiB under load, GB/s: 2 threads x 16 MiB 2.2, 3 threads 2.4, 4 threads 2.6, raw 64 MiB reads 2.7)
+#: reads in flight at once (one per I/O thread): the next ones are already queued at the disk when one ends
+#: (a virtual disk that splits reads into 4 MiB requests reads faster the more it has queued: see the README)
 DEFAULT_IO_THREADS = 3
 #: read buffers of a pipeline (in flight, and read but not yet copied out of): at least 2 per I/O thread
 DEFAULT_BUFFERS = 6

@@ -88,7 +88,7 @@ class Checkpointer(SaveSchedule, LoadAndResume, CommitProtocol, Callback):
             deleted (a later autoresume must not mix the two runs). Without it such a run fails at start.
         verify: ``manifest`` (sizes and digests of every file) or ``full`` (also DCP metadata consistency);
             ``none`` only checks that a manifest exists.
-        hash: the digest a save records for every file: ``xxh3_128`` (default: ~20 GB/s per core, guards
+        hash: the digest a save records for every file: ``xxh3_128`` (default: the fastest, guards
             against torn writes, truncation, bit rot and a wrong file), ``blake3`` (cryptographic; the
             ``smalti-checkpoint[blake3]`` extra) or ``sha256``. A load checks each file with the algorithm its
             manifest records, whatever this is set to.

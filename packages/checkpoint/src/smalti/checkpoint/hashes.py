@@ -2,7 +2,7 @@
 
 The manifest guards against torn writes, truncation, bit rot and a wrong file, not against someone who can
 rewrite both the data and the manifest (see the README), so the default is the fastest well-mixed 128-bit
-hash (xxh3-128, ~20 GB/s on one core: less than the copy a save makes anyway). ``blake3`` (the
+hash (xxh3-128: it costs less than the copy a save makes anyway; figures in the README). ``blake3`` (the
 ``smalti-checkpoint[blake3]`` extra) and ``sha256`` are there for whoever wants a cryptographic digest.
 
 A manifest entry records its algorithm with the digest, ``{"size": n, "hash": "xxh3_128:<hex>"}``; entries of

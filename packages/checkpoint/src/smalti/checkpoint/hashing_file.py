@@ -12,9 +12,9 @@ Two ways to write, picked by :func:`open_hashing_file`:
   and hashed right after its copy, while it is in the cache; a helper thread writes each full 16 MiB
   buffer with ``O_DIRECT`` while the next one fills (the copy and the hash release the GIL). A copy is
   cheaper than it looks: the disk's DMA moves a buffer in as many pieces as it has physically separate runs
-  of memory, and a tensor's 4 KiB pages are almost all apart. On the development machine (2 vCPUs, a
-  virtual disk) ``O_DIRECT`` straight from a tensor's memory ran at 2.1-2.3 GB/s, from huge pages at
-  3.6-3.8 GB/s, and the copy into them at 8 GB/s on one core beside the disk. A file system that accepts
+  of memory, and a tensor's 4 KiB pages are almost all apart, so ``O_DIRECT`` from huge pages outruns
+  ``O_DIRECT`` straight from a tensor's memory by more than the copy costs on the other core (figures in the
+  README's performance section). A file system that accepts
   the ``O_DIRECT`` open but refuses the writes (EINVAL) gets them through the page cache.
 
 ``close`` calls ``fsync``: when it returns the file is durable and :attr:`digest` covers every byte, in order.
@@ -48,7 +48,7 @@ from smalti.checkpoint.io import (
 _FIRST_WRITE_BYTES = 1 << 20
 #: large writes are copied into the bounce buffers and hashed in pieces of this size: small enough for the
 #: hash to read each piece from the cache the copy just put it in, large enough that the GIL changes hands
-#: seldom (under CPU load, 1 MiB pieces starved the disk: 0.54 of a raw write against 0.73 with 4 MiB)
+#: seldom (under CPU load, 1 MiB pieces starved the disk: see the README's save path)
 _COPY_PIECE_BYTES = 4 << 20
 #: writes smaller than this are gathered into one buffer (zip headers and pickles between the tensors' bytes)
 _SMALL_BYTES = 256 << 10

@@ -2,8 +2,8 @@
 
 A load fills state that did not exist a moment before (an optimizer's moments: two thirds of an AdamW
 checkpoint). The first write to each 4 KiB page of such memory is a page fault (the kernel zeroes and maps
-the page), and on the development machine (a virtual machine) that costs more than the copy itself: about
-0.45 GB/s for a first write against 1.5-2 GB/s for a second one. :class:`Prefaulter` asks the kernel to map
+the page), and on a virtual machine that can cost more than the copy itself (figures in the README's
+performance section). :class:`Prefaulter` asks the kernel to map
 those pages (``madvise(MADV_POPULATE_WRITE)``, Linux 5.14+: one call per tensor, no per-page fault) on a
 helper thread, while the loader waits for the disk; the copy then writes into mapped pages. Where the call
 is missing (older kernels, other systems) nothing is done and the copy faults the pages in as before.

@@ -3,9 +3,9 @@
 A load reads each data file front to back (its items in offset order) with ``O_DIRECT`` into a few reused
 huge-page buffers, I/O threads keeping the next reads in flight, and copies each tensor's bytes from there into
 the tensor it loads into (no ``torch.load`` of the tensor, no allocation, one memory copy):
-:class:`ReadAheadFileSystemReader` over :mod:`smalti.checkpoint.bounce_read`. On the development machine the
-disk fills huge pages at 2.8-3.3 GB/s but a tensor's scattered 4 KiB pages at 1.1-1.7 GB/s (buffered or
-not), and the copy runs beside the disk on the other core.
+:class:`ReadAheadFileSystemReader` over :mod:`smalti.checkpoint.bounce_read`. The disk fills huge pages
+faster than a tensor's scattered 4 KiB pages (buffered or not; see the README's performance section), and the
+copy runs beside the disk on the other core.
 
 :class:`ReadAhead` is this rank's share of the files to check. As soon as the checkpoint is chosen it starts
 reading them (into its buffers, then waiting for the load to take the bytes), so the disk works while the

@@ -36,8 +36,8 @@ from smalti.checkpoint.hashing_file import open_hashing_file
 def _torch_save_settings() -> Iterator[None]:
     """In this thread, turn off the CRC-32 that ``torch.save`` computes over every tensor's bytes.
 
-    That checksum is a second pass over the data at about 1.6 GB/s, slower than the disk write itself, and
-    the manifest's digest of every file covers the same bytes; ``torch.load`` reads such files as usual.
+    That checksum is a second pass over the data, slower than the disk write itself (see the README's
+    performance section), and the manifest's digest of every file covers the same bytes; ``torch.load`` reads such files as usual.
     torch keeps these settings per thread, so other threads' ``torch.save`` calls are unaffected.
     """
     from torch.utils.serialization import config

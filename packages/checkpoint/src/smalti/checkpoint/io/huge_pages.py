@@ -1,10 +1,9 @@
 """Page-aligned host buffers backed by transparent huge pages, for ``O_DIRECT`` reads and writes.
 
 The disk's DMA moves a buffer in as many pieces as the buffer has physically separate runs of memory. A
-tensor's pages, allocated 4 KiB at a time, are almost all apart, and on the development machine (a virtual
-machine on a shared disk) ``O_DIRECT`` from them runs at 1.5-2.2 GB/s; from 2 MiB huge pages the same disk
-takes 2.8-3.8 GB/s. A copy into such a buffer costs far less (about 10 GB/s on one core) than the difference,
-and runs beside the disk on another core.
+tensor's pages, allocated 4 KiB at a time, are almost all apart, so ``O_DIRECT`` from them is slower than
+from 2 MiB huge pages; a copy into such a buffer costs less than the difference, and runs beside the disk on
+another core (figures in the smalti-checkpoint README, "Why huge-page bounce buffers").
 
 :func:`huge_page_buffer` maps a private anonymous region aligned to :data:`HUGE_PAGE_BYTES`, asks the kernel to
 back it with huge pages (``madvise(MADV_HUGEPAGE)``: honoured under the common ``madvise`` setting of
