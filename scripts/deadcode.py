@@ -1,4 +1,4 @@
-"""Dead-code scan of every package's sources (vulture), run by scripts/test.sh.
+"""Dead-code scan of every package's sources (vulture), run by scripts/source_checks.py.
 
 Reports functions, classes, methods, attributes and variables under ``packages/*/src`` that nothing uses. Uses
 are looked for in the sources, the tests (``packages/*/tests``, ``tests/``), ``bench/`` and
@@ -7,15 +7,14 @@ every Hydra ``_target_`` in a YAML file under ``packages/*/src`` and every entry
 ``pyproject.toml``. Hook implementations (``on_*``, ``smalti_*``, ``pytest_*``, found by name), pydantic
 validators, pytest fixtures and module ``__getattr__``/``__dir__`` (PEP 562) count as used.
 
-Exit status 1 and one line per finding (``path:line: unused function 'name' (60% confidence)``) when something
-is unused: delete it, or, if something outside Python's view uses it (a protocol, a string), add it to the
-whitelist with the reason.
+:func:`unused` gives one line per finding (``path:line: unused function 'name' (60% confidence)``): delete it,
+or, if something outside Python's view uses it (a protocol, a string), add it to the whitelist with the
+reason.
 """
 
 from __future__ import annotations
 
 import re
-import sys
 import tempfile
 import tomllib
 from pathlib import Path
@@ -68,19 +67,3 @@ def unused(root: Path = ROOT, extra_paths: list[Path] | None = None) -> list[str
             lines.append(f"{path.relative_to(root)}:{item.first_lineno}: {item.message} ({item.confidence}% confidence)")
     return lines
 
-
-def main() -> int:
-    """Print the findings; 1 if there are any."""
-    lines = unused()
-    for line in lines:
-        print(line)
-    if lines:
-        print(f"dead-code scan: {len(lines)} unused names (delete them, or whitelist them in "
-              "scripts/deadcode_whitelist.py saying what uses them)", file=sys.stderr)
-        return 1
-    print("dead-code scan: nothing unused under packages/*/src")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Fails on a docstring under ``packages/*/src`` that quotes a measured figure, run by scripts/test.sh.
+"""Finds docstrings under ``packages/*/src`` that quote a measured figure (run by scripts/source_checks.py).
 
 A figure measured on one machine (``2.8 GB/s``, ``14x faster``, ``0.54 of a raw write``, ``0.25 us per
 sample``) goes stale as code and machines change, and a docstring should say what the code does. Figures belong
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import re
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -49,19 +48,3 @@ def figures(root: Path = ROOT) -> list[str]:
                 found.append(f"{path.relative_to(root)}:{line}: {match.group(0)!r}")
     return found
 
-
-def main() -> int:
-    """Print the findings; 1 if there are any."""
-    found = figures()
-    for line in found:
-        print(line)
-    if found:
-        print(f"{len(found)} measured figures in docstrings: move them to the package README's performance "
-              "section (with the command that measures them) and say what the code does", file=sys.stderr)
-        return 1
-    print("docstrings: no measured figures")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

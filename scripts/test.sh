@@ -18,8 +18,7 @@ bash scripts/setup.sh
 .venv/bin/lint-imports
 # Dead code (vulture over packages/*/src; uses counted from the tests, bench/, configs' _target_s, entry points and
 # scripts/deadcode_whitelist.py), then docstrings quoting measured figures (they belong in the READMEs).
-.venv/bin/python scripts/deadcode.py
-.venv/bin/python scripts/docstring_figures.py
+.venv/bin/python scripts/source_checks.py
 failed=()
 root=$PWD
 # One package's suite runs from inside its folder (cd packages/<pkg> && pytest), the others from the root.

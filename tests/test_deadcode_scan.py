@@ -1,19 +1,12 @@
 """scripts/deadcode.py: a function nothing calls is reported; uses from tests, configs' ``_target_``s, entry points
 and hook names are counted (scripts/test.sh runs the scan over the repository itself)."""
 
-import importlib.util
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
-
-def load_scanner():
-    spec = importlib.util.spec_from_file_location("deadcode", ROOT / "scripts" / "deadcode.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["deadcode"] = module
-    spec.loader.exec_module(module)
-    return module
+import deadcode  # noqa: E402
 
 
 def test_only_what_nothing_reaches_is_reported(tmp_path):
@@ -36,7 +29,7 @@ def test_only_what_nothing_reaches_is_reported(tmp_path):
     (tests / "test_mod.py").write_text(
         "from smalti.pkg.mod import Callback, called_by_a_test\n\n\ncalled_by_a_test()\nCallback()\n"
     )
-    lines = load_scanner().unused(tmp_path)
+    lines = deadcode.unused(tmp_path)
     assert [line.split(": ", 1)[1] for line in lines] == ["unused function 'never_called' (60% confidence)"]
     assert lines[0].startswith("packages/pkg/src/smalti/pkg/mod.py:1:")
 
