@@ -12,31 +12,20 @@ is missing (older kernels, other systems) nothing is done and the copy faults th
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import sys
 import threading
 from collections.abc import Callable, Iterable
 
 import torch
 
+from smalti.checkpoint.io.files import libc_function
+
 MADV_POPULATE_WRITE = 23
 PAGE_BYTES = 4096
 
 
-def _load_madvise() -> Callable[[int, int, int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        function = libc.madvise
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    function.restype = ctypes.c_int
-    return function
-
-
-_madvise = _load_madvise()
+_madvise: Callable[[int, int, int], int] | None = libc_function(
+    "madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+)
 
 
 def whole_pages(tensor: torch.Tensor) -> tuple[int, int]:

@@ -19,6 +19,7 @@ from smalti.checkpoint.io.files import (
     READ_FLAGS,
     SYNC_FILE_RANGE_WRITE,
     leave_direct_io,
+    libc_function,
     open_maybe_direct,
     sync_file_range,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "chunk_ranges",
     "huge_page_buffer",
     "leave_direct_io",
+    "libc_function",
     "merge_ranges",
     "open_maybe_direct",
     "sync_file_range",

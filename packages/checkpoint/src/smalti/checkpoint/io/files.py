@@ -10,6 +10,7 @@ import fcntl
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 #: how checkpoint files are opened for reading: a file that is a link (out of its folder) is refused (ELOOP)
@@ -38,17 +39,26 @@ def leave_direct_io(fd: int) -> None:
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~_O_DIRECT)
 
 
-def _load_sync_file_range() -> Callable[[int, int, int, int], None] | None:
-    """Linux's ``sync_file_range(2)`` through ctypes (the ``os`` module does not expose it); None elsewhere."""
+def libc_function(name: str, argtypes: list[Any]) -> Any | None:
+    """Linux libc's ``name`` through ctypes (returning a C ``int``, ``errno`` kept for
+    :func:`ctypes.get_errno`), for calls the ``os`` module does not expose; None elsewhere or where it is
+    missing."""
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        function = libc.sync_file_range
+        function = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True), name)
     except (OSError, AttributeError):
         return None
-    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    function.argtypes = argtypes
     function.restype = ctypes.c_int
+    return function
+
+
+def _load_sync_file_range() -> Callable[[int, int, int, int], None] | None:
+    """Linux's ``sync_file_range(2)``, raising :class:`OSError` when it fails; None elsewhere."""
+    function = libc_function("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
+    if function is None:
+        return None
 
     def sync_file_range(fd: int, offset: int, nbytes: int, flags: int) -> None:
         if function(fd, offset, nbytes, flags) != 0:
