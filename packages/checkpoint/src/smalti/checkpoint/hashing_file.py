@@ -8,14 +8,13 @@ Two ways to write, picked by :func:`open_hashing_file`:
   digest of each large write runs on a helper thread alongside its write. Small writes (zip headers, pickles)
   are gathered into one buffer first.
 * :class:`DirectHashingFile` (``direct=True`` where the file system allows it): every byte is copied into
-  reused huge-page bounce buffers (:data:`~smalti.checkpoint.io.BOUNCE_POOL`, :func:`~smalti.checkpoint.io.huge_page_buffer`)
-  and hashed right after its copy, while it is in the cache; a helper thread writes each full 16 MiB
-  buffer with ``O_DIRECT`` while the next one fills (the copy and the hash release the GIL). A copy is
-  cheaper than it looks: the disk's DMA moves a buffer in as many pieces as it has physically separate runs
-  of memory, and a tensor's 4 KiB pages are almost all apart, so ``O_DIRECT`` from huge pages outruns
-  ``O_DIRECT`` straight from a tensor's memory by more than the copy costs on the other core (figures in the
-  README's performance section). A file system that accepts
-  the ``O_DIRECT`` open but refuses the writes (EINVAL) gets them through the page cache.
+  reused huge-page bounce buffers (:data:`~smalti.checkpoint.io.BOUNCE_POOL`) and hashed right after its
+  copy, while it is in the cache; a helper thread writes each full 16 MiB buffer with ``O_DIRECT`` while the
+  next one fills (the copy and the hash release the GIL). A copy is cheaper than it looks: the disk's DMA
+  moves a buffer in as many pieces as it has physically separate runs of memory, and a tensor's 4 KiB pages
+  are almost all apart, so ``O_DIRECT`` from huge pages outruns ``O_DIRECT`` straight from a tensor's memory
+  by more than the copy costs on the other core (figures in the README's performance section). A file
+  system that accepts the ``O_DIRECT`` open but refuses the writes (EINVAL) gets them through the page cache.
 
 ``close`` calls ``fsync``: when it returns the file is durable and :attr:`digest` covers every byte, in order.
 """
