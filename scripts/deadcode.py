@@ -4,7 +4,8 @@ Reports functions, classes, methods, attributes and variables under ``packages/*
 are looked for in the sources, the tests (``packages/*/tests``, ``tests/``), ``bench/`` and
 ``scripts/deadcode_whitelist.py``; names that only configuration reaches are added from the configs themselves:
 every Hydra ``_target_`` in a YAML file under ``packages/*/src`` and every entry point object in a package's
-``pyproject.toml``. Hook implementations (``on_*``, ``smalti_*``, ``pytest_*``, found by name), pydantic
+``pyproject.toml``, and every hook specification's name (``@hookspec``). Hook implementations (also any
+``on_*``, ``smalti_*``, ``pytest_*``), pydantic
 validators, pytest fixtures and module ``__getattr__``/``__dir__`` (PEP 562) count as used.
 
 :func:`unused` gives one line per finding (``path:line: unused function 'name' (60% confidence)``): delete it,
@@ -14,6 +15,7 @@ reason.
 
 from __future__ import annotations
 
+import ast
 import re
 import tempfile
 import tomllib
@@ -37,9 +39,24 @@ MIN_CONFIDENCE = 60
 _TARGET = re.compile(r"""^\s*_target_:\s*["']?([\w.]+)["']?\s*$""", re.MULTILINE)
 
 
-def configured_names(root: Path = ROOT) -> set[str]:
-    """The last part of every Hydra ``_target_`` in the packages' YAML and of every entry point object."""
+def hook_names(root: Path = ROOT) -> set[str]:
+    """The names of every hook specification (a function decorated ``@hookspec``) under ``packages/*/src``:
+    pluggy calls their implementations by these names."""
     names: set[str] = set()
+    for path in root.glob(f"{SCANNED}/**/*.py"):
+        source = path.read_text()
+        if "hookspec" not in source:
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.FunctionDef) and any("hookspec" in ast.unparse(d) for d in node.decorator_list):
+                names.add(node.name)
+    return names
+
+
+def configured_names(root: Path = ROOT) -> set[str]:
+    """The names only configuration and plugin machinery reach: every hook specification's, and the last part
+    of every Hydra ``_target_`` in the packages' YAML and of every entry point object."""
+    names = hook_names(root)
     for config in root.glob(f"{SCANNED}/**/*.yaml"):
         names |= {target.rsplit(".", 1)[-1] for target in _TARGET.findall(config.read_text())}
     for pyproject in root.glob("packages/*/pyproject.toml"):

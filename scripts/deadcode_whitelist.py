@@ -57,14 +57,11 @@ _.proportion  # smalti.streaming.Stream, set from configs
 _.choose
 
 # Public names of the event table, for plugins choosing which events to handle
-_.GRADIENTS_READY
 _.MICROBATCH_EVENTS
 _.EVAL_EVENTS
 
-# In files another change is rewriting now (core dispatch and the trainer's hook calls, smalti-streaming):
-# found unused by the scan, left to those changes (issue 40)
+# Found unused by the scan, in files other changes are rewriting now (core dispatch, smalti-streaming,
+# smalti-llm): left to those changes (issue 40)
 _.implemented
-_.hook_impl
-_._decision
 _.rank_batches
 _.has_bias  # smalti.llm.model.norms: set on the autograd ctx, never read

@@ -17,8 +17,11 @@ def test_only_what_nothing_reaches_is_reported(tmp_path):
         "def called_by_a_test():\n    return 2\n\n\n"
         "class BuiltByHydra:\n    pass\n\n\n"
         "def cli_main():\n    return 0\n\n\n"
-        "class Callback:\n    def on_batch_end(self, state):\n        return state\n"
+        "class Callback:\n    def on_batch_end(self, state):\n        return state\n\n"
+        "    def should_stop(self, state):\n        return False\n"
     )
+    (src / "hookspecs.py").write_text("from pluggy import HookspecMarker\n\nhookspec = HookspecMarker('x')\n\n\n"
+                                      "@hookspec(firstresult=True)\ndef should_stop(state):\n    pass\n")
     (src / "conf").mkdir()
     (src / "conf" / "thing.yaml").write_text("thing:\n  _target_: smalti.pkg.mod.BuiltByHydra\n")
     (tmp_path / "packages" / "pkg" / "pyproject.toml").write_text(
