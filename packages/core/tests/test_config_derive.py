@@ -95,6 +95,10 @@ def test_rules_that_span_keys_come_from_the_base():
     with pytest.raises(ConfigValueError, match=r"^sampler.skip=4: expected less than count \(4\)"):
         validate_config({"sampler": {"_target_": f"{__name__}.Sampler", "count": 4, "skip": 4}}, plugin_manager=pm)
     validate_config({"sampler": {"_target_": f"{__name__}.Sampler", "count": 4, "skip": 3}}, plugin_manager=pm)
+    with pytest.raises(ConfigValueError, match=r"^sampler.count=\(not set\): expected a value \(the key is required\)"):
+        validate_config({"sampler": {"_target_": f"{__name__}.Sampler"}}, plugin_manager=pm)
+    # a partial node leaves required arguments to its caller
+    validate_config({"sampler": {"_target_": f"{__name__}.Sampler", "_partial_": True}}, plugin_manager=pm)
 
 
 def test_only_plain_values_are_checked():

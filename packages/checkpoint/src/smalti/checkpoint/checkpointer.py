@@ -10,7 +10,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,7 @@ import torch.distributed as dist
 from smalti.checkpoint import state_io
 from smalti.checkpoint.commit import CommitProtocol
 from smalti.checkpoint.errors import CheckpointError
-from smalti.checkpoint.hashes import DEFAULT_ALGORITHM, HashUnavailableError, check_algorithm
+from smalti.checkpoint.hashes import ALGORITHMS, DEFAULT_ALGORITHM, HashUnavailableError, check_algorithm
 from smalti.checkpoint.loading import LoadAndResume
 from smalti.checkpoint.manifest import VERIFY_LEVELS
 from smalti.checkpoint.naming import folder_name
@@ -28,6 +28,16 @@ from smalti.checkpoint.retention import retained
 from smalti.checkpoint.schedule import SaveSchedule
 from smalti.checkpoint.storage import open_store
 from smalti.checkpoint.writer import ReusedHostStager, storage_key
+from smalti.core.config.types import (
+    AfterValidator,
+    ExistingPath,
+    Field,
+    IntFromMinusOne,
+    NonNegativeFloat,
+    PositiveFloat,
+    PositiveInt,
+    TimeStr,
+)
 from smalti.core.errors import ConfigError
 from smalti.core.plugins import Callback, hookimpl
 from smalti.core.time import Time
@@ -50,6 +60,18 @@ def run_in_thread(function: Callable[..., Any], *args: Any) -> Future[Any]:
     threading.Thread(target=run, name="smalti-ckpt-rank-file", daemon=True).start()
     return future
 
+
+
+def _signal_name(value: Any) -> Any:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if not hasattr(signal.Signals, str(value).upper()):
+        raise ValueError("expected signal names such as SIGTERM, SIGUSR1")
+    return value
+
+
+#: A signal by name (``SIGTERM``, ``sigusr1``) or number.
+SignalName = Annotated[int | str, AfterValidator(_signal_name)]
 
 class Checkpointer(SaveSchedule, LoadAndResume, CommitProtocol, Callback):
     """Sharded, verifiable checkpoints of the whole run state through ``torch.distributed.checkpoint``.
@@ -118,30 +140,30 @@ class Checkpointer(SaveSchedule, LoadAndResume, CommitProtocol, Callback):
     def __init__(
         self,
         save_folder: str | None = None,
-        save_interval: str | Time | None = "1ep",
+        save_interval: TimeStr | Time | None = "1ep",
         save_on_fit_end: bool = True,
-        save_on_signal: list[str] | None = None,
+        save_on_signal: list[SignalName] | None = None,
         async_save: bool = False,
-        keep_last_n: int = -1,
-        keep_every_n: int | None = None,
-        load_path: str | None = None,
+        keep_last_n: IntFromMinusOne = -1,
+        keep_every_n: PositiveInt | None = None,
+        load_path: ExistingPath | None = None,
         load_weights_only: bool = False,
         load_ignore_keys: list[str] | None = None,
         load_strict: bool = True,
         autoresume: bool = False,
-        verify: str = "manifest",
+        verify: Literal[VERIFY_LEVELS] = "manifest",
         local_cache_dir: str | None = None,
-        thread_count: int = 1,
-        direct_io: bool | str = True,
-        read_ahead_mb: int = 64,
+        thread_count: PositiveInt = 1,
+        direct_io: bool | Literal["read"] = True,
+        read_ahead_mb: PositiveInt = 64,
         load_once: bool = True,
         s3_retries: int | None = None,
-        s3_multipart_mb: int = 64,
-        retry_budget_s: float | None = None,
-        timeout_s: float = 600,
+        s3_multipart_mb: Annotated[int, Field(ge=5)] = 64,
+        retry_budget_s: NonNegativeFloat | None = None,
+        timeout_s: PositiveFloat = 600,
         overwrite: bool = False,
         trust_pickles: bool = False,
-        hash: str = DEFAULT_ALGORITHM,  # noqa: A002 - the config key is checkpoint.hash
+        hash: Literal[ALGORITHMS] = DEFAULT_ALGORITHM,  # noqa: A002 - the config key is checkpoint.hash
     ) -> None:
         if verify not in VERIFY_LEVELS:
             raise ConfigError(f"checkpoint.verify={verify!r} must be one of {', '.join(VERIFY_LEVELS)}")

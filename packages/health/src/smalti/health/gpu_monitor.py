@@ -12,6 +12,7 @@ import threading
 from typing import Any
 
 from smalti.core import Callback
+from smalti.core.config.types import PositiveFloat
 from smalti.core.errors import ConfigError
 from smalti.health.gpu import GpuChecker
 from smalti.health.results import CheckResult, Verdict, merged_metrics
@@ -22,7 +23,7 @@ log = logging.getLogger(__name__)
 class GpuMonitor(Callback):
     """Periodic NVML health of this node's GPUs, logged beside the loss."""
 
-    def __init__(self, interval_s: float = 300.0, call_deadline_s: float = 5.0, cordon_file: str | None = None,
+    def __init__(self, interval_s: PositiveFloat = 300.0, call_deadline_s: PositiveFloat = 5.0, cordon_file: str | None = None,
                  nvml: Any | None = None) -> None:
         if interval_s <= 0:
             raise ConfigError(f"health.gpu_monitor.interval_s={interval_s} must be positive")

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from smalti.core import Callback, distributed
+from smalti.core.config.types import PositiveFloat, PositiveInt, Probability
 from smalti.core.errors import ConfigError, TrainingError
 from smalti.health.results import CheckResult, Verdict, merged_metrics
 
@@ -27,10 +28,10 @@ log = logging.getLogger(__name__)
 class ThroughputAlarm(Callback):
     """Raises the alarm on sustained low throughput or MFU; runs the health checks to say why."""
 
-    def __init__(self, min_samples_per_sec: float | None = None, min_mfu: float | None = None, interval: int = 50,
-                 patience: int = 3, action: str = "warn", run_checks: bool = True, check_seconds: float = 0.5,
-                 collective_bytes: int = 1 << 20, cordon_file: str | None = None,
-                 peak_flops: float | None = None) -> None:
+    def __init__(self, min_samples_per_sec: PositiveFloat | None = None, min_mfu: Probability | None = None, interval: PositiveInt = 50,
+                 patience: PositiveInt = 3, action: Literal["warn", "stop"] = "warn", run_checks: bool = True, check_seconds: PositiveFloat = 0.5,
+                 collective_bytes: PositiveInt = 1 << 20, cordon_file: str | None = None,
+                 peak_flops: PositiveFloat | None = None) -> None:
         if min_samples_per_sec is None and min_mfu is None:
             raise ConfigError("health.mfu_alarm: set min_samples_per_sec or min_mfu (or both)")
         if action not in ("warn", "stop"):

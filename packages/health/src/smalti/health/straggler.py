@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 import torch.distributed as dist
 
 from smalti.core import Callback
+from smalti.core.config.types import Field, NonNegativeInt, PositiveInt
 from smalti.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -30,8 +31,8 @@ log = logging.getLogger(__name__)
 class StragglerDetector(Callback):
     """Finds ranks slower than their peers by ``factor`` and reports them (it never stops the run)."""
 
-    def __init__(self, interval: int = 50, factor: float = 1.5, use_cuda_events: bool = True,
-                 warmup_batches: int | None = None) -> None:
+    def __init__(self, interval: PositiveInt = 50, factor: Annotated[float, Field(gt=1)] = 1.5, use_cuda_events: bool = True,
+                 warmup_batches: NonNegativeInt | None = None) -> None:
         """``warmup_batches``: batches at the start of each process left out of every window (default ``interval``)."""
         if interval < 1 or factor <= 1:
             raise ConfigError(f"health.straggler: interval={interval} must be >= 1 and factor={factor} > 1")

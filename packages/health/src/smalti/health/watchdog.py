@@ -30,9 +30,10 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from smalti.core import Callback
+from smalti.core.config.types import Field, NonNegativeFloat, PositiveFloat
 from smalti.core.errors import ConfigError
 from smalti.health.deadline import call_with_deadline
 
@@ -87,9 +88,9 @@ def _recorder(event: str):
 class HangWatchdog(Callback):
     """Ends a run whose ranks stop making progress, with a report naming the stuck rank, its hook and stacks."""
 
-    def __init__(self, timeout_s: float = 600.0, first_batch_timeout_s: float | None = None,
-                 report_dir: str | None = None, poll_s: float = 1.0, grace_s: float = 3.0,
-                 exit_code: int = HANG_EXIT_CODE) -> None:
+    def __init__(self, timeout_s: PositiveFloat = 600.0, first_batch_timeout_s: PositiveFloat | None = None,
+                 report_dir: str | None = None, poll_s: PositiveFloat = 1.0, grace_s: NonNegativeFloat = 3.0,
+                 exit_code: Annotated[int, Field(ge=1, le=255)] = HANG_EXIT_CODE) -> None:
         if timeout_s <= 0:
             raise ConfigError(f"health.watchdog.timeout_s={timeout_s} must be positive")
         if poll_s <= 0 or grace_s < 0:

@@ -138,9 +138,13 @@ def _expected(error: Mapping[str, Any]) -> str:
 
 
 def _problems(exc: Any, key: str, node: Mapping[str, Any]) -> list[str]:
-    """One line per bad key of ``node``; the alternatives of a union are joined with "or"."""
+    """One line per bad key of ``node``; the alternatives of a union are joined with "or". A ``_partial_: true``
+    node may leave required arguments to the caller, so a missing one is not a problem there."""
     found: dict[str, tuple[Any, list[str]]] = {}
+    partial = node.get("_partial_") is True
     for error in exc.errors():
+        if partial and error.get("type") == "missing":
+            continue
         ctx = error.get("ctx") or {}
         path = _config_path(node, error.get("loc", ()))
         cause = ctx.get("error")
