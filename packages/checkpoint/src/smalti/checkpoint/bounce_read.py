@@ -90,7 +90,7 @@ class ReadPipeline:
         self._pool = BOUNCE_POOL if chunk_bytes == CHUNK_BYTES else None
         self._free: list[memoryview] = []
         # allocated by the I/O threads as they first need them: the first read starts after mapping 16 MiB, not
-        # all of them, and the caller goes on meanwhile (mapping costs 10-35 ms per 64 MiB here)
+        # all of them, and the caller goes on meanwhile (mapping costs time: see the README's load path)
         self._unallocated = buffers
         self._jobs: collections.deque[_Job] = collections.deque()
         self._cond = threading.Condition()
