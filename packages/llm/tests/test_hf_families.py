@@ -112,7 +112,7 @@ def test_qwen_mixed_sliding_window_layers_are_refused(tmp_path, family):
         PretrainedLLM(folder)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3", "mixtral", "qwen3_moe", "olmoe", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "dbrx"])
 def test_export_of_an_imported_family_is_that_family_with_equal_logits(tmp_path, family):
     """A trained step later, the export is the source's family again and transformers' logits equal smalti's,
     through the source's config.json and, for a smalti-built model, through the family's own."""

@@ -22,7 +22,11 @@ FAMILIES = {
     "qwen3_moe-norm_topk_prob": {"norm_topk_prob": True},
     "olmoe": {},
     "qwen2_moe": {},
+    "dbrx": {},
+    "dbrx-p2_jitter": {"ffn_config": {"moe_normalize_expert_weights": 2.0, "moe_jitter_eps": 0.01}},
 }
+#: each family's router weight of layer {i}, when not model.layers.{i}.mlp.gate.weight
+ROUTERS = {"dbrx": "transformer.blocks.{i}.ffn.router.layer.weight"}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -71,21 +75,27 @@ def test_aux_loss_and_its_router_gradient_equal_transformers(folder):
     """``output_router_logits``: the loss is cross-entropy + ``router_aux_loss_coef`` times the load-balancing
     loss pooled over the layers, and the router's gradient from it is transformers'."""
     cfg = json.loads((folder / "config.json").read_text())
-    coef = cfg["router_aux_loss_coef"]
+    family = cfg["model_type"]
+    coef = cfg["ffn_config"]["moe_loss_weight"] if family == "dbrx" else cfg["router_aux_loss_coef"]
     ids = _ids(1)
     hf, model = _hf(folder).train(), import_hf(folder).train()
+    if cfg.get("ffn_config", {}).get("moe_jitter_eps"):  # random in training on both sides: compare without it
+        for block in hf.transformer.blocks:
+            block.ffn.router.moe_jitter_eps = None
+        for block in model.blocks:
+            block.ffn.moe.router.jitter_eps = 0.0
     theirs = hf(ids, labels=ids)
     ours = model({"input_ids": ids})
     torch.testing.assert_close(ours["aux_loss"], coef * theirs.aux_loss.float(), atol=1e-6, rtol=0)
     torch.testing.assert_close(model.loss(ours, {"input_ids": ids}), theirs.loss, atol=1e-5, rtol=1e-5)
     (coef * theirs.aux_loss).backward()
     ours["aux_loss"].backward()
-    hf_router = dict(hf.named_parameters())["model.layers.0.mlp.gate.weight"].grad
-    router = model.blocks[0].ffn.moe.router.gate.weight.grad
-    assert router is not None and router.abs().max() > 0
-    torch.testing.assert_close(router, hf_router, atol=1e-7, rtol=1e-4)
-    hf_router = dict(hf.named_parameters())["model.layers.1.mlp.gate.weight"].grad
-    torch.testing.assert_close(model.blocks[1].ffn.moe.router.gate.weight.grad, hf_router, atol=1e-7, rtol=1e-4)
+    name = ROUTERS.get(family, "model.layers.{i}.mlp.gate.weight")
+    for i in range(2):
+        hf_router = dict(hf.named_parameters())[name.format(i=i)].grad
+        router = model.blocks[i].ffn.moe.router.gate.weight.grad
+        assert router is not None and router.abs().max() > 0
+        torch.testing.assert_close(router, hf_router, atol=1e-7, rtol=1e-4)
 
 
 def test_without_output_router_logits_no_aux_loss_is_added(folder, tmp_path):
@@ -107,6 +117,8 @@ def test_fused_expert_files_import_as_the_per_expert_ones(folder, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
+    if json.loads((folder / "config.json").read_text())["model_type"] == "dbrx":
+        pytest.skip("DBRX folders always hold the experts fused (ffn.experts.mlp.w1/v1/w2)")
     hf = _hf(folder)
     fused = tmp_path / "fused"
     shutil.copytree(folder, fused)
@@ -131,6 +143,18 @@ def test_fused_expert_files_import_as_the_per_expert_ones(folder, tmp_path):
     ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
     ("olmoe", {"clip_qkv": 8.0}, "clip_qkv=8.0"),
     ("qwen2_moe", {"mlp_only_layers": [0]}, r"mlp_only_layers=\[0\]"),
+    ("dbrx", {"attn_config": {"kv_n_heads": 2, "rope_theta": 500000.0, "clip_qkv": 0.3, "attn_pdrop": 0.1}},
+     "attn_config.attn_pdrop=0.1"),
+    ("dbrx", {"ffn_config": {"ffn_hidden_size": 48, "moe_num_experts": 4, "moe_top_k": 2,
+                             "moe_normalize_expert_weights": 0}}, "moe_normalize_expert_weights=0"),
+    ("dbrx", {"ffn_config": {"ffn_hidden_size": 48, "moe_num_experts": 4, "moe_top_k": 2,
+                             "ffn_act_fn": {"name": "gelu"}}}, "ffn_act_fn"),
+    ("dbrx", {"ffn_config": {"ffn_hidden_size": 48, "moe_num_experts": 4, "moe_top_k": 2,
+                             "uniform_expert_assignment": True}}, "ffn_config.uniform_expert_assignment=True"),
+    ("dbrx", {"ffn_config": {"ffn_hidden_size": 48, "moe_num_experts": 4, "moe_top_k": 2,
+                             "moe_jitter_eps": 1.5}}, "moe_jitter_eps=1.5"),
+    ("dbrx", {"rope_parameters": None}, "attn_config.rope_theta=500000.0"),
+    ("dbrx", {"tie_word_embeddings": True}, "tie_word_embeddings=true"),
 ])
 def test_fields_smalti_cannot_reproduce_fail_at_build_naming_them(tmp_path, family, changes, named):
     folder = write_tiny_hf_model(tmp_path, family)

@@ -50,8 +50,18 @@ class _CountingSlices:
         return Handle()
 
 
+#: family -> (tiny model overrides, architecture): rows that split unevenly over the two ranks
+CASES = {
+    # one KV head and an odd FFN width: the fused q/k/v rows and the FFN rows split unevenly over the ranks
+    "qwen2": ({"num_key_value_heads": 1, "intermediate_size": 97}, "Qwen2ForCausalLM"),
+    # three experts stored fused ([3 * 48, 64]): rank 0 reads two experts' rows of w1/v1/w2, rank 1 one
+    "dbrx": ({"ffn_config": {"moe_num_experts": 3}}, "DbrxForCausalLM"),
+}
+
+
 @pytest.mark.world_size(2)
-def test_fsdp_meta_model_loads_its_shards_and_exports_whole(shared_tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", list(CASES))
+def test_fsdp_meta_model_loads_its_shards_and_exports_whole(shared_tmp_path, monkeypatch, family):
     import safetensors
     import torch.distributed as dist
     import transformers
@@ -60,10 +70,10 @@ def test_fsdp_meta_model_loads_its_shards_and_exports_whole(shared_tmp_path, mon
     from smalti.llm.hf import PretrainedLLM, export_model, import_hf
     from smalti.testing.hf_models import write_tiny_hf_model
 
-    folder = shared_tmp_path / "qwen2"
+    overrides, architecture = CASES[family]
+    folder = shared_tmp_path / family
     if dist.get_rank() == 0:
-        # one KV head and an odd FFN width: the fused q/k/v rows and the FFN rows split unevenly over the ranks
-        write_tiny_hf_model(folder, "qwen2", num_key_value_heads=1, intermediate_size=97)
+        write_tiny_hf_model(folder, family, **overrides)
     dist.barrier()
     reference = import_hf(folder).eval()
 
@@ -96,7 +106,7 @@ def test_fsdp_meta_model_loads_its_shards_and_exports_whole(shared_tmp_path, mon
         files = sorted(set(index["weight_map"].values()))
         assert len(files) > 3 and all((out / f).is_file() for f in files)
         assert not (out / "model.safetensors").exists()
-        assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+        assert json.loads((out / "config.json").read_text())["architectures"] == [architecture]
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
         tok = transformers.AutoTokenizer.from_pretrained(str(out), local_files_only=True)
         assert tok.eos_token == "<|im_end|>"

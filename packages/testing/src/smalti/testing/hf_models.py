@@ -7,7 +7,9 @@ heads of 32 wider than ``hidden_size / num_attention_heads``) and ``gemma3`` (te
 8 and its own RoPE base, then a global one; ``query_pre_attn_scalar`` apart from ``head_dim``) and ``mixtral``
 (4 experts of width 48, top 2, ``output_router_logits`` on), ``qwen3_moe`` (the same experts, Qwen3's
 attention, no renormalisation of the top 2), ``olmoe`` (QK-norm over whole projections) and ``qwen2_moe`` (q/k/v
-biases, a shared expert of width 64 behind a sigmoid gate). Every weight,
+biases, a shared expert of width 64 behind a sigmoid gate) and ``dbrx`` (its own config keys: LayerNorm without
+bias, fused ``Wqkv`` clipped at 0.3 so that clipping bites, 4 fused experts of width 48, top 2, RoPE base 500000
+in both ``rope_parameters`` and ``attn_config.rope_theta``). Every weight,
 norms and biases included, is drawn at random, so that a wrong mapping of any tensor shows in the logits.
 """
 
@@ -29,6 +31,7 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "chatml"),
     "olmoe": ("OlmoeConfig", "chatml"),
     "qwen2_moe": ("Qwen2MoeConfig", "chatml"),
+    "dbrx": ("DbrxConfig", "chatml"),
 }
 #: token named by each config id, per tokenizer style
 _TOKENS = {
@@ -42,6 +45,8 @@ def tiny_config(family: str, vocab_size: int = 512, **overrides: Any) -> dict[st
     """The keyword arguments of a tiny ``family`` config (GQA: 4 query heads, 2 key/value heads)."""
     if family not in FAMILIES:
         raise ValueError(f"family={family!r}: choose one of {', '.join(FAMILIES)}")
+    if family == "dbrx":
+        return _tiny_dbrx_config(vocab_size, **overrides)
     kwargs: dict[str, Any] = dict(
         vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
@@ -71,6 +76,21 @@ def tiny_config(family: str, vocab_size: int = 512, **overrides: Any) -> dict[st
     return kwargs
 
 
+def _tiny_dbrx_config(vocab_size: int, **overrides: Any) -> dict[str, Any]:
+    """DBRX's keys (``d_model``, ``attn_config``, ``ffn_config``) for the same tiny shape as the other MoE ones;
+    ``overrides`` of ``attn_config`` / ``ffn_config`` update those dicts."""
+    attn = {"kv_n_heads": 2, "clip_qkv": 0.3, "rope_theta": 500000.0, **overrides.pop("attn_config", {})}
+    ffn = {"ffn_hidden_size": 48, "moe_num_experts": 4, "moe_top_k": 2, "moe_loss_weight": 0.02,
+           **overrides.pop("ffn_config", {})}
+    kwargs: dict[str, Any] = dict(
+        vocab_size=vocab_size, d_model=64, n_heads=4, n_layers=2, max_seq_len=256, attn_config=attn, ffn_config=ffn,
+        output_router_logits=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": attn["rope_theta"]},
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
 def write_tiny_hf_model(folder: str | os.PathLike, family: str, seed: int = 0, **overrides: Any) -> Path:
     """Write a tiny random ``family`` model and its chat tokenizer into ``folder``; returns the folder.
 
@@ -94,6 +114,7 @@ def write_tiny_hf_model(folder: str | os.PathLike, family: str, seed: int = 0, *
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():  # transformers starts biases at zero and norms at one: make every tensor count
         for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
+            is_norm = "norm" in name.rsplit(".", 2)[-2]  # the module's own name (DBRX nests attn in norm_attn_norm)
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if is_norm else 0.05 * torch.randn_like(p))
     model.save_pretrained(folder)
     return folder

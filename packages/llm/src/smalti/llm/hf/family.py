@@ -29,7 +29,9 @@ class Part:
     the columns ``cols[0]:cols[1]`` of the smalti tensor's last dimension (an expert's gate or up half of a
     fused GLU weight). ``transposed``: the Hugging Face tensor holds that piece with its last two dimensions
     swapped (GPT-2's ``Conv1D`` ``[in, out]``, or experts stored ``[out, in]`` where smalti-moe keeps
-    ``[in, out]``); the smalti tensor's rows stay the first dimension either way.
+    ``[in, out]``); the smalti tensor's rows stay the first dimension either way. ``merged``: the Hugging Face
+    tensor holds all of rows ``start:stop`` with its first two dimensions merged into one (DBRX's experts
+    ``[E * ffn, d]`` for smalti-moe's ``[E, d, ffn]`` columns, after ``cols`` and ``transposed``).
     """
 
     hf_name: str
@@ -38,6 +40,7 @@ class Part:
     transposed: bool = False
     stacked: bool = False
     cols: tuple[int, int] | None = None
+    merged: bool = False
 
     def hf_shape(self, smalti_shape: list[int] | tuple[int, ...]) -> list[int]:
         """The shape of the Hugging Face tensor, given the whole smalti parameter's shape."""
@@ -46,15 +49,17 @@ class Part:
             shape[-1] = self.cols[1] - self.cols[0]
         if self.transposed and len(shape) >= 2:
             shape[-2], shape[-1] = shape[-1], shape[-2]
-        return shape
+        return [shape[0] * shape[1], *shape[2:]] if self.merged else shape
 
     def of(self, tensor: Any) -> Any:
         """This part of the whole smalti ``tensor``, laid out as the Hugging Face tensor."""
-        return self.view(tensor[self.start] if self.stacked else tensor[self.start : self.stop])
+        piece = self.view(tensor[self.start] if self.stacked else tensor[self.start : self.stop])
+        return piece.reshape(-1, *piece.shape[2:]) if self.merged else piece
 
     def view(self, rows: Any) -> Any:
         """``rows`` (this part's rows of the smalti tensor, or its one row when ``stacked``) seen as the Hugging
-        Face tensor's layout: the ``cols`` taken and the last two dimensions swapped when ``transposed``."""
+        Face tensor's layout: the ``cols`` taken and the last two dimensions swapped when ``transposed`` (a
+        ``merged`` part's first two dimensions stay apart: :meth:`hf_rows` gives its rows that shape too)."""
         if self.cols is not None:
             rows = rows[..., self.cols[0] : self.cols[1]]
         return rows.transpose(-2, -1) if self.transposed and rows.dim() >= 2 else rows
@@ -65,6 +70,10 @@ class Part:
         if self.stacked:
             return piece[:]
         a, b = start - self.start, stop - self.start
+        if self.merged:  # each smalti row is `per_row` rows of the Hugging Face tensor
+            shape = list(piece.get_shape() if hasattr(piece, "get_shape") else piece.shape)
+            per_row = shape[0] // (self.stop - self.start)
+            return piece[a * per_row : b * per_row].reshape(b - a, per_row, *shape[1:])
         return piece[:, a:b] if self.transposed and ndim == 2 else piece[a:b]
 
 

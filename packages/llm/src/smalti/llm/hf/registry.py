@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from smalti.llm.errors import ConversionError
+from smalti.llm.hf.families.dbrx import FAMILY as DBRX
 from smalti.llm.hf.families.gemma3 import FAMILY as GEMMA3
 from smalti.llm.hf.families.llama import FAMILY as LLAMA
 from smalti.llm.hf.families.mistral import FAMILY as MISTRAL
@@ -31,8 +32,8 @@ from smalti.llm.hf.family import Family
 log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "smalti.llm.hf_families"
-BUILTIN: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, MIXTRAL, QWEN3_MOE, OLMOE, QWEN2_MOE, MPT_FAMILY,
-                               GPT2_FAMILY)
+BUILTIN: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, MIXTRAL, QWEN3_MOE, OLMOE, QWEN2_MOE, DBRX,
+                               MPT_FAMILY, GPT2_FAMILY)
 
 _registered: dict[str, Family] = {}
 _loaded = False
