@@ -141,3 +141,128 @@ def test_the_hang_report_reads_no_dispatch_internals():
     for internal in ("f_locals", "hook_impls", "hook_name", "dispatch.py", "_multicall", "FastHook"):
         assert internal not in source, internal
     assert "running_hooks" in source
+
+
+class _HangsInAfterForward:
+    """A callback that stays in ``on_after_forward`` of batch 1 until released (in-process hang)."""
+
+    def __init__(self):
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def on_after_forward(self, state) -> None:
+        if state.timestamp.batch == 1:
+            self.entered.set()
+            self.release.wait(60)
+
+
+def _hang_in_process(callbacks, hang):
+    """Train in a thread until ``hang`` holds it; yield the watchdog's view (``where``) of that thread."""
+    from smalti.core import Trainer
+    from smalti.core.data import build_dataloader
+    from smalti.core.examples import MLPRegressor, SyntheticRegression
+
+    trainer = Trainer(MLPRegressor(), build_dataloader(SyntheticRegression(64), 8), "3ba", callbacks=callbacks,
+                      loggers=[], progress_bar=False)
+    worker = threading.Thread(target=trainer.fit, daemon=True)
+    worker.start()
+    try:
+        assert hang.entered.wait(60), "the training thread never reached the hanging hook"
+        return callbacks["watchdog"].where(idle=5.0)
+    finally:
+        hang.release.set()
+        worker.join(60)
+
+
+@pytest.mark.parametrize("path", ["fast", "pluggy"])
+def test_the_report_names_the_hook_and_the_plugin_a_rank_hangs_in(tmp_path, path):
+    """In process, on both dispatch paths: FastHook's, and pluggy's when a hook wrapper on the same hook makes
+    the events object hand the call over."""
+    from smalti.core import Callback
+    from smalti.core.plugins import hookimpl
+
+    class Hangs(_HangsInAfterForward, Callback):
+        pass
+
+    class Wraps(Callback):
+        @hookimpl(wrapper=True, specname="on_after_forward")
+        def around_after_forward(self, state):
+            return (yield)
+
+    hang = Hangs()
+    watchdog = HangWatchdog(timeout_s=600, report_dir=str(tmp_path))
+    callbacks = {"hang": hang, "watchdog": watchdog, **({"wraps": Wraps()} if path == "pluggy" else {})}
+    where = _hang_in_process(callbacks, hang)
+    assert (where["hook"], where["plugin"]) == ("on_after_forward", "hang: Hangs.on_after_forward")
+    # config order is call order: "hang" is called first, after the wrapper when there is one
+    assert [h["impl_index"] for h in where["in_hooks"]] == [0 if path == "fast" else 1]
+    assert (where["step"], where["phase"]) == (2, "after_forward")
+
+
+def _renamed_dispatch(monkeypatch):
+    """smalti.core.dispatch compiled again from its source with every local name of ``FastHook.__call__``
+    renamed and a different file name, then put in its place in ``sys.modules``."""
+    import ast
+    import builtins
+    import sys
+    import types
+
+    import smalti.core.dispatch as dispatch
+
+    tree = ast.parse(Path(dispatch.__file__).read_text(encoding="utf-8"))
+    fast = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "FastHook")
+    call = next(n for n in fast.body if isinstance(n, ast.FunctionDef) and n.name == "__call__")
+    renamed = set()
+    for node in ast.walk(call):
+        if isinstance(node, ast.Name) and node.id != "self" and node.id not in vars(dispatch) \
+                and node.id not in vars(builtins):
+            renamed.add(node.id)
+            node.id = f"renamed_{node.id}"
+        elif isinstance(node, ast.arg) and node.arg != "self":
+            renamed.add(node.arg)
+            node.arg = f"renamed_{node.arg}"
+    assert len(renamed) >= 5, renamed  # the arguments and every local variable
+    module = types.ModuleType("smalti.core.dispatch")
+    module.__file__ = "/elsewhere/moved_dispatch.py"
+    monkeypatch.setitem(sys.modules, "smalti.core.dispatch", module)
+    exec(compile(tree, module.__file__, "exec"), module.__dict__)  # noqa: S102 - our own module's source
+    return module
+
+
+@pytest.mark.parametrize("path", ["fast", "pluggy"])
+def test_renaming_dispatch_internals_does_not_blind_the_hang_report(monkeypatch, path):
+    """The report names the hook and the plugin whatever the dispatcher's local variables and file are called:
+    the dispatcher records each implementation call as it makes it, nothing reads its frames."""
+    import pluggy
+
+    from smalti.core.plugins import hookimpl, hookspecs
+    from smalti.health.watchdog import hooks_in_progress
+
+    moved = _renamed_dispatch(monkeypatch)
+
+    class Hangs(_HangsInAfterForward):
+        @hookimpl
+        def on_after_forward(self, state) -> None:
+            super().on_after_forward(state)
+
+    class Wraps:
+        @hookimpl(wrapper=True)
+        def on_after_forward(self, state):
+            return (yield)
+
+    pm = pluggy.PluginManager("smalti")
+    pm.add_hookspecs(hookspecs)
+    hang = Hangs()
+    pm.register(hang, name="hang")
+    if path == "pluggy":
+        pm.register(Wraps(), name="wraps")
+    hook = moved.FastHook(pm, "on_after_forward")
+    worker = threading.Thread(target=lambda: hook(state=SimpleNamespace(timestamp=SimpleNamespace(batch=1)),
+                                                  logger=None), daemon=True)
+    worker.start()
+    try:
+        assert hang.entered.wait(30)
+        (stuck,) = hooks_in_progress(worker.ident)
+        assert stuck["hook"] == "on_after_forward" and stuck["plugin"] == "hang: Hangs.on_after_forward"
+    finally:
+        hang.release.set()
+        worker.join(30)
