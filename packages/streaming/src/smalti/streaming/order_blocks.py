@@ -170,42 +170,52 @@ class BlockOrder:
         index_type = np.int32 if len(sizes) < 1 << 31 else np.int64
         # 1. shards in a run order, cut into pieces of equal sample counts; a cut shard becomes two spans
         perm = run_rng.permutation(np.arange(len(sizes), dtype=index_type))
+        # each shard's (size, first id) side by side: one gather in run order instead of two
+        shard_table = np.empty((len(sizes), 2), dtype=np.int64)
+        shard_table[:, 0] = sizes
         if shard_first_ids is None:
-            first = np.empty(len(sizes), dtype=np.int64)
-            first[:1] = 0
-            np.cumsum(sizes[:-1], out=first[1:])
+            shard_table[:1, 1] = 0
+            np.cumsum(sizes[:-1], out=shard_table[1:, 1])
         else:
-            first = np.asarray(shard_first_ids, dtype=np.int64)
-        run_sizes = sizes[perm]
+            shard_table[:, 1] = np.asarray(shard_first_ids, dtype=np.int64)
+        run_table = np.take(shard_table, perm, axis=0)  # (fancy indexing of rows is 5x slower)
+        del shard_table, perm
+        run_sizes, run_first = run_table[:, 0], run_table[:, 1]
         run_starts = np.empty(len(sizes) + 1, dtype=np.int64)
         run_starts[0] = 0
         np.cumsum(run_sizes, out=run_starts[1:])
         cuts = np.linspace(0, n, num_canonical_nodes + 1).round().astype(np.int64)
         # spans: the non-empty shards in run order, split where a piece border falls inside one
         nonempty = run_sizes > 0
-        del run_sizes
         if nonempty.all():
-            span_lo, span_first = run_starts[:-1], first[perm]
+            span_lo, span_first, span_len = run_starts[:-1], run_first, run_sizes
         else:
             keep = np.flatnonzero(nonempty)
-            span_lo, span_first = run_starts[keep], first[perm[keep]]
-        del perm, first, nonempty
+            span_lo, span_first, span_len = run_starts[keep], run_first[keep], run_sizes[keep]
+        del nonempty
         inner = cuts[1:-1]
         at = np.searchsorted(span_lo, inner, side="right")
         split = np.flatnonzero((at > 0) & (span_lo[np.maximum(at - 1, 0)] != inner))
         split = split[np.concatenate([[True], inner[split][1:] != inner[split][:-1]])] if len(split) else split
         if len(split):
             where, lo = at[split], inner[split]
-            span_first = np.insert(span_first, where, span_first[where - 1] + (lo - span_lo[where - 1]))
+            shard_lo = span_lo[where - 1]
+            ends = shard_lo + span_len[where - 1]
+            # a span runs from its border to the next border or its shard's end (one shard may hold several)
+            tail = np.minimum(ends, np.append(lo[1:], ends[-1:])) - lo
+            head = lo - np.maximum(shard_lo, np.concatenate([[-1], lo[:-1]]))
+            span_first = np.insert(span_first, where, span_first[where - 1] + (lo - shard_lo))
+            span_len = np.insert(span_len, where, tail)
             span_lo = np.insert(span_lo, where, lo)
+            span_len[where + np.arange(len(where)) - 1] = head  # the span just before each border ends there
         # ... and each epoch the spans of every piece in a new order
         node_bounds = np.searchsorted(span_lo, cuts)
-        order = np.empty(len(span_lo), dtype=index_type)
+        count = len(span_lo)
+        del span_lo, run_starts
+        order = np.empty(count, dtype=index_type)
         for lo, hi in zip(node_bounds[:-1].tolist(), node_bounds[1:].tolist()):
             order[lo:hi] = epoch_rng.permutation(np.arange(hi - lo, dtype=index_type))
             order[lo:hi] += lo
-        span_len = np.diff(span_lo, append=n)
-        del span_lo, run_starts
         self._pos = np.empty(len(order) + 1, dtype=np.int64)  # epoch sequence position of each span
         self._pos[0] = 0
         np.take(span_len, order, out=self._pos[1:])
