@@ -250,6 +250,8 @@ class BlockOrder:
         B, length = self.block, int(self._lengths[node])
         base = int(self._node_start[node])
         first_block, last_block = int(rows[0]) // B, int(rows[-1]) // B
+        if (last_block - first_block + 1) * 64 > len(rows):  # few rows per block: per-sample keys are cheaper
+            return self._node_ids_per_sample(node, rows)
         cut = np.searchsorted(rows, np.arange(first_block + 1, last_block + 1, dtype=np.int64) * B)
         lo = 0
         for block, hi in zip(range(first_block, last_block + 1), [*cut.tolist(), len(rows)]):
@@ -278,6 +280,20 @@ class BlockOrder:
             out[lo:hi] = pos
             lo = hi
         return out
+
+    def _node_ids_per_sample(self, node: int, rows: np.ndarray) -> np.ndarray:
+        """:meth:`_node_ids` with a key per sample, for rows spread over many small blocks."""
+        block, offset = np.divmod(rows, self.block)
+        keys = ((node << 40) | block).view(np.uint64)
+        keys ^= np.uint64(self._key)
+        keys *= _MIX1
+        keys ^= keys >> np.uint64(29)
+        sizes = np.minimum(self.block, int(self._lengths[node]) - block * self.block)
+        pos = permute_within(offset, sizes, keys)
+        pos += int(self._node_start[node])
+        pos += block * self.block
+        pos += self._off[np.searchsorted(self._pos, pos, side="right") - 1]
+        return pos
 
     def _sample_ids(self, node: np.ndarray, row: np.ndarray) -> np.ndarray:
         """The sample at row ``row`` of canonical node ``node``'s shuffled sequence, element-wise."""
