@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "LLM": "smalti.llm.model.transformer",
+    "LLMConfig": "smalti.llm.model.config",
     "load_tokenizer": "smalti.llm.tokenizer",
     "ByteTokenizer": "smalti.llm.tokenizer",
     "TokenizedText": "smalti.llm.data.text",

@@ -6,7 +6,11 @@ Hydra composes the run and before anything is built. ``model.moe`` is checked wi
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from typing import Annotated, Any, Literal
+
+from pydantic import create_model
 
 from smalti.core.config.types import (
     ExistingPath,
@@ -22,7 +26,8 @@ from smalti.core.config.types import (
     world_size,
 )
 from smalti.core.config.validate import field_error
-from smalti.llm.choices import ACTIVATIONS, FFN_TYPES, NORM_TYPES, POSITIONS
+from smalti.llm.model.config import LLMConfig, option_problems
+from smalti.llm.model.config import field_names as llm_field_names
 from smalti.moe.config_schema import MoESchema
 
 _DTYPES = Literal["float32", "bfloat16", "float16"]
@@ -59,50 +64,35 @@ class LoRASchema(Schema):
         return self
 
 
-class LLMSchema(Schema):
-    """:class:`smalti.llm.LLM`'s arguments and the rules between them (and ``parallelism.sp``)."""
-
-    d_model: PositiveInt = 128
-    n_heads: PositiveInt = 4
-    n_layers: PositiveInt = 2
-    vocab_size: PositiveInt = 2048
-    max_seq_len: PositiveInt = 256
-    n_kv_heads: PositiveInt | None = None
-    expansion_ratio: PositiveFloat = 4
-    ffn_hidden_size: PositiveInt | None = None
-    position: Literal[POSITIONS] = "rope"  # type: ignore[valid-type]
-    rope_theta: PositiveFloat = 10000.0
-    alibi_bias_max: PositiveFloat = 8.0
-    clip_qkv: PositiveFloat | None = None
-    softmax_scale: PositiveFloat | None = None
-    sliding_window: PositiveInt | None = None
-    norm_type: Literal[NORM_TYPES] = "layernorm"  # type: ignore[valid-type]
-    norm_eps: PositiveFloat = 1e-5
-    ffn_type: Literal[FFN_TYPES] = "mlp"  # type: ignore[valid-type]
-    activation: Literal[ACTIVATIONS] | None = None  # type: ignore[valid-type]
-    moe: MoESchema | None = None
-    init_std: PositiveFloat = 0.02
-    head_dim: PositiveInt | None = None
-    lora: LoRASchema | None = None
-    embed_scale: PositiveFloat | None = None
-    post_norms: bool = False
-    window_layers: list[bool] | None = None
-    rope_local_theta: PositiveFloat | None = None
-    qk_norm_scope: Literal["head", "all"] = "head"
+class _LLMRules(Schema):
+    """The rules between :class:`~smalti.llm.model.config.LLMConfig`'s fields (the model's own list of them)
+    and with ``parallelism.sp``; :data:`LLMSchema` adds the fields."""
 
     @model_validator(mode="after")
-    def _shapes_agree(self, info: ValidationInfo) -> LLMSchema:
-        if self.d_model % self.n_heads:
-            raise field_error("n_heads", self.n_heads, f"a divisor of model.d_model={self.d_model}")
-        if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
-            raise field_error("n_kv_heads", self.n_kv_heads, f"a divisor of model.n_heads={self.n_heads}")
-        if self.position == "rope" and self.head_dim is None and (self.d_model // self.n_heads) % 2:
-            raise field_error("n_heads", self.n_heads,
-                              f"an even head size d_model/n_heads for position=rope (now {self.d_model // self.n_heads})")
+    def _shapes_agree(self, info: ValidationInfo) -> _LLMRules:
+        options = {name: getattr(self, name) for name in llm_field_names()}
+        for key, value, expected in option_problems(options):
+            raise field_error(key, value, expected)
         sp = _sequence_parallel(info)
         if self.n_heads % sp:
             raise field_error("n_heads", self.n_heads, f"a multiple of parallelism.sp={sp} (heads are split over it)")
         return self
+
+
+def _llm_schema() -> type[Schema]:
+    """The schema of :class:`smalti.llm.LLM`'s options, one field per :class:`LLMConfig` field with its type
+    (constraints included) and default; the nested ``moe`` and ``lora`` options get their own schemas."""
+    hints = typing.get_type_hints(LLMConfig, include_extras=True)
+    nested = {"moe": MoESchema | None, "lora": LoRASchema | None}
+    fields: dict[str, Any] = {f.name: (nested.get(f.name, hints[f.name]), f.default)
+                              for f in dataclasses.fields(LLMConfig)}
+    return create_model("LLMSchema", __base__=_LLMRules, __module__=__name__,
+                        __doc__=":class:`smalti.llm.LLM`'s options (derived from :class:`LLMConfig`) and the rules "
+                                "between them (and ``parallelism.sp``).", **fields)
+
+
+#: :class:`smalti.llm.LLM`'s options, derived field by field from :class:`~smalti.llm.model.config.LLMConfig`.
+LLMSchema = _llm_schema()
 
 
 class PretrainedLLMSchema(Schema):

@@ -5,7 +5,7 @@ else smalti's own.
   as ``transformers``' GPT-2 or MPT) is written with :func:`smalti.llm.hf.export_hf`: ``transformers`` loads
   the folder offline.
 * Any other :class:`~smalti.llm.LLM` (RoPE with LayerNorm, MoE, ...) is written as ``smalti_llm.json`` (the
-  model's constructor arguments) plus ``model.safetensors`` under smalti's parameter names.
+  model's stored options, :meth:`LLMConfig.architecture <smalti.llm.model.config.LLMConfig.architecture>`) plus ``model.safetensors`` under smalti's parameter names.
 
 Either way a ``tokenizer.json`` can sit beside the weights, and :func:`load_model_folder` reads both layouts.
 """
@@ -55,7 +55,7 @@ def save_model_folder(model: LLM, folder: str | os.PathLike, tokenizer: Any = "d
     folder.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to(_DTYPES[dtype]).contiguous().cpu().clone() for k, v in model.state_dict().items()}
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    config = {"format": "smalti-llm", "dtype": dtype, "model": model.config}
+    config = {"format": "smalti-llm", "dtype": dtype, "model": model.config.architecture()}
     (folder / NATIVE_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     if tokenizer is not None:
         from smalti.llm.tokenizer import BPETokenizer, load_tokenizer

@@ -20,8 +20,8 @@ from smalti.llm.hf.exporter import (
     write_hf_folder,
 )
 from smalti.llm.hf.folder import read_config, resolve_folder
-from smalti.llm.hf.registry import llm_kwargs
-from smalti.llm.model.transformer import LLM
+from smalti.llm.hf.registry import llm_config
+from smalti.llm.model.config import LLMConfig
 
 
 def export_checkpoint(checkpoint: str, out: str | os.PathLike, pretrained: str | os.PathLike | None = None,
@@ -63,7 +63,7 @@ def export_checkpoint(checkpoint: str, out: str | os.PathLike, pretrained: str |
                                max_shard_size)
         return Path(out)
     source_config = read_config(source)
-    model_config = LLM(**llm_kwargs(source_config, source / "config.json"), init_device="meta").config
+    model_config = llm_config(source_config, source / "config.json").resolved()
     dtype = export_dtype(dtype, source_config)
     family, config = hf_config(_ConfigOnly(model_config), dtype, source=source_config)  # type: ignore[arg-type]
     order = list(family.weight_parts(model_config))
@@ -97,7 +97,7 @@ def _export_trained_from_scratch(folder: Path, run: Any, out: str | os.PathLike,
         raise ConversionError(f"{folder}: the run's model ({node.get('_target_') if isinstance(node, dict) else node}) "
                               "is not a smalti LLM; give --pretrained for a model imported from Hugging Face")
     kwargs = {k: v for k, v in node.items() if not k.startswith("_") and k != "init_device"}
-    config = LLM(**kwargs, init_device="meta").config
+    config = LLMConfig.of(kwargs).resolved()
     dtype = export_dtype(dtype, None)
     eos, extra = tokenizer_files(tokenizer or _selected(run, "data.train.tokenizer") or "default")
     family, hf = hf_config(_ConfigOnly(config), dtype, eos_token_id=eos)  # type: ignore[arg-type]  # names misfits

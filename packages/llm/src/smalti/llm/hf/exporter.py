@@ -28,10 +28,14 @@ from smalti.core import distributed
 from smalti.llm.errors import ConversionError
 from smalti.llm.hf.family import Family
 from smalti.llm.hf.folder import DTYPES, TOKENIZER_FILES
-from smalti.llm.hf.registry import family_for_config, family_of, llm_kwargs
+from smalti.llm.hf.registry import family_for_config, family_of, llm_config
 from smalti.llm.model.transformer import LLM
 
 log = logging.getLogger(__name__)
+
+#: Options a model imported from Hugging Face may change and still be exported under its source config.json
+#: (see :attr:`smalti.llm.hf.importer.PretrainedLLM.OVERRIDABLE`).
+_OVERRIDABLE = ("max_seq_len", "attn_uses_sequence_id")
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
           "GIB": 2**30, "TIB": 2**40}
@@ -250,8 +254,9 @@ def hf_config(model: LLM, dtype: str = "float32", source: dict[str, Any] | None 
         return family, family.hf_config(model.config, dtype, eos_token_id)
     path = Path("the source config.json")
     family = family_for_config(source, path)
-    expected = llm_kwargs(source, path)
-    changed = [k for k, v in expected.items() if k != "max_seq_len" and model.config.get(k) != v]
+    expected = llm_config(source, path).resolved().architecture()
+    ours = model.config.architecture()
+    changed = [k for k, v in expected.items() if k not in _OVERRIDABLE and ours[k] != v]
     if changed:
         raise ConversionError(f"the model differs from its source config.json in {changed}; cannot export it "
                               "under the source's config")

@@ -99,8 +99,11 @@ class Family:
     description: ClassVar[str] = ""
 
     def llm_kwargs(self, cfg: dict[str, Any], path: Path) -> dict[str, Any]:
-        """:class:`~smalti.llm.LLM` arguments equal to the model ``cfg`` (a ``config.json`` at ``path``)
-        describes; raises :class:`~smalti.llm.errors.ConversionError` naming a field it cannot reproduce."""
+        """The family mapping: :class:`~smalti.llm.model.config.LLMConfig` fields (by name) equal to the model
+        ``cfg`` (a ``config.json`` at ``path``) describes, the others left at their defaults; raises
+        :class:`~smalti.llm.errors.ConversionError` naming a field it cannot reproduce. The registry's
+        :func:`~smalti.llm.hf.registry.llm_config` builds the :class:`LLMConfig` from it (so an unknown name
+        fails there)."""
         raise NotImplementedError
 
     def problems(self, config: dict[str, Any]) -> list[str]:

@@ -9,6 +9,7 @@ fp32 copy before its shard.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from contextlib import ExitStack
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 from smalti.llm.errors import ConversionError
 from smalti.llm.hf.context_length import warn_if_past_positions
 from smalti.llm.hf.folder import read_config, resolve_folder, weight_files
-from smalti.llm.hf.registry import family_for_config, llm_kwargs
+from smalti.llm.hf.registry import family_for_config, llm_config
 from smalti.llm.lora.naming import is_adapter_parameter
 from smalti.llm.model.transformer import LLM
 
@@ -99,7 +100,7 @@ class PretrainedLLM(LLM):
                  **overrides: Any) -> None:
         folder = resolve_folder(pretrained)
         source = read_config(folder)
-        kwargs = llm_kwargs(source, folder / "config.json")
+        config = llm_config(source, folder / "config.json")
         bad = sorted(set(overrides) - set(self.OVERRIDABLE))
         if bad:
             raise ConversionError(
@@ -112,9 +113,9 @@ class PretrainedLLM(LLM):
                 "(AutoTokenizer.from_pretrained(...).save_pretrained(folder)) so that training and the export use it"
             )
         weight_files(folder)  # fail now, not after the model is sharded, when the weights are missing
-        kwargs.update({k: v for k, v in overrides.items() if v is not None})
-        warn_if_past_positions(kwargs["max_seq_len"], source, folder / "config.json")
-        super().__init__(**kwargs, init_device="meta")
+        config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
+        warn_if_past_positions(config.max_seq_len, source, folder / "config.json")
+        super().__init__(config, init_device="meta")
         #: Where the weights come from, and its ``config.json`` (the export writes the same family).
         self.hf_folder = folder
         self.hf_config = source

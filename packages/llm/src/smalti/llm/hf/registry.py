@@ -15,7 +15,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-from smalti.llm.errors import ConversionError
+from smalti.llm.errors import ConversionError, ModelConfigError
 from smalti.llm.hf.families.dbrx import FAMILY as DBRX
 from smalti.llm.hf.families.gemma3 import FAMILY as GEMMA3
 from smalti.llm.hf.families.llama import FAMILY as LLAMA
@@ -28,6 +28,7 @@ from smalti.llm.hf.families.qwen2_moe import FAMILY as QWEN2_MOE
 from smalti.llm.hf.families.qwen3 import FAMILY as QWEN3
 from smalti.llm.hf.families.qwen3_moe import FAMILY as QWEN3_MOE
 from smalti.llm.hf.family import Family
+from smalti.llm.model.config import LLMConfig
 
 log = logging.getLogger(__name__)
 
@@ -78,14 +79,19 @@ def family_for_config(cfg: dict[str, Any], path: Path) -> Family:
     return known[model_type]
 
 
-def llm_kwargs(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
-    """:class:`~smalti.llm.LLM` arguments for the ``config.json`` ``cfg`` at ``path``, by its family; a field the
-    family needs and the file lacks is named."""
+def llm_config(cfg: dict[str, Any], path: Path) -> LLMConfig:
+    """The :class:`~smalti.llm.model.config.LLMConfig` of the ``config.json`` ``cfg`` at ``path``, by its
+    family's mapping (:meth:`Family.llm_kwargs`); a field the family needs and the file lacks is named, and so
+    is the file when its values do not make a valid model."""
     family = family_for_config(cfg, path)
     try:
-        return family.llm_kwargs(cfg, path)
+        options = family.llm_kwargs(cfg, path)
     except KeyError as exc:
         raise ConversionError(f"{path}: {family.model_type} needs the field {exc.args[0]!r}, which is missing") from exc
+    try:
+        return LLMConfig.of(options)
+    except ModelConfigError as exc:
+        raise ConversionError(f"{path} ({family.model_type}): {exc}") from exc
 
 
 def family_of(config: dict[str, Any]) -> Family:

@@ -6,12 +6,14 @@ all use them, so that none of those has to import another for them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from smalti.llm.errors import ConversionError
+from smalti.llm.model.config import LLMConfig
 from smalti.llm.model.transformer import LLM
 
 
@@ -27,9 +29,13 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def build_with_weights(config: dict[str, Any], state: dict[str, torch.Tensor], source: str = "the weights") -> LLM:
-    """An :class:`LLM` on the CPU built from its ``config`` and filled with ``state`` (no random init first)."""
-    model = LLM(**config, init_device="meta")
+def build_with_weights(config: Mapping[str, Any], state: dict[str, torch.Tensor], source: str = "the weights") -> LLM:
+    """An :class:`LLM` on the CPU built from ``config`` and filled with ``state`` (no random init first).
+
+    ``config``: a model's :class:`~smalti.llm.model.config.LLMConfig`, of which only the stored options are
+    taken (no adapters, checkpointing or init device), or the stored options themselves (an exported folder's)."""
+    options = config.architecture() if isinstance(config, LLMConfig) else dict(config)
+    model = LLM(**options, init_device="meta")
     model.to_empty(device="cpu")
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:

@@ -23,11 +23,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from smalti.core.activation_compression import ActivationCompression
-from smalti.llm.choices import POSITIONS
 from smalti.llm.errors import ModelConfigError
 from smalti.llm.model.attention import Attention
 from smalti.llm.model.attention_mask import AttentionMask
 from smalti.llm.model.checkpointing import parse_activation_checkpointing, parse_activation_compression
+from smalti.llm.model.config import LLMConfig, options_signature
 from smalti.llm.model.ffn import make_ffn
 from smalti.llm.model.fused_loss import fused_linear_cross_entropy
 from smalti.llm.model.metrics import LanguageCrossEntropy, LanguagePerplexity, TokenAccuracy
@@ -142,174 +142,77 @@ class Block(nn.Module):
 class LLM(nn.Module):
     """A decoder-only causal language model.
 
-    Args:
-        d_model, n_heads, n_layers, vocab_size, max_seq_len: the sizes.
-        n_kv_heads: key/value heads (grouped-query attention); default ``n_heads``, 1 is multi-query.
-        expansion_ratio / ffn_hidden_size: FFN width (``ffn_hidden_size`` wins when given).
-        position: ``alibi``, ``rope``, ``learned`` or ``none``; ``rope_theta``, ``rope_scaling`` (``{type:
-            linear|llama3, factor, ...}``), ``alibi_bias_max``.
-        sliding_window: each position attends to itself and the ``sliding_window - 1`` before it (Mistral's);
-            default: the whole causal prefix.
-        qk_norm: normalise queries and keys per head; ``clip_qkv``, ``softmax_scale`` as in MPT.
-        bias: biases in every linear layer and norm (MPT's ``no_bias: true`` is ``bias: false``).
-        attn_bias / ffn_bias: biases in the attention (``wqkv``, ``out_proj``) or the FFN projections only,
-            overriding ``bias`` there (Hugging Face Llama's ``attention_bias`` and ``mlp_bias``); default ``bias``.
-        qkv_bias: a bias on the query/key/value projection only (Qwen2's), overriding ``attn_bias`` there.
-        norm_type: ``layernorm``, ``rmsnorm``, ``low_precision_layernorm`` or ``low_precision_rmsnorm``.
-        ffn_type: ``mlp``, ``glu`` or ``moe`` (with ``moe: {num_experts, top_k, loss_weight, ...}``).
-        activation: ``gelu``, ``gelu_tanh``, ``silu`` or ``relu``.
-        tie_embeddings: share the input embedding with the output head.
-        attn_uses_sequence_id: mask attention across packed documents when the batch has ``sequence_id``.
-        activation_checkpointing: null, true, a granularity or ``{granularity, layers}``.
-        activation_compression: null, ``bf16``, ``fp8`` or ``{format, granularity, layers}``: store the
-            activations kept for backward in that format (:mod:`smalti.core.activation_compression`); a part
-            that is checkpointed keeps only its input, which is not compressed.
-        init_device: ``cpu``, ``cuda`` or ``meta`` (no memory; call :meth:`init_weights` after ``to_empty``).
-        init_std: std of the normal init; residual output projections get ``init_std / sqrt(2 n_layers)``.
-        fused_loss: in training, compute the output projection and the cross-entropy together in chunks of
-            rows (:mod:`smalti.llm.model.fused_loss`) so the ``[B, T, vocab]`` logits are never held; outputs
-            then carry the final hidden states, and ``outputs["logits"]`` is computed only if asked for.
-        head_dim: the size of each attention head; default ``d_model // n_heads`` (Qwen3 and Gemma differ).
-        lora: LoRA/QLoRA adapters on the block linear layers, with the base frozen (``model.lora``: r, alpha,
-            dropout, targets, modules_to_save, rslora, base_dtype, init_from; see :mod:`smalti.llm.lora`).
-        embed_scale: multiply the input embeddings by this (Gemma: ``sqrt(d_model)``).
-        post_norms: also normalise each block's attention and FFN output before the residual add (Gemma).
-        window_layers: per layer, whether ``sliding_window`` applies to it (Gemma's local/global alternation);
-            default every layer.
-        rope_local_theta: the RoPE base of the windowed layers when it differs from ``rope_theta`` (Gemma 3).
-        qk_norm_scope: what ``qk_norm`` normalises: each ``head`` (Qwen3) or ``all`` of the query and of the key
-            projection at once (OLMo, OLMoE).
+    Built from an :class:`~smalti.llm.model.config.LLMConfig` (every option's type, default and meaning is
+    documented there), from its fields as keywords (Hydra's ``_target_: smalti.llm.LLM``), or both: keywords
+    replace the config's values (``LLM(config, init_device="meta")``). :attr:`config` is the resolved
+    :class:`LLMConfig` (derived defaults filled in); ``config.architecture()`` is what exports store.
     """
 
-    def __init__(
-        self,
-        d_model: int = 128,
-        n_heads: int = 4,
-        n_layers: int = 2,
-        vocab_size: int = 2048,
-        max_seq_len: int = 256,
-        n_kv_heads: int | None = None,
-        expansion_ratio: float = 4,
-        ffn_hidden_size: int | None = None,
-        position: str = "rope",
-        rope_theta: float = 10000.0,
-        rope_scaling: dict[str, Any] | None = None,
-        alibi_bias_max: float = 8.0,
-        qk_norm: bool = False,
-        clip_qkv: float | None = None,
-        softmax_scale: float | None = None,
-        bias: bool = False,
-        attn_bias: bool | None = None,
-        ffn_bias: bool | None = None,
-        qkv_bias: bool | None = None,
-        sliding_window: int | None = None,
-        norm_type: str = "layernorm",
-        norm_eps: float = 1e-5,
-        ffn_type: str = "mlp",
-        activation: str | None = None,
-        moe: dict[str, Any] | None = None,
-        tie_embeddings: bool = True,
-        attn_uses_sequence_id: bool = True,
-        activation_checkpointing: Any = None,
-        activation_compression: Any = None,
-        init_device: str | None = None,
-        init_std: float = 0.02,
-        fused_loss: bool = True,
-        head_dim: int | None = None,
-        lora: dict[str, Any] | None = None,
-        embed_scale: float | None = None,
-        post_norms: bool = False,
-        window_layers: list[bool] | None = None,
-        rope_local_theta: float | None = None,
-        qk_norm_scope: str = "head",
-    ) -> None:
+    def __init__(self, config: LLMConfig | None = None, /, **options: Any) -> None:
         super().__init__()
-        n_kv_heads = n_kv_heads or n_heads
-        if d_model % n_heads:
-            raise ModelConfigError(f"model.d_model={d_model} is not divisible by model.n_heads={n_heads}")
-        if n_heads % n_kv_heads:
-            raise ModelConfigError(f"model.n_heads={n_heads} is not divisible by model.n_kv_heads={n_kv_heads}")
-        if position not in POSITIONS:
-            raise ModelConfigError(f"model.position={position!r} is not one of {', '.join(POSITIONS)}")
-        if window_layers is not None and len(window_layers) != n_layers:
-            raise ModelConfigError(f"model.window_layers has {len(window_layers)} entries for n_layers={n_layers}")
-        if head_dim is not None and (not isinstance(head_dim, int) or head_dim < 1):
-            raise ModelConfigError(f"model.head_dim={head_dim!r} must be a positive int or null (d_model/n_heads)")
-        if position == "rope" and (head_dim or d_model // n_heads) % 2:
-            raise ModelConfigError(f"position=rope needs an even head size; got {head_dim or d_model // n_heads}")
-        if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
-            raise ModelConfigError(f"model.sliding_window={sliding_window!r} must be a positive int or null")
-        activation = activation or ("silu" if ffn_type == "glu" else "gelu")
+        #: Every option, with the derived defaults (key/value heads, FFN width, biases, activation) filled in.
+        self.config: LLMConfig = LLMConfig.of(config, **options).resolved()
+        c = self.config
+        d_model, n_heads, n_layers = c.d_model, c.n_heads, c.n_layers
         # Every block's FFN is an MoE: each layer scales its balancing loss by the layer count, so that their
         # sum is MegaBlocks' batched loss rather than n_layers times it.
-        layer_moe = {"num_layers": n_layers, **moe} if ffn_type == "moe" and moe else moe
-        hidden = int(ffn_hidden_size) if ffn_hidden_size else int(expansion_ratio * d_model)
-        attn_bias = bias if attn_bias is None else bool(attn_bias)
-        ffn_bias = bias if ffn_bias is None else bool(ffn_bias)
-        qkv_bias = attn_bias if qkv_bias is None else bool(qkv_bias)
-        self.config = {
-            "d_model": d_model, "n_heads": n_heads, "n_layers": n_layers, "vocab_size": vocab_size,
-            "max_seq_len": max_seq_len, "n_kv_heads": n_kv_heads, "ffn_hidden_size": hidden, "position": position,
-            "rope_theta": rope_theta, "rope_scaling": dict(rope_scaling) if rope_scaling else None,
-            "alibi_bias_max": alibi_bias_max, "qk_norm": qk_norm, "clip_qkv": clip_qkv, "softmax_scale": softmax_scale,
-            "bias": bias, "attn_bias": attn_bias, "ffn_bias": ffn_bias, "qkv_bias": qkv_bias,
-            "sliding_window": sliding_window, "norm_type": norm_type, "norm_eps": norm_eps, "ffn_type": ffn_type,
-            "activation": activation,
-            "moe": dict(moe) if moe else None, "tie_embeddings": tie_embeddings,
-            "attn_uses_sequence_id": attn_uses_sequence_id, "init_std": init_std, "head_dim": head_dim,
-            "embed_scale": embed_scale, "post_norms": post_norms,
-            "window_layers": [bool(w) for w in window_layers] if window_layers is not None else None,
-            "rope_local_theta": rope_local_theta, "qk_norm_scope": qk_norm_scope,
-        }
+        layer_moe = {"num_layers": n_layers, **c.moe} if c.ffn_type == "moe" and c.moe else c.moe
         self.d_model, self.n_heads, self.n_layers = d_model, n_heads, n_layers
-        self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
-        self.position = position
-        self.attn_uses_sequence_id = attn_uses_sequence_id
-        self.sliding_window = sliding_window
-        self.init_std = init_std
-        self.fused_loss = bool(fused_loss)
-        self.embed_scale = embed_scale
+        self.vocab_size, self.max_seq_len = c.vocab_size, c.max_seq_len
+        self.position = c.position
+        self.attn_uses_sequence_id = c.attn_uses_sequence_id
+        self.sliding_window = c.sliding_window
+        self.init_std = c.init_std
+        self.fused_loss = bool(c.fused_loss)
+        self.embed_scale = c.embed_scale
         # the full-attention mask is built too only when some layers are not windowed
-        self._mixed_windows = sliding_window is not None and window_layers is not None and not all(window_layers)
-        device = torch.device(init_device) if init_device else None
-        rotary = Rotary(head_dim or d_model // n_heads, rope_theta, rope_scaling) if position == "rope" else None
+        self._mixed_windows = c.sliding_window is not None and c.window_layers is not None and not all(c.window_layers)
+        device = torch.device(c.init_device) if c.init_device else None
+        head_dim = c.head_dim or d_model // n_heads
+        rotary = Rotary(head_dim, c.rope_theta, c.rope_scaling) if c.position == "rope" else None
         local_rotary = rotary
-        if rotary is not None and rope_local_theta is not None:
-            local_rotary = Rotary(head_dim or d_model // n_heads, rope_local_theta, None)
-        windowed = [True] * n_layers if window_layers is None else [bool(w) for w in window_layers]
-        self._alibi_slopes = alibi_slopes(n_heads, alibi_bias_max) if position == "alibi" else None
+        if rotary is not None and c.rope_local_theta is not None:
+            local_rotary = Rotary(head_dim, c.rope_local_theta, None)
+        windowed = [True] * n_layers if c.window_layers is None else c.window_layers
+        self._alibi_slopes = alibi_slopes(n_heads, c.alibi_bias_max) if c.position == "alibi" else None
+
+        def norm() -> nn.Module:
+            return make_norm(c.norm_type, d_model, c.norm_eps, c.bias)
+
         with torch.device(device) if device is not None else contextlib.nullcontext():
-            self.wte = nn.Embedding(vocab_size, d_model)
-            self.wpe = nn.Embedding(max_seq_len, d_model) if position == "learned" else None
+            self.wte = nn.Embedding(c.vocab_size, d_model)
+            self.wpe = nn.Embedding(c.max_seq_len, d_model) if c.position == "learned" else None
             self.blocks = nn.ModuleList(
                 Block(
-                    Attention(d_model, n_heads, n_kv_heads, attn_bias, qk_norm, norm_type, norm_eps,
-                              local_rotary if windowed[i] else rotary, softmax_scale,
-                              clip_qkv, qkv_bias=qkv_bias, head_dim=head_dim, qk_norm_scope=qk_norm_scope),
-                    make_ffn(ffn_type, d_model, hidden, activation, ffn_bias, layer_moe),
-                    make_norm(norm_type, d_model, norm_eps, bias),
-                    make_norm(norm_type, d_model, norm_eps, bias),
-                    make_norm(norm_type, d_model, norm_eps, bias) if post_norms else None,
-                    make_norm(norm_type, d_model, norm_eps, bias) if post_norms else None,
+                    Attention(d_model, n_heads, c.n_kv_heads, c.attn_bias, c.qk_norm, c.norm_type, c.norm_eps,
+                              local_rotary if windowed[i] else rotary, c.softmax_scale,
+                              c.clip_qkv, qkv_bias=c.qkv_bias, head_dim=c.head_dim, qk_norm_scope=c.qk_norm_scope),
+                    make_ffn(c.ffn_type, d_model, c.ffn_hidden_size, c.activation, c.ffn_bias, layer_moe),
+                    norm(),
+                    norm(),
+                    norm() if c.post_norms else None,
+                    norm() if c.post_norms else None,
                     windowed=windowed[i],
                 )
                 for i in range(n_layers)
             )
-            self.norm_f = make_norm(norm_type, d_model, norm_eps, bias)
-            self.lm_head = None if tie_embeddings else nn.Linear(d_model, vocab_size, bias=False)
-        self.set_activation_checkpointing(activation_checkpointing)
-        self.set_activation_compression(activation_compression)
+            self.norm_f = norm()
+            self.lm_head = None if c.tie_embeddings else nn.Linear(d_model, c.vocab_size, bias=False)
+        self.set_activation_checkpointing(c.activation_checkpointing)
+        self.set_activation_compression(c.activation_compression)
         self.sp: SequenceParallelGroup | None = None
         self.n_params = sum(p.numel() for p in self.parameters())
         self.n_active_params = self._active_params()
         #: The ``model.lora`` settings once adapters are applied (:mod:`smalti.llm.lora`), else None.
         self.lora_config: Any = None
-        if lora:
+        if c.lora:
             from smalti.llm.lora.apply import apply_lora
 
-            apply_lora(self, lora)
+            apply_lora(self, c.lora)
         if device is None or device.type != "meta":
             self.init_weights()
+
+    __init__.__signature__ = options_signature()  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ construction helpers
 
@@ -341,8 +244,8 @@ class LLM(nn.Module):
     def _active_params(self) -> int:
         """Parameters used per token: all but the position table and the experts a token is not routed to."""
         total = self.n_params - (self.wpe.weight.numel() if self.wpe is not None else 0)
-        moe = self.config["moe"]
-        if self.config["ffn_type"] != "moe" or not moe:
+        moe = self.config.moe
+        if self.config.ffn_type != "moe" or not moe:
             return total
         experts = moe.get("num_experts", moe.get("moe_num_experts", 1))
         top_k = moe.get("top_k", moe.get("moe_top_k", 1))
@@ -499,7 +402,7 @@ class LLM(nn.Module):
         if pooled:
             from smalti.moe.losses import pooled_load_balancing_loss
 
-            moe = self.config["moe"] or {}
+            moe = self.config.moe or {}
             total = total + pooled_load_balancing_loss(torch.stack(pooled).sum(0), moe["num_experts"],
                                                        moe["lbl_weight"])
         return total

@@ -11,7 +11,7 @@ classes that ship with ``transformers`` (no ``trust_remote_code``):
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -59,9 +59,9 @@ def _shape(c: dict[str, Any]) -> tuple[str, list[str]]:
 
 
 def mpt_family(model_or_config: Any) -> str:
-    """``"mpt"`` or ``"gpt2"``: the ``transformers`` family an MPT-style model (or its ``config`` dict) exports
-    to; raises :class:`ConversionError` naming what does not fit when it is not MPT-shaped."""
-    c = model_or_config if isinstance(model_or_config, dict) else model_or_config.config
+    """``"mpt"`` or ``"gpt2"``: the ``transformers`` family an MPT-style model (or its ``config``) exports to;
+    raises :class:`ConversionError` naming what does not fit when it is not MPT-shaped."""
+    c = model_or_config if isinstance(model_or_config, Mapping) else model_or_config.config
     family, why = _shape(c)
     if why:
         raise ConversionError("not exportable as a Hugging Face MPT or GPT-2 model: " + "; ".join(why))
