@@ -11,3 +11,5 @@ POSITIONS = ("alibi", "rope", "learned", "none")
 NORM_TYPES = ("layernorm", "rmsnorm", "low_precision_layernorm", "low_precision_rmsnorm", "rmsnorm_plus_one")
 FFN_TYPES = ("mlp", "glu", "moe")
 ACTIVATIONS = ("gelu", "gelu_tanh", "silu", "relu")
+#: Weight dtypes an export or a registered model may be written in.
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")

@@ -6,31 +6,24 @@ Hydra composes the run and before anything is built. ``model.moe`` is checked wi
 
 from __future__ import annotations
 
-import dataclasses
-import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import create_model
-
+from smalti.core.config.derive import schema_for
 from smalti.core.config.types import (
     ExistingPath,
     Field,
-    NonNegativeInt,
     PositiveFloat,
     PositiveInt,
     Schema,
-    TimeStr,
     ValidationInfo,
     model_validator,
     run_config,
     world_size,
 )
 from smalti.core.config.validate import field_error
+from smalti.llm.choices import EXPORT_DTYPES
 from smalti.llm.model.config import LLMConfig, option_problems
-from smalti.llm.model.config import field_names as llm_field_names
 from smalti.moe.config_schema import MoESchema
-
-_DTYPES = Literal["float32", "bfloat16", "float16"]
 
 
 def _sequence_parallel(info: ValidationInfo) -> int:
@@ -65,12 +58,13 @@ class LoRASchema(Schema):
 
 
 class _LLMRules(Schema):
-    """The rules between :class:`~smalti.llm.model.config.LLMConfig`'s fields (the model's own list of them)
-    and with ``parallelism.sp``; :data:`LLMSchema` adds the fields."""
+    """The rules between :class:`~smalti.llm.model.config.LLMConfig`'s fields (the model's own list of them,
+    :func:`~smalti.llm.model.config.option_problems`) and with ``parallelism.sp``."""
 
     @model_validator(mode="after")
     def _shapes_agree(self, info: ValidationInfo) -> _LLMRules:
-        options = {name: getattr(self, name) for name in llm_field_names()}
+        defaults = LLMConfig()
+        options = {name: getattr(self, name, defaults[name]) for name in defaults}
         for key, value, expected in option_problems(options):
             raise field_error(key, value, expected)
         sp = _sequence_parallel(info)
@@ -79,20 +73,10 @@ class _LLMRules(Schema):
         return self
 
 
-def _llm_schema() -> type[Schema]:
-    """The schema of :class:`smalti.llm.LLM`'s options, one field per :class:`LLMConfig` field with its type
-    (constraints included) and default; the nested ``moe`` and ``lora`` options get their own schemas."""
-    hints = typing.get_type_hints(LLMConfig, include_extras=True)
-    nested = {"moe": MoESchema | None, "lora": LoRASchema | None}
-    fields: dict[str, Any] = {f.name: (nested.get(f.name, hints[f.name]), f.default)
-                              for f in dataclasses.fields(LLMConfig)}
-    return create_model("LLMSchema", __base__=_LLMRules, __module__=__name__,
-                        __doc__=":class:`smalti.llm.LLM`'s options (derived from :class:`LLMConfig`) and the rules "
-                                "between them (and ``parallelism.sp``).", **fields)
-
-
-#: :class:`smalti.llm.LLM`'s options, derived field by field from :class:`~smalti.llm.model.config.LLMConfig`.
-LLMSchema = _llm_schema()
+#: :class:`smalti.llm.LLM`'s options, read off :class:`~smalti.llm.model.config.LLMConfig`'s fields (types with
+#: their constraints, defaults); the nested ``moe`` and ``lora`` options are checked by their own schemas.
+LLMSchema = schema_for(LLMConfig, checks={"moe": MoESchema | None, "lora": LoRASchema | None}, base=_LLMRules,
+                       name="LLMSchema")
 
 
 class PretrainedLLMSchema(Schema):
@@ -104,89 +88,63 @@ class PretrainedLLMSchema(Schema):
     lora: LoRASchema | None = None
 
 
-class SequenceParallelSchema(Schema):
-    """:class:`smalti.llm.parallelism.SequenceParallelFSDP` (``parallelism=fsdp_sp``)."""
-
-    sp: PositiveInt = 1
-    param_dtype: _DTYPES | None = None
-    reduce_dtype: _DTYPES | None = None
-    reduce_every_microbatch: bool = True
-
+class _SequenceParallelRules(Schema):
     @model_validator(mode="after")
-    def _divides_world(self, info: ValidationInfo) -> SequenceParallelSchema:
+    def _divides_world(self, info: ValidationInfo) -> _SequenceParallelRules:
         world = world_size(info)
         if world > 1 and world % self.sp:
             raise field_error("sp", self.sp, f"a divisor of the world size {world}")
         return self
 
 
-class ExpertParallelSchema(Schema):
-    """:class:`smalti.llm.parallelism.ExpertParallelFSDP` (``parallelism=fsdp_ep``)."""
-
-    ep: PositiveInt = 1
-    param_dtype: _DTYPES | None = None
-    reduce_dtype: _DTYPES | None = None
-    reduce_every_microbatch: bool = True
-
+class _ExpertParallelRules(Schema):
     @model_validator(mode="after")
-    def _divides_world(self, info: ValidationInfo) -> ExpertParallelSchema:
+    def _divides_world(self, info: ValidationInfo) -> _ExpertParallelRules:
         world = world_size(info)
         if world > 1 and world % self.ep:
             raise field_error("ep", self.ep, f"a divisor of the world size {world}")
         return self
 
 
-class TextSchema(Schema):
-    """Token datasets built from text: ``TokenizedText``, and the base of the finetuning datasets' schemas."""
-
-    max_seq_len: PositiveInt = 128
-    eval_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.1
-    packing: bool = True
-
-
-class FinetuneTextSchema(TextSchema):
-    """``FinetuneDataset``'s options (prompt/response rows are longer than pretraining text by default)."""
-
-    max_seq_len: PositiveInt = 256
-
-
-class ChatSchema(TextSchema):
-    """``ChatDataset``'s options."""
-
-    max_seq_len: PositiveInt = 2048
-    overlong: Literal["truncate", "drop"] = "truncate"
-
-
-class MarkovSchema(Schema):
-    vocab_size: Annotated[int, Field(ge=2)] = 64
-    branching: PositiveInt = 4
-    max_seq_len: PositiveInt = 64
-    num_samples: PositiveInt = 2048
-    concentration: PositiveFloat = 1.0
-    seed: NonNegativeInt = 0
-
-
 class PreparedTextSchema(Schema):
-    """``PreparedTextMDS`` (``data=text_mds``); the folder itself is checked when the dataset is built."""
+    """``PreparedTextMDS`` (``data=text_mds``), a factory passing its options on to smalti-streaming's
+    ``TextMDS``; the folder itself is checked when the dataset is built."""
 
     max_seq_len: PositiveInt = 2048
     replication: PositiveInt | None = None
 
 
 class HFExportSchema(Schema):
-    dtype: _DTYPES | None = None
+    """:class:`smalti.llm.hf.HFExport`, written out: its module loads ``transformers``, which a config check
+    must not (``tests/test_schema_defaults.py`` holds the defaults to the constructor's)."""
+
+    dtype: Literal[EXPORT_DTYPES] | None = None  # type: ignore[valid-type]
     merge: bool = True
     max_shard_size: Annotated[int, Field(gt=0)] | Annotated[str, Field(pattern=r"(?i)^\s*[0-9.]+\s*(b|kb|mb|gb|tb)?\s*$")] = "2GB"
 
 
-class ICLSchema(Schema):
-    interval: TimeStr | None = "500ba"
-    at_fit_end: bool = True
+def _derived() -> dict[str, type[Schema]]:
+    """The schemas read off their components' constructors (:func:`~smalti.core.config.derive.schema_for`),
+    by ``_target_``; imported here, when the config check asks, not when the plugin loads."""
+    from smalti.llm.data.chat import ChatDataset
+    from smalti.llm.data.finetune import FinetuneDataset
+    from smalti.llm.data.synthetic import MarkovTokens
+    from smalti.llm.data.text import TokenizedText
+    from smalti.llm.icl.callback import GauntletEval, ICLEval
+    from smalti.llm.mlflow_registry import MLflowModelRegistry
+    from smalti.llm.parallelism import ExpertParallelFSDP, SequenceParallelFSDP
 
-
-class MLflowModelSchema(Schema):
-    dtype: _DTYPES = "float32"
-    interval: PositiveInt | None = None
+    return {
+        "smalti.llm.parallelism.SequenceParallelFSDP": schema_for(SequenceParallelFSDP, base=_SequenceParallelRules),
+        "smalti.llm.parallelism.ExpertParallelFSDP": schema_for(ExpertParallelFSDP, base=_ExpertParallelRules),
+        "smalti.llm.data.text.TokenizedText": schema_for(TokenizedText),
+        "smalti.llm.data.finetune.FinetuneDataset": schema_for(FinetuneDataset),
+        "smalti.llm.data.chat.ChatDataset": schema_for(ChatDataset),
+        "smalti.llm.data.synthetic.MarkovTokens": schema_for(MarkovTokens),
+        "smalti.llm.icl.callback.ICLEval": schema_for(ICLEval),
+        "smalti.llm.icl.callback.GauntletEval": schema_for(GauntletEval),
+        "smalti.llm.mlflow_registry.MLflowModelRegistry": schema_for(MLflowModelRegistry),
+    }
 
 
 def schemas() -> dict[str, Any]:
@@ -195,18 +153,10 @@ def schemas() -> dict[str, Any]:
         "smalti.llm.LLM": LLMSchema,
         "smalti.llm.model.transformer.LLM": LLMSchema,
         "smalti.llm.hf.PretrainedLLM": PretrainedLLMSchema,
-        "smalti.llm.parallelism.SequenceParallelFSDP": SequenceParallelSchema,
-        "smalti.llm.parallelism.ExpertParallelFSDP": ExpertParallelSchema,
-        "smalti.llm.data.text.TokenizedText": TextSchema,
-        "smalti.llm.data.finetune.FinetuneDataset": FinetuneTextSchema,
-        "smalti.llm.data.chat.ChatDataset": ChatSchema,
-        "smalti.llm.data.synthetic.MarkovTokens": MarkovSchema,
         "smalti.llm.data.prepare.PreparedTextMDS": PreparedTextSchema,
         "smalti.llm.hf.HFExport": HFExportSchema,
         "smalti.llm.hf_export.HFExport": HFExportSchema,  # run configs saved before smalti.llm.hf
-        "smalti.llm.icl.callback.ICLEval": ICLSchema,
-        "smalti.llm.icl.callback.GauntletEval": ICLSchema,
-        "smalti.llm.mlflow_registry.MLflowModelRegistry": MLflowModelSchema,
+        **_derived(),
     }
 
 

@@ -15,9 +15,11 @@ import logging
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from smalti.core import Callback, distributed
+from smalti.core.config.types import NonNegativeFloat, PositiveInt
+from smalti.llm.choices import EXPORT_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +52,8 @@ class MLflowModelRegistry(Callback):
     """
 
     def __init__(self, registered_model_name: str | None = None, artifact_path: str = "model",
-                 tokenizer: str | None = "default", dtype: str = "float32", wait_s: float = 60.0,
-                 interval: int | None = None) -> None:
+                 tokenizer: str | None = "default", dtype: Literal[EXPORT_DTYPES] = "float32",  # type: ignore[valid-type]
+                 wait_s: NonNegativeFloat = 60.0, interval: PositiveInt | None = None) -> None:
         if interval is not None and int(interval) < 1:
             raise ValueError(f"callbacks.mlflow_model.interval={interval}: give a number of checkpoints >= 1")
         self.registered_model_name = registered_model_name

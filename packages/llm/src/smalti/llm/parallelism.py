@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from smalti.core import distributed
+from smalti.core.config.types import PositiveInt
 from smalti.core.errors import ConfigError
 from smalti.core.parallelism import FSDP
 
@@ -29,7 +30,7 @@ class SequenceParallelFSDP(FSDP):
 
     name = "fsdp_sp"
 
-    def __init__(self, sp: int = 1, **kwargs: Any) -> None:
+    def __init__(self, sp: PositiveInt = 1, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if not isinstance(sp, int) or sp < 1:
             raise ConfigError(f"parallelism.sp={sp!r} must be a positive number of ranks per sequence")
@@ -91,7 +92,7 @@ class ExpertParallelFSDP(FSDP):
 
     name = "fsdp_ep"
 
-    def __init__(self, ep: int = 1, **kwargs: Any) -> None:
+    def __init__(self, ep: PositiveInt = 1, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if not isinstance(ep, int) or ep < 1:
             raise ConfigError(f"parallelism.ep={ep!r} must be a positive number of ranks per expert group")

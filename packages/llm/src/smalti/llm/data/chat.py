@@ -36,11 +36,12 @@ import os
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch.utils.data import Dataset
 
+from smalti.core.config.types import PositiveInt
 from smalti.llm.data.finetune import IGNORE_INDEX, _iterate, encode_pair, pack, packed_row, size_note
 from smalti.llm.errors import DataError, TokenizerError
 from smalti.llm.tokenizer import Tokenizer, load_tokenizer
@@ -203,9 +204,9 @@ class ChatDataset(Dataset):
         self,
         path: str | os.PathLike | list[str] | None = None,
         tokenizer: str | Tokenizer | None = "default",
-        max_seq_len: int = 2048,
+        max_seq_len: PositiveInt = 2048,
         packing: bool = True,
-        overlong: str = "truncate",
+        overlong: Literal["truncate", "drop"] = "truncate",
         local: str | None = None,
         remote: str | None = None,
         split: str | None = None,

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from smalti.core.config.types import PositiveInt
 from smalti.llm.errors import DataError
 from smalti.llm.tokenizer import Tokenizer, load_tokenizer
 
@@ -69,7 +70,7 @@ class FinetuneDataset(Dataset):
         self,
         path: str | os.PathLike | list[str] | None = None,
         tokenizer: str | Tokenizer | None = "default",
-        max_seq_len: int = 256,
+        max_seq_len: PositiveInt = 256,
         packing: bool = True,
         prompt_key: str = "prompt",
         response_key: str = "response",

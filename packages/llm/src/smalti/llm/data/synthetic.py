@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+from typing import Annotated
 
 import torch
 from torch.utils.data import Dataset
 
+from smalti.core.config.types import Field, NonNegativeInt, PositiveFloat, PositiveInt
 from smalti.llm._compat import standard_gamma
 
 
@@ -21,12 +23,12 @@ class MarkovTokens(Dataset):
 
     def __init__(
         self,
-        vocab_size: int = 64,
-        branching: int = 4,
-        max_seq_len: int = 64,
-        num_samples: int = 2048,
-        concentration: float = 1.0,
-        seed: int = 0,
+        vocab_size: Annotated[int, Field(ge=2)] = 64,
+        branching: PositiveInt = 4,
+        max_seq_len: PositiveInt = 64,
+        num_samples: PositiveInt = 2048,
+        concentration: PositiveFloat = 1.0,
+        seed: NonNegativeInt = 0,
     ) -> None:
         gen = torch.Generator().manual_seed(seed)
         branching = min(branching, vocab_size)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Annotated
 
 import torch
 from torch.utils.data import Dataset
 
+from smalti.core.config.types import Field, PositiveInt
 from smalti.llm.errors import DataError
 from smalti.llm.tokenizer import Tokenizer, load_tokenizer
 
@@ -33,9 +35,9 @@ class TokenizedText(Dataset):
         self,
         path: str | os.PathLike | list[str] | None = None,
         tokenizer: str | Tokenizer | None = "default",
-        max_seq_len: int = 128,
+        max_seq_len: PositiveInt = 128,
         split: str = "train",
-        eval_fraction: float = 0.1,
+        eval_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.1,
         text_key: str = "text",
     ) -> None:
         from smalti.llm.data.sources import iter_documents

@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 from smalti.core import Callback
+from smalti.core.config.types import TimeStr
 from smalti.core.intervals import interval_fires
 from smalti.core.time import Time
 from smalti.llm.icl.gauntlet import load_gauntlet
@@ -26,7 +27,7 @@ class ICLEval(Callback):
         at_fit_end: also evaluate when training ends.
     """
 
-    def __init__(self, tasks: Any = "default", tokenizer: str | None = "default", interval: str | None = "500ba",
+    def __init__(self, tasks: Any = "default", tokenizer: str | None = "default", interval: TimeStr | None = "500ba",
                  at_fit_end: bool = True) -> None:
         self.tasks = load_tasks(tasks)
         self.tokenizer = load_tokenizer(tokenizer)
@@ -75,7 +76,7 @@ class GauntletEval(ICLEval):
     """
 
     def __init__(self, gauntlet: Any, tasks: Any = "default", tokenizer: str | None = "default",
-                 interval: str | None = "500ba", at_fit_end: bool = True) -> None:
+                 interval: TimeStr | None = "500ba", at_fit_end: bool = True) -> None:
         super().__init__(tasks=tasks, tokenizer=tokenizer, interval=interval, at_fit_end=at_fit_end)
         self.gauntlet = load_gauntlet(gauntlet)
         self.gauntlet.check_tasks({t.label: list(t.num_fewshot) for t in self.tasks})
