@@ -170,17 +170,14 @@ class BlockOrder:
         index_type = np.int32 if len(sizes) < 1 << 31 else np.int64
         # 1. shards in a run order, cut into pieces of equal sample counts; a cut shard becomes two spans
         perm = run_rng.permutation(np.arange(len(sizes), dtype=index_type))
-        # each shard's (size, first id) side by side: one gather in run order instead of two
-        shard_table = np.empty((len(sizes), 2), dtype=np.int64)
-        shard_table[:, 0] = sizes
         if shard_first_ids is None:
-            shard_table[:1, 1] = 0
-            np.cumsum(sizes[:-1], out=shard_table[1:, 1])
+            first = np.empty(len(sizes), dtype=np.int64)
+            first[:1] = 0
+            np.cumsum(sizes[:-1], out=first[1:])
         else:
-            shard_table[:, 1] = np.asarray(shard_first_ids, dtype=np.int64)
-        run_table = np.take(shard_table, perm, axis=0)  # (fancy indexing of rows is 5x slower)
-        del shard_table, perm
-        run_sizes, run_first = run_table[:, 0], run_table[:, 1]
+            first = np.asarray(shard_first_ids, dtype=np.int64)
+        run_sizes, run_first = sizes[perm], first[perm]
+        del first, perm
         run_starts = np.empty(len(sizes) + 1, dtype=np.int64)
         run_starts[0] = 0
         np.cumsum(run_sizes, out=run_starts[1:])
@@ -192,7 +189,7 @@ class BlockOrder:
         else:
             keep = np.flatnonzero(nonempty)
             span_lo, span_first, span_len = run_starts[keep], run_first[keep], run_sizes[keep]
-        del nonempty
+        del nonempty, run_sizes, run_first  # the span tables hold them (or copies) from here
         inner = cuts[1:-1]
         at = np.searchsorted(span_lo, inner, side="right")
         split = np.flatnonzero((at > 0) & (span_lo[np.maximum(at - 1, 0)] != inner))
