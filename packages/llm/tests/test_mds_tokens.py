@@ -43,3 +43,52 @@ def test_token_bytes_of_another_width_fail_naming_the_column_and_the_fix(tmp_pat
     assert read_all(ds) == [w.tolist() for w in windows]
     with pytest.raises(DataError, match="token_dtype='int8'"):
         TextMDS(local=str(tmp_path / "i32"), token_dtype="int8")
+
+
+def write_windows(path, n=40, length=24):
+    from smalti.streaming import MDSWriter
+
+    rng = np.random.default_rng(1)
+    with MDSWriter(path, {"tokens": f"ndarray:int32:{length}"}, size_limit=1 << 10) as writer:
+        for _ in range(n):
+            writer.write({"tokens": rng.integers(1, 50000, size=length).astype(np.int32)})
+    return path
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_text_mds_batches_take_the_batch_path_and_equal_the_sample_path(tmp_path, monkeypatch, workers):
+    import torch
+    from torch.utils.data import DataLoader
+
+    from smalti.streaming import StreamingDataLoader
+
+    data = write_windows(tmp_path / "data")
+    ds = TextMDS(local=str(data), max_seq_len=16, shuffle=True, batch_size=4)
+    cls = type(ds)
+    calls = {"batch": 0, "sample": 0}
+    for name, key in (("transform_batch", "batch"), ("transform_sample", "sample")):
+        def counted(self, value, _orig=getattr(cls, name), _key=key):
+            calls[_key] += 1
+            return _orig(self, value)
+        monkeypatch.setattr(cls, name, counted)
+    assert not ds.transforms_samples()
+    loader = StreamingDataLoader(ds, batch_size=4, num_workers=workers)
+    assert loader.batched
+    fast = [b["input_ids"] for b in loader]
+    # in this process: every batch (workers hand over ids; this process makes the batches), none per sample
+    assert calls == {"batch": 10, "sample": 0}
+    ds.set_epoch(0)  # the loader's iteration moved the dataset on to epoch 1
+    slow = [b["input_ids"] for b in DataLoader(ds, batch_size=4)]  # torch's own loader, sample by sample
+    assert calls["sample"] == 40
+    assert len(fast) == len(slow) == 10
+    for a, b in zip(fast, slow, strict=True):
+        assert a.dtype == b.dtype == torch.int64
+        assert a.shape == (4, 16) and a.equal(b)
+
+
+def test_text_mds_batch_path_refuses_windows_shorter_than_max_seq_len(tmp_path):
+    from smalti.streaming import StreamingDataLoader
+
+    ds = TextMDS(local=str(write_windows(tmp_path / "data", n=8)), max_seq_len=32, shuffle=False, batch_size=4)
+    with pytest.raises(DataError, match="fewer than max_seq_len=32"):
+        next(iter(StreamingDataLoader(ds, batch_size=4)))

@@ -205,3 +205,19 @@ def test_a_shared_cache_checks_copies_against_the_index_not_their_records(make_d
     raw.write_bytes(bytes(data))
     record_copy(raw, file_digest(raw))  # ... and a record forged to match it
     assert _ids(StreamingDataset(remote=remote, local=str(cache), batch_size=2)) == list(range(10))
+
+
+def test_a_remote_shard_larger_than_its_index_entry_is_refused_before_download(tmp_path, make_dataset):
+    from smalti.streaming.errors import DownloadError
+
+    remote = make_dataset(tmp_path / "remote", n=100, size_limit=1000, compression=None)
+    shard = remote / "shard.00000.mds"
+    declared = shard.stat().st_size
+    with open(shard, "ab") as f:  # replaced by a bigger object (or one growing without end): never downloaded
+        f.write(b"\0" * (1 << 20))
+    ds = StreamingDataset(remote=str(remote), local=str(tmp_path / "cache"), batch_size=4, predownload=0,
+                          validate_hash=False)  # without hash checks its extra bytes would go unnoticed
+    with pytest.raises(DownloadError, match=f"more than the {declared} expected"):
+        ds[0]
+    assert not list((tmp_path / "cache").glob("shard.00000.mds*"))
+    assert ds[len(ds) - 1]["id"] == len(ds) - 1  # the other shards read on

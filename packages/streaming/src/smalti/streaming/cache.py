@@ -11,10 +11,17 @@ Every copy the cache makes (a decompressed shard, or a downloaded uncompressed o
 recorded with it when it is made (an extended attribute of the file); each process checks a copy against
 that record the first time it opens it, and a copy that fails is made again (from the zip if it is still
 there, else downloaded again), so a byte flipped on disk is never returned as a sample.
+
+Under ``cache_limit``, every process evicts by one node-wide recency, the copies' modification times (a
+process that reads a shard touches its copy now and then), and first the shards the epoch's fetch plan says
+this node reads no more (:class:`~smalti.streaming.fetch_plan.CacheNeeds`). A limit below what the order
+needs at once (see ``StreamingDataset.cache_needs``) is not an error: a shard evicted before it is read
+again is fetched again, counted (:meth:`ShardCache.counts`) and logged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -23,6 +30,10 @@ import weakref
 from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch.utils.data import get_worker_info
 
 from smalti.storage import is_temp_name
 from smalti.storage.atomic import TEMP_MARKER
@@ -45,6 +56,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_OPEN_READERS = 64
+MAX_LOST_OPENS = 1000  # a shard evicted this many times in a row between its fetch and its opening: give up
+TOUCH_S = 1.0  # how often a process that reads a shard refreshes its copy's mtime (the node's shared recency)
+COUNT_SLOTS = 64  # per-process counters of one rank (its main process and DataLoader workers), summed on read
 STALE_CHECK_S = 0.05  # how often a process looks for open readers of shards another process evicted
 _CACHES: weakref.WeakSet[ShardCache] = weakref.WeakSet()
 
@@ -75,9 +89,18 @@ class ShardCache:
         self._checked: set[int] = set()
         self._zips_checked: set[int] = set()  # zips checked by this process and not decompressed yet
         self._readers: OrderedDict[int, ShardReader] = OrderedDict()
-        self._access: dict[int, int] = {}
-        self._clock = 0
+        self._access: dict[int, float] = {}
+        self._touched: dict[int, float] = {}
         self._swept = 0.0
+        # (fetches, fetches again) per process slot, and the epoch + 1 in which this rank last had each shard:
+        # shared memory, so DataLoader workers count into what the training process reads
+        self._counts = torch.zeros((COUNT_SLOTS, 2), dtype=torch.int64).share_memory_()
+        self._had = torch.zeros(len(shards), dtype=torch.int32).share_memory_()
+        self.epoch = 0
+        self.step = 0  # the global batch this process reads now (set by the dataset's iteration)
+        self.last_use: np.ndarray | None = None  # last step of the epoch each shard is read by this node
+        self.window = 1  # global batches the fetch plan reads ahead
+        self._warned = False
         _CACHES.add(self)
 
     def __getstate__(self) -> dict[str, Any]:  # DataLoader workers get a fresh cache state, not our locks
@@ -108,14 +131,43 @@ class ShardCache:
         return self.raw_path(shard).exists()
 
     def _touch(self, shard: int) -> None:
-        with self._lock:
-            self._clock += 1
-            self._access[shard] = self._clock
+        """Record a use of ``shard`` here and, now and then, on its copy's mtime, which every process of the
+        node evicts by."""
+        now = time.time()
+        self._access[shard] = now
+        if self.cache_limit is not None and now - self._touched.get(shard, 0.0) > TOUCH_S:
+            self._touched[shard] = now
+            with contextlib.suppress(OSError):  # not made yet, or evicted: its fetch gives it a fresh mtime
+                os.utime(self.raw_path(shard))
 
-    def ensure(self, shard: int, defer_to_peer: bool = False) -> Path:
+    def counts(self) -> dict[str, int]:
+        """Shard copies this rank's processes made (downloads and decompressions) and, of those, copies of a
+        shard they had already had this epoch (fetched again after an eviction: the cache is too small)."""
+        fetches, again = self._counts.sum(0).tolist()
+        return {"fetches": int(fetches), "refetches": int(again)}
+
+    def _count_fetch(self, shard: int) -> None:
+        worker = get_worker_info()
+        slot = 0 if worker is None else 1 + worker.id % (COUNT_SLOTS - 1)
+        again = int(self._had[shard]) == self.epoch + 1
+        with self._lock:
+            self._counts[slot, 0] += 1
+            if again:
+                self._counts[slot, 1] += 1
+        self._had[shard] = self.epoch + 1
+        if again:
+            level = logging.INFO if self._warned else logging.WARNING
+            self._warned = True
+            log.log(level, "fetching shard %s again: evicted before this node read it for the last time "
+                     "(cache_limit=%d bytes is below what this order needs at once; %d fetched again so far "
+                     "by this process)", self.raw_path(shard).name, self.cache_limit or 0,
+                     int(self._counts[slot, 1]))
+
+    def ensure(self, shard: int, defer_to_peer: bool = False, evict: bool = True) -> Path:
         """The path of shard ``shard``'s raw file, fetching it first if needed.
 
         With ``defer_to_peer``, another process is expected to fetch it: wait for that while it progresses.
+        ``evict=False`` leaves the eviction to the caller (who opens the copy first).
         """
         raw = self.raw_path(shard)
         self._touch(shard)
@@ -124,11 +176,19 @@ class ShardCache:
         with self._lock:
             lock = self._shard_locks.setdefault(shard, threading.Lock())
         with lock:
-            if not raw.exists() and (defer_to_peer or self.peer_busy(shard)):
+            # a shard evicted since its owner fetched it is fetched here: the owner will not make it again
+            if not raw.exists() and (defer_to_peer and not self._evicted(shard).exists() or self.peer_busy(shard)):
                 self._wait_for_peer(shard)
             self._fetch(shard)
-        self._evict()
+        if evict:
+            self._evict()
         return raw
+
+    def _evicted(self, shard: int) -> Path:
+        """The mark an eviction leaves for shard ``shard`` until its next fetch: the processes that wait for
+        the shard's owner to fetch it fetch it themselves instead."""
+        raw = self.raw_path(shard)
+        return raw.parent / f".evicted.{raw.name}"
 
     def local_zip(self, shard: int, download: bool = False) -> tuple[Path, bool] | None:
         """Shard ``shard``'s zip on local disk while its raw copy is not made yet: ``(path, checked)``, where
@@ -178,7 +238,7 @@ class ShardCache:
             if not entry.get("zip_data"):  # the downloaded file is the copy samples are read from: record it
                 record_copy(tmp, file_digest(tmp), final=fetched)
 
-        self.fetcher.get(remote, info["basename"], fetched, check)
+        self.fetcher.get(remote, info["basename"], fetched, check, max_bytes=info.get("bytes"))
 
     def _activity(self, shard: int) -> float | None:
         """When a peer last showed progress on ``shard``: the newest mtime of its temporary or zip files."""
@@ -277,6 +337,8 @@ class ShardCache:
         if raw.exists():
             self._checked.add(shard)
             return
+        self._count_fetch(shard)
+        self._evicted(shard).unlink(missing_ok=True)
         downloaded = shard in self._zips_checked  # checked on the way in, or by a read of a few rows
         if not fetched.exists():
             self._download(shard, info, fetched)
@@ -293,9 +355,12 @@ class ShardCache:
         self._checked.add(shard)
 
     def _evict(self) -> None:
-        """Delete least recently used downloaded shards until the cache is under ``cache_limit``."""
+        """Delete downloaded shards until the cache is under ``cache_limit``: first those this node reads no
+        more this epoch (by ``last_use``, a window behind ``step`` for the node's slower processes), then the
+        least recently used on the node (copies' mtimes, or this process's later use)."""
         if self.cache_limit is None:
             return
+        last_use, done = self.last_use, self.step - 2 * max(self.window, 1)
         with self._lock:
             present = []
             for shard, (si, entry) in enumerate(self.shards):
@@ -304,15 +369,21 @@ class ShardCache:
                 if stream.remote is None:  # a shard that exists only here is never evicted
                     continue
                 try:
-                    size = path.stat().st_size
+                    st = path.stat()
                 except FileNotFoundError:
                     continue
-                present.append((self._access.get(shard, 0), shard, path, size))
-            used = sum(p[3] for p in present)
-            for _, shard, path, size in sorted(present):
+                needed = last_use is None or shard >= len(last_use) or last_use[shard] > done
+                recency = max(st.st_mtime, self._access.get(shard, 0.0))
+                present.append((needed, recency, shard, path, st.st_size))
+            used = sum(p[4] for p in present)
+            for _, _, shard, path, size in sorted(present):
                 if used <= self.cache_limit:
                     break
                 remove_copy(path)
+                try:
+                    os.close(open_no_links(self._evicted(shard), os.O_WRONLY | os.O_CREAT, 0o600))
+                except OSError as exc:
+                    log.debug("cannot mark %s evicted: %r", path, exc)
                 self._readers.pop(shard, None)
                 self._checked.discard(shard)
                 used -= size
@@ -330,8 +401,7 @@ class ShardCache:
         reader = self._readers.get(shard)
         if reader is not None:
             self._readers.move_to_end(shard)
-            self._clock += 1
-            self._access[shard] = self._clock
+            self._touch(shard)
             return reader
         si, entry = self.shards[shard]
         name = self.streams[si].name
@@ -343,16 +413,23 @@ class ShardCache:
             else:
                 self._checked.add(shard)
                 return self._keep(shard, reader)
-        for _ in range(3):
-            path = self.ensure(shard, defer_to_peer)
+        tries = 0
+        while True:
+            path = self.ensure(shard, defer_to_peer, evict=False)
             try:
                 reader = ShardReader(path, entry, name, self.allow_unsafe_types)
                 break
-            except FileNotFoundError:  # evicted by another process in between: fetch it again
+            except FileNotFoundError:  # evicted by another process in between: fetch it again (slower, counted)
                 self._checked.discard(shard)
-        else:
-            raise StreamingError(f"shard {self.raw_path(shard)} of stream {name} keeps disappearing from the "
-                                 "cache; raise cache_limit")
+                tries += 1
+                if tries >= MAX_LOST_OPENS:
+                    raise StreamingError(
+                        f"shard {self.raw_path(shard)} of stream {name} was evicted by other processes of this "
+                        f"node {tries} times in a row before it could be opened: cache_limit={self.cache_limit} "
+                        "bytes holds too few shards for the processes reading at once; raise it") from None
+                time.sleep(0.001 * min(tries, 50))
+        self._had[shard] = self.epoch + 1
+        self._evict()  # after opening: the mapping keeps this copy readable whatever an eviction does
         return self._keep(shard, reader)
 
     def _drop_stale_readers(self) -> None:

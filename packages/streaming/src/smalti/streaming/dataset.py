@@ -21,7 +21,7 @@ from smalti.streaming.bundles import BUNDLE_SAMPLES, Bundle, _bundles
 from smalti.streaming.cache import ShardCache
 from smalti.streaming.epoch_plan import ArrayOrder, EpochOrder, GridRemaining, LazyOrder, Remaining
 from smalti.streaming.errors import StreamingError
-from smalti.streaming.fetch_plan import FetchPlan
+from smalti.streaming.fetch_plan import CacheNeeds, FetchPlan, cache_needs
 from smalti.streaming.index_trust import (
     check_local_lengths,
     secure_stream_folder,
@@ -217,7 +217,45 @@ class StreamingDataset(IterableDataset):
         self.cache = ShardCache(streams, shards, self.cache_limit, self._fetcher, validate_hash,
                                 allow_unsafe_types=allow_unsafe_types)
         self._remove_stale_downloads()
+        self._needs: tuple[tuple[int, int], CacheNeeds] | None = None
         self._warm_up()
+        if self.cache_limit is not None:
+            self._report_cache_needs()
+
+    def cache_needs(self, epoch: int | None = None) -> CacheNeeds:
+        """What this node's share of epoch ``epoch`` (default: the current one, from the resume position) asks
+        of the shard cache: the smallest ``cache_limit`` that fetches every shard once, and the order's
+        locality (distinct shards per window of global batches). Measured on the order, a chunk at a time;
+        past ``fetch_plan.NEEDS_WALK_SAMPLES`` node samples, on the epoch's beginning."""
+        epoch = self.epoch if epoch is None else epoch
+        start = self._resume[1] if self._resume and self._resume[0] == epoch else 0
+        if self._needs is not None and self._needs[0] == (epoch, start):
+            return self._needs[1]
+        sizes = np.array([entry["raw_data"]["bytes"] if self.streams[si].remote is not None else 0
+                          for si, entry in self._shards], dtype=np.int64)  # local-only shards are never evicted
+        window = max(1, -(-self.predownload // self.batch_size))
+        needs = cache_needs(self._remaining(epoch), self._node_columns(), self._locate, sizes, window)
+        self._needs = ((epoch, start), needs)
+        return needs
+
+    def _report_cache_needs(self) -> None:
+        """Say (once per node) the cache this layout and order need, warning when ``cache_limit`` is below it."""
+        try:
+            needs = self.cache_needs()
+        except Exception as exc:  # the iteration meets (and reports) any problem with the order itself
+            log.debug("cache needs not measured: %r", exc)
+            return
+        if self.local_rank == 0:
+            log.info("streaming %s: %s", ", ".join(self._stream_names), needs.describe())
+            if self.cache_limit is not None and self.cache_limit < needs.min_cache_bytes:
+                log.warning("cache_limit=%d bytes is below the %d bytes this node's order needs at once: shards "
+                            "will be fetched again after eviction (slower; see StreamingDataset.metrics())",
+                            self.cache_limit, needs.min_cache_bytes)
+
+    def metrics(self) -> dict[str, int]:
+        """Counters of this rank's shard cache (its main process and DataLoader workers): ``fetches`` (copies
+        made) and ``refetches`` (of shards evicted before this rank read them for the last time this epoch)."""
+        return self.cache.counts()
 
     def _first_needed_shards(self, steps: int) -> list[int]:
         """The shards this node's first ``steps`` global batches of the current epoch read, in the order needed."""
@@ -380,7 +418,7 @@ class StreamingDataset(IterableDataset):
                 reader = future.result()
                 if reader is not None:
                     readers[shard] = reader
-        return self._collate_columns(ids, None, readers=readers)
+        return self._columnar_batch(ids, None, readers=readers)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -502,7 +540,7 @@ class StreamingDataset(IterableDataset):
         if not 0 <= index < self.num_samples:
             raise IndexError(f"sample {index} is out of range for {self.num_samples} samples")
         shards, offsets = self._locate(np.array([index]))
-        return self.cache.reader(int(shards[0]))[int(offsets[0])]
+        return self.transform_sample(self.cache.reader(int(shards[0]))[int(offsets[0])])
 
     def __getitems__(self, indices: Sequence[int]) -> list[dict[str, Any]]:
         """Samples ``indices`` in that order, equal to ``[ds[i] for i in indices]``, fetched shard by shard.
@@ -533,14 +571,36 @@ class StreamingDataset(IterableDataset):
             out.append((int(unique[k]), pos, offsets[pos]))
         return out
 
-    def _gather(self, ids: np.ndarray, plan: FetchPlan | None = None) -> list[dict[str, Any]]:
-        """The samples of global ids ``ids``, in order (one reader call per shard)."""
+    def _gather(self, ids: np.ndarray, plan: FetchPlan | None = None) -> list[Any]:
+        """The samples of global ids ``ids``, in order (one reader call per shard), each through
+        :meth:`transform_sample`."""
         out: list[Any] = [None] * len(ids)
+        transform = self.transform_sample
         for shard, pos, offs in self._groups(ids):
             reader = self.cache.reader(shard, plan.defer(shard) if plan is not None else False)
             for p, sample in zip(pos.tolist(), reader.gather(offs)):
-                out[p] = sample
+                out[p] = transform(sample)
         return out
+
+    def transform_sample(self, sample: dict[str, Any]) -> Any:
+        """What a sample read from the shards becomes (default: itself). A subclass that changes samples
+        overrides this and, to keep the fast batch path, :meth:`transform_batch` with the same conversion
+        applied to a whole batch; overriding only this one sends batches sample by sample."""
+        return sample
+
+    def transform_batch(self, batch: dict[str, torch.Tensor]) -> Any:
+        """What a batch of columnar samples (``default_collate`` of the raw samples: one tensor per column,
+        made in one copy per column) becomes (default: itself). Must equal ``default_collate`` of the
+        samples through :meth:`transform_sample`; the fast batch path calls it once per batch, in the
+        process that makes the batch."""
+        return batch
+
+    def _columnar_batch(self, ids: np.ndarray, plan: FetchPlan | None,
+                        readers: dict[int, Any] | None = None) -> Any | None:
+        """The batch of samples ``ids`` made column by column and through :meth:`transform_batch`; ``None``
+        when the shards are not columnar."""
+        batch = self._collate_columns(ids, plan, readers=readers)
+        return None if batch is None else self.transform_batch(batch)
 
     def _columns(self, ids: np.ndarray, plan: FetchPlan | None, vouched: bool = False,
                  readers: dict[int, Any] | None = None) -> tuple[Any, ...] | None:
@@ -575,7 +635,7 @@ class StreamingDataset(IterableDataset):
             return Bundle(refs=batches)
         out = []
         for ids in batches:
-            batch = self._collate_columns(ids, plan)
+            batch = self._columnar_batch(ids, plan)
             out.append(default_collate(self._gather(ids, plan)) if batch is None else batch)
         return Bundle(batches=out)
 
@@ -597,9 +657,9 @@ class StreamingDataset(IterableDataset):
                                  "columnar here: the dataset changed under the loader")
         sizes = [len(r) for r in bundle.refs]
         if len(sizes) == 1:
-            return [batch]
+            return [self.transform_batch(batch)]
         parts = {name: torch.split(t, sizes) for name, t in batch.items()}
-        return [{name: p[i] for name, p in parts.items()} for i in range(len(sizes))]
+        return [self.transform_batch({name: p[i] for name, p in parts.items()}) for i in range(len(sizes))]
 
     def _collate_columns(self, ids: np.ndarray, plan: FetchPlan | None, vouched: bool = False,
                          readers: dict[int, Any] | None = None) -> dict[str, Any] | None:
@@ -838,6 +898,14 @@ class StreamingDataset(IterableDataset):
         remaining = self._remaining(epoch)
         b = self.batch_size
         c0, c1 = self.dp_rank * b, (self.dp_rank + 1) * b
+        cache = self.cache
+        cache.epoch, cache.step = epoch, 0
+        if self.cache_limit is not None:
+            try:
+                needs = self.cache_needs(epoch)
+                cache.last_use, cache.window = (needs.last_use if needs.complete else None), needs.window_steps
+            except Exception as exc:  # reading below meets it and reports it
+                log.debug("cache needs not measured: %r", exc)
         plan = FetchPlan(self, remaining, worker_id, num_workers)
         if worker is None:
             self._consumed = 0
@@ -851,7 +919,7 @@ class StreamingDataset(IterableDataset):
                     batches = [ids for ids in batches if len(ids)]
                     if not batches:
                         continue
-                plan.progress = lo
+                plan.progress = cache.step = lo
                 yield plan, batches
             plan.finish()
         finally:
@@ -887,7 +955,7 @@ class StreamingDataset(IterableDataset):
                 yield self._bundle(batches, plan)
                 continue
             for ids in batches:
-                batch = self._collate_columns(ids, plan) if collate_fn is None else None
+                batch = self._columnar_batch(ids, plan) if collate_fn is None else None
                 if batch is None:
                     batch = (collate_fn or default_collate)(self._gather(ids, plan))
                 if not self._counted_by_loader:
@@ -901,12 +969,17 @@ class StreamingDataset(IterableDataset):
             self._resume = None
 
     def transforms_samples(self) -> bool:
-        """Whether this subclass changes what a sample is (``__getitem__``/``__iter__`` overridden, as LLM
-        Foundry's and smalti-llm's text datasets do): whole batches read straight from the shards would skip
-        that, so :class:`~smalti.streaming.StreamingDataLoader` takes the per-sample path for it."""
+        """Whether this subclass changes samples in a way the batch path cannot follow: ``__getitem__``/
+        ``__iter__`` overridden (as LLM Foundry's text datasets do), or :meth:`transform_sample` without
+        :meth:`transform_batch`. Whole batches read straight from the shards would skip that, so
+        :class:`~smalti.streaming.StreamingDataLoader` takes the per-sample path for it."""
         cls = type(self)
-        return any(getattr(cls, name) is not getattr(StreamingDataset, name)
-                   for name in ("__getitem__", "__getitems__", "__iter__"))
+
+        def overridden(name: str) -> bool:
+            return getattr(cls, name) is not getattr(StreamingDataset, name)
+
+        return any(overridden(name) for name in ("__getitem__", "__getitems__", "__iter__")) or \
+            (overridden("transform_sample") and not overridden("transform_batch"))
 
     def smalti_dataloader(self, **loader_kwargs: Any) -> Any:
         """A :class:`~smalti.streaming.StreamingDataLoader` over this dataset with ``loader_kwargs``.

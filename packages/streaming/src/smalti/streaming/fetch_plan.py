@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import math
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -15,6 +17,95 @@ if TYPE_CHECKING:
     from smalti.streaming.dataset import StreamingDataset
 
 log = logging.getLogger(__name__)
+
+NEEDS_WALK_SAMPLES = 1 << 22  # node samples walked to measure the cache an epoch needs; past it, a prefix
+WALK_SAMPLES = 1 << 16  # node columns computed per step of a walk of the order
+
+
+@dataclass(frozen=True)
+class CacheNeeds:
+    """What one node's share of an epoch asks of its shard cache, measured on the order (see :func:`cache_needs`).
+
+    ``min_cache_bytes`` is the smallest ``cache_limit`` that keeps every shard from the fetch of its first
+    use (``window_steps`` ahead) to its last use: with it, each shard is fetched once per epoch; below it,
+    some are fetched again. ``shards_per_window_mean``/``_max`` are the order's locality: distinct shards the
+    node reads in each window of ``window_steps`` global batches. ``steps`` global batches were walked, all
+    of the epoch when ``complete``; ``last_use`` is each shard's last step (``-1``: not read by this node).
+    """
+
+    min_cache_bytes: int
+    min_cache_shards: int
+    shards_per_window_mean: float
+    shards_per_window_max: int
+    window_steps: int
+    steps: int
+    complete: bool
+    last_use: np.ndarray
+
+    def describe(self) -> str:
+        """One line for the log: the cache this layout and order need, and their locality."""
+        scope = "epoch" if self.complete else f"first {self.steps} global batches of the epoch"
+        return (f"cache_limit >= {_size_text(self.min_cache_bytes)} ({self.min_cache_shards} shards) keeps "
+                f"every shard fetched once per {scope}; locality: {self.shards_per_window_mean:.1f} shards per "
+                f"{self.window_steps} global batches on average, {self.shards_per_window_max} at most")
+
+
+def _size_text(n: int) -> str:
+    for unit, scale in (("gb", 1 << 30), ("mb", 1 << 20), ("kb", 1 << 10)):
+        if n >= scale:
+            return f"{-(-n * 10 // scale) / 10:g}{unit}"
+    return f"{n}b"
+
+
+def cache_needs(remaining: Remaining | GridRemaining, columns: tuple[int, int],
+                locate: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]], shard_bytes: np.ndarray,
+                window_steps: int, max_samples: int = NEEDS_WALK_SAMPLES,
+                chunk_samples: int = WALK_SAMPLES) -> CacheNeeds:
+    """Measure the cache a node needs for the rest of an epoch: walk its ``columns`` of the ``remaining``
+    global batches (``locate`` maps sample ids to shards), a chunk at a time, keeping each shard's first and
+    last step; memory grows with the shards, not the samples. A shard is live from ``window_steps`` before
+    its first step (the fetch plan fetches that far ahead) to its last; the most bytes live at once is the
+    smallest cache that never evicts a shard the node reads again.
+    """
+    lo, hi = columns
+    width = max(hi - lo, 1)
+    n_shards = len(shard_bytes)
+    first = np.full(n_shards, -1, dtype=np.int64)
+    last = np.full(n_shards, -1, dtype=np.int64)
+    chunk = max(window_steps, chunk_samples // width // window_steps * window_steps)
+    total = len(remaining)
+    limit = min(total, max(window_steps, -(-max_samples // width)))
+    windows: list[int] = []
+    k = 0
+    while k < limit:
+        end = min(k + chunk, limit)
+        rows = remaining.rows(k, end, lo, hi)
+        valid = rows >= 0
+        shards = np.full(rows.shape, -1, dtype=np.int64)
+        shards[valid] = locate(rows[valid])[0]
+        steps = np.broadcast_to(np.arange(k, end)[:, None], rows.shape)
+        s, t = shards[valid], steps[valid]
+        unique, at = np.unique(s, return_index=True)  # steps ascend through the flattened rows
+        first[unique] = np.where(first[unique] < 0, t[at], first[unique])
+        unique, at = np.unique(s[::-1], return_index=True)
+        last[unique] = t[::-1][at]
+        w = (t - k) // window_steps
+        per_window = np.unique(w * n_shards + s) // n_shards
+        windows.extend(np.bincount(per_window, minlength=-(-(end - k) // window_steps)).tolist())
+        k = end
+    read = np.flatnonzero(first >= 0)
+    start = np.maximum(first[read] - window_steps, 0)
+    # live from `start` to `last`: add at start, remove after last; the peak of the running sum is the need
+    times = np.concatenate([start, last[read] + 1])
+    sizes = np.concatenate([shard_bytes[read], -shard_bytes[read]])
+    counts = np.concatenate([np.ones(len(read), np.int64), -np.ones(len(read), np.int64)])
+    by_time = np.lexsort((sizes, times))  # removals before additions at one step
+    need_bytes = int(np.cumsum(sizes[by_time]).max(initial=0))
+    need_shards = int(np.cumsum(counts[np.lexsort((counts, times))]).max(initial=0))
+    return CacheNeeds(min_cache_bytes=need_bytes, min_cache_shards=need_shards,
+                      shards_per_window_mean=float(np.mean(windows)) if windows else 0.0,
+                      shards_per_window_max=max(windows, default=0), window_steps=window_steps, steps=k,
+                      complete=k >= total, last_use=last)
 
 
 class FetchPlan:
@@ -28,7 +119,7 @@ class FetchPlan:
     entry per shard, never the epoch.
     """
 
-    WALK_SAMPLES = 1 << 16  # node columns computed per step of the walk
+    WALK_SAMPLES = WALK_SAMPLES
 
     def __init__(self, ds: StreamingDataset, remaining: Remaining | GridRemaining, worker_id: int,
                  num_workers: int) -> None:

@@ -70,14 +70,20 @@ class Fetcher:
         except StorageError as exc:
             raise DownloadError(f"could not download {store.url_of(key)}: {exc}") from exc
 
-    def get(self, root: str, key: str, local: Path, check: Callable[[Path], None] | None = None) -> Path:
-        """Download ``key`` under ``root`` to ``local`` atomically; see :func:`download_file` for ``check``."""
-        return _get(self.store(root), key, local, check, self.retries)
+    def get(self, root: str, key: str, local: Path, check: Callable[[Path], None] | None = None,
+            max_bytes: int | None = None) -> Path:
+        """Download ``key`` under ``root`` to ``local`` atomically; see :func:`download_file` for ``check``.
+
+        ``max_bytes`` (the size the index declares): a larger object is refused before its download, or at
+        the first byte past it, instead of filling the cache's disk and being rejected by its hash after it
+        (or, without hash checks, read with trailing bytes nobody wrote there)."""
+        return _get(self.store(root), key, local, check, self.retries, max_bytes)
 
 
-def _get(store: ObjectStore, key: str, local: Path, check: Callable[[Path], None] | None, retries: int) -> Path:
+def _get(store: ObjectStore, key: str, local: Path, check: Callable[[Path], None] | None, retries: int,
+         max_bytes: int | None = None) -> Path:
     try:
-        return store.get_file(key, local, check=check, check_attempts=retries + 1)
+        return store.get_file(key, local, check=check, check_attempts=retries + 1, max_bytes=max_bytes)
     except ObjectNotFoundError as exc:
         raise DownloadError(f"{store.url_of(key)} does not exist") from exc
     except StorageError as exc:

@@ -12,7 +12,6 @@ read as int64 do not (unless every other id is 0), so such data fails naming the
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -99,20 +98,27 @@ def TextMDS(  # noqa: N802 - a factory standing in for a class in configs
     streaming = _streaming()
     _check_token_dtype(token_dtype)
 
-    def convert(sample: dict[str, Any]) -> dict[str, torch.Tensor]:
-        if "tokens" not in sample:
-            raise DataError(f"MDS sample has no 'tokens' column (has {sorted(sample)}); prepare with "
-                            "`smalti-llm data prepare --mode pretrain`")
-        return {"input_ids": _to_ids(sample["tokens"], max_seq_len, token_dtype)}
+    def missing(columns: Any) -> DataError:
+        return DataError(f"MDS sample has no 'tokens' column (has {sorted(columns)}); prepare with "
+                         "`smalti-llm data prepare --mode pretrain`")
 
     class _TextStreamingDataset(streaming.StreamingDataset):
-        # Both ways in: indexing, and iteration (which reads shards directly, not through __getitem__).
-        def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
-            return convert(super().__getitem__(idx))
+        # Every path goes through these two: samples (indexing, per-sample iteration, legacy bytes columns)
+        # and whole columnar batches, which keep smalti-streaming's batch path (one copy per column).
+        def transform_sample(self, sample: dict[str, Any]) -> dict[str, torch.Tensor]:
+            if "tokens" not in sample:
+                raise missing(sample)
+            return {"input_ids": _to_ids(sample["tokens"], max_seq_len, token_dtype)}
 
-        def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-            for sample in super().__iter__():
-                yield convert(sample)
+        def transform_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            if "tokens" not in batch:
+                raise missing(batch)
+            tokens = batch["tokens"]
+            if tokens.ndim != 2 or tokens.shape[1] < max_seq_len:
+                raise DataError(
+                    f"an MDS sample has {tokens.shape[-1] if tokens.ndim else 0} tokens, fewer than "
+                    f"max_seq_len={max_seq_len}; prepare the data with --max-seq-len {max_seq_len} or more")
+            return {"input_ids": tokens[:, :max_seq_len].to(torch.int64).contiguous()}
 
     args = {"local": local, "remote": remote, "split": split, "shuffle": shuffle, "shuffle_seed": shuffle_seed}
     args.update(kwargs)
