@@ -98,6 +98,31 @@ def test_aux_loss_and_its_router_gradient_equal_transformers(folder):
         torch.testing.assert_close(router, hf_router, atol=1e-7, rtol=1e-4)
 
 
+def test_aux_loss_leaves_padding_out_as_transformers_does(folder):
+    """A right-padded batch: transformers' ``load_balancing_loss_func(..., attention_mask)`` counts only the
+    unpadded tokens, and so does smalti given the batch's ``attention_mask``."""
+    cfg = json.loads((folder / "config.json").read_text())
+    family = cfg["model_type"]
+    coef = cfg["ffn_config"]["moe_loss_weight"] if family == "dbrx" else cfg["router_aux_loss_coef"]
+    ids = _ids(4)
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    mask[0, 20:] = 0
+    hf, model = _hf(folder).train(), import_hf(folder).train()
+    if family == "dbrx":
+        for block in hf.transformer.blocks:
+            block.ffn.router.moe_jitter_eps = None
+        for block in model.blocks:
+            block.ffn.moe.router.jitter_eps = 0.0
+    theirs = hf(ids, attention_mask=mask, output_router_logits=True).aux_loss
+    ours = model({"input_ids": ids, "attention_mask": mask})["aux_loss"]
+    torch.testing.assert_close(ours, coef * theirs.float(), atol=1e-6, rtol=0)
+    unmasked = model({"input_ids": ids})["aux_loss"]
+    assert abs(unmasked.item() - ours.item()) > 1e-5  # the padding does weigh when it is not left out
+    ours.backward()
+    assert model.blocks[0].ffn.moe.router.gate.weight.grad.abs().max() > 0
+
+
 def test_without_output_router_logits_no_aux_loss_is_added(folder, tmp_path):
     import shutil
 

@@ -156,9 +156,11 @@ class MoE(nn.Module):
 
     # ------------------------------------------------------------------ forward
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Route ``x [..., hidden_size]`` to its experts; returns ``(y, aux_loss)`` with ``y`` shaped like ``x``
-        (``aux_loss``: this layer's balance statistics in training under ``lbl_scope='model'``)."""
+        (``aux_loss``: this layer's balance statistics in training under ``lbl_scope='model'``, where
+        ``token_weights`` shaped ``x.shape[:-1]`` (1 for a token, 0 for padding, as Hugging Face's
+        ``attention_mask``) leave padding out of them; every token is still routed)."""
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         if self.backend == "triton":
@@ -183,7 +185,7 @@ class MoE(nn.Module):
             y = y + self.shared(tokens)
         if self.shared_expert is not None:
             y = y + self.shared_expert(tokens)
-        return y.reshape(shape), self.aux_loss(routing)
+        return y.reshape(shape), self.aux_loss(routing, token_weights)
 
     def experts_forward(self, tokens: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                         w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -219,14 +221,15 @@ class MoE(nn.Module):
         keep = (rank < capacity).view(tokens, k)
         return routing.weights * keep.to(routing.weights.dtype)
 
-    def aux_loss(self, routing: Routing) -> torch.Tensor:
+    def aux_loss(self, routing: Routing, token_weights: torch.Tensor | None = None) -> torch.Tensor:
         """This layer's balancing loss (when ``load_balancing='aux_loss'``) plus its router z-loss; under
-        ``lbl_scope='model'`` its balance statistics instead (zero outside training)."""
+        ``lbl_scope='model'`` its balance statistics instead (zero outside training), with each token weighted
+        by ``token_weights`` when given."""
         loss = routing.logits.new_zeros(())
         self.last_losses = {}
         if self.lbl_scope == "model":
             if self.training and self.load_balancing == "aux_loss" and self.lbl_weight:
-                return balance_statistics(routing.probs, routing.expert_ids, self.num_experts)
+                return balance_statistics(routing.probs, routing.expert_ids, self.num_experts, token_weights)
             return loss
         if self.training and self.load_balancing == "aux_loss" and self.lbl_weight:
             lbl = load_balancing_loss(routing.probs, routing.expert_ids, self.num_experts, self.lbl_weight,

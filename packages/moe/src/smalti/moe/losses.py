@@ -30,13 +30,22 @@ def load_balancing_loss(probs: torch.Tensor, expert_ids: torch.Tensor, num_exper
     return weight * num_experts / (num_layers * tokens * k) * torch.dot(counts, mean_probs)
 
 
-def balance_statistics(probs: torch.Tensor, expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+def balance_statistics(probs: torch.Tensor, expert_ids: torch.Tensor, num_experts: int,
+                       token_weights: torch.Tensor | None = None) -> torch.Tensor:
     """One layer's routing statistics for :func:`pooled_load_balancing_loss`, ``[2 E + 1]`` fp32: the (token,
     slot) count per expert, the sum over tokens of each expert's probability (carrying the router's gradient),
-    and the token count."""
-    counts = expert_counts(expert_ids, num_experts).float()
-    rows = probs.new_full((1,), expert_ids.shape[0], dtype=torch.float32)
-    return torch.cat([counts, probs.float().sum(0), rows])
+    and the token count. ``token_weights [T]`` (1 counts a token, 0 leaves it out: Hugging Face's
+    ``attention_mask``, so padding does not weigh on the balance) weights each token in all three."""
+    if token_weights is None:
+        counts = expert_counts(expert_ids, num_experts).float()
+        rows = probs.new_full((1,), expert_ids.shape[0], dtype=torch.float32)
+        return torch.cat([counts, probs.float().sum(0), rows])
+    w = token_weights.reshape(-1).float()
+    if w.numel() != expert_ids.shape[0]:
+        raise ValueError(f"token_weights has {w.numel()} entries for {expert_ids.shape[0]} tokens")
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=w.device).scatter_add_(
+        0, expert_ids.reshape(-1), w.repeat_interleave(expert_ids.shape[1]))
+    return torch.cat([counts, (probs.float() * w[:, None]).sum(0), w.sum().reshape(1)])
 
 
 def pooled_load_balancing_loss(statistics: torch.Tensor, num_experts: int, weight: float) -> torch.Tensor:

@@ -67,8 +67,11 @@ class MoEFFN(nn.Module):
         with torch.device(device) if device is not None else contextlib.nullcontext():
             self.moe = MoE(**moe_kwargs(d_model, hidden, activation, bias, moe))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out = self.moe(x)
+    def forward(self, x: torch.Tensor,
+                token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(y, aux)`` for ``x [B, T, d]``; ``token_weights [B, T]`` (the batch's ``attention_mask``) leaves
+        padding out of the pooled balance statistics, as ``transformers``' ``load_balancing_loss_func`` does."""
+        out = self.moe(x) if token_weights is None else self.moe(x, token_weights)
         if isinstance(out, tuple):
             y, aux = out[0], out[1]
             return y, aux

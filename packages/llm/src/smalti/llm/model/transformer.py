@@ -28,7 +28,7 @@ from smalti.llm.model.attention import Attention
 from smalti.llm.model.attention_mask import AttentionMask
 from smalti.llm.model.checkpointing import parse_activation_checkpointing, parse_activation_compression
 from smalti.llm.model.config import LLMConfig, options_signature
-from smalti.llm.model.ffn import make_ffn
+from smalti.llm.model.ffn import MoEFFN, make_ffn
 from smalti.llm.model.fused_loss import fused_linear_cross_entropy
 from smalti.llm.model.metrics import LanguageCrossEntropy, LanguagePerplexity, TokenAccuracy
 from smalti.llm.model.norms import make_norm
@@ -101,18 +101,24 @@ class Block(nn.Module):
         self._compiled = _COMPILED_FORWARDS[key]
 
     def forward(
-        self, x: torch.Tensor, mask: torch.Tensor | None = None, sp: SequenceParallelGroup | None = None
+        self, x: torch.Tensor, mask: torch.Tensor | None = None, sp: SequenceParallelGroup | None = None,
+        token_weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(x, aux)``; ``token_weights [B, T]`` (padding 0) reach an MoE FFN's balance statistics."""
         run = self._forward if self._compiled is None else functools.partial(self._compiled, self)
         if self.checkpointing == "block" and torch.is_grad_enabled():
-            return checkpoint(run, x, mask, sp, use_reentrant=False)
+            return checkpoint(run, x, mask, sp, token_weights, use_reentrant=False)
         if self.compression_scope == "block" and torch.is_grad_enabled():
             with self.compression:
-                return run(x, mask, sp)
-        return run(x, mask, sp)
+                return run(x, mask, sp, token_weights)
+        return run(x, mask, sp, token_weights)
+
+    def _ffn(self, h: torch.Tensor, token_weights: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.ffn(h) if token_weights is None or not isinstance(self.ffn, MoEFFN) else self.ffn(h, token_weights)
 
     def _forward(
-        self, x: torch.Tensor, mask: torch.Tensor | None, sp: SequenceParallelGroup | None
+        self, x: torch.Tensor, mask: torch.Tensor | None, sp: SequenceParallelGroup | None,
+        token_weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         recompute = torch.is_grad_enabled()
         h = self.norm_1(x)
@@ -128,12 +134,12 @@ class Block(nn.Module):
         x = x + a
         h = self.norm_2(x)
         if self.checkpointing == "ffn" and recompute:
-            y, aux = checkpoint(self.ffn, h, use_reentrant=False)
+            y, aux = checkpoint(self._ffn, h, token_weights, use_reentrant=False)
         elif self.compression_scope == "ffn" and recompute:
             with self.compression:
-                y, aux = self.ffn(h)
+                y, aux = self._ffn(h, token_weights)
         else:
-            y, aux = self.ffn(h)
+            y, aux = self._ffn(h, token_weights)
         if self.post_ffn_norm is not None:
             y = self.post_ffn_norm(y)
         return x + y, aux
@@ -373,8 +379,10 @@ class LLM(nn.Module):
         mask = self._mask(batch, seq_len, ids.device, sp)
         full = self._mask(batch, seq_len, ids.device, sp, windowed=False) if self._mixed_windows else mask
         aux_losses = []
+        padding = batch.get("attention_mask")  # left out of the MoE balance statistics, as in transformers
+        padding = padding[:, start:stop] if padding is not None else None
         for block in self.blocks:
-            x, aux = block(x, mask if block.windowed else full, sp)
+            x, aux = block(x, mask if block.windowed else full, sp, padding)
             if aux is not None:
                 aux_losses.append(aux)
         x = self.norm_f(x)
