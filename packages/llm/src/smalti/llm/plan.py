@@ -17,7 +17,9 @@ activation model follows what this package's code keeps for backward, tensor by 
 * masked attention (ALiBi, sliding windows, ``sequence_id``) runs in tiles: one shared bias tensor and one
   more copy of the attention output per block (:mod:`smalti.llm.model.attention_mask`).
 
-MoE FFNs are estimated as ``top_k`` dense FFNs per token plus the routing buffers (an approximation).
+MoE FFNs count what smalti-moe's dropless layer keeps (router scores, each chosen expert's hidden rows and
+output rows; under expert parallelism the rows that arrive and return by all-to-all too), with the tokens
+assumed spread evenly over the experts.
 """
 
 from __future__ import annotations
@@ -58,28 +60,53 @@ def _norm_bytes(norm_type: str, residual: int, autocast: int | None) -> tuple[fl
     return 2.0 * dt, float(dt)
 
 
-def _ffn_per_token(cfg: dict[str, Any], compute: int, autocast: int | None) -> float:
+def _moe_settings(cfg: dict[str, Any]) -> tuple[int, int, str]:
+    """``(num_experts, top_k, mlp_type)`` of an MoE FFN config (MegaBlocks' ``moe_`` names accepted)."""
+    moe = cfg.get("moe") or {}
+    mlp_type = moe.get("mlp_type", "glu" if cfg.get("activation") == "silu" else "mlp")
+    return (int(moe.get("num_experts", moe.get("moe_num_experts", 1))), int(moe.get("top_k", moe.get("moe_top_k", 1))),
+            mlp_type)
+
+
+def _ffn_per_token(cfg: dict[str, Any], compute: int, autocast: int | None, ep: int = 1) -> float:
     d, f = cfg["d_model"], cfg["ffn_hidden_size"]
-    ffn_type = cfg["ffn_type"]
-    mlp_type = ffn_type
-    factor = 1.0
-    if ffn_type == "moe":
-        moe = cfg.get("moe") or {}
-        factor = float(moe.get("top_k", moe.get("moe_top_k", 1)))
-        mlp_type = moe.get("mlp_type", "glu" if cfg.get("activation") == "silu" else "mlp")
-    if mlp_type == "glu":
+    if cfg["ffn_type"] == "moe":
+        return _moe_per_token(cfg, compute, ep)
+    if cfg["ffn_type"] == "glu":
         # gate and up each cast the input under autocast (two copies); gate out, act out, up out, product.
         inputs = (2 if autocast else 1) * compute * d
-        per = inputs + 4 * compute * f
-    else:
-        per = compute * d + 2 * compute * f
-    if ffn_type == "moe":
-        # Routed copies of the input and output per chosen expert, plus the router's logits and scores.
-        per = factor * per + 2 * factor * compute * d + 8 * moe.get("num_experts", moe.get("moe_num_experts", 1))
-    return float(per)
+        return float(inputs + 4 * compute * f)
+    return float(compute * d + 2 * compute * f)
 
 
-def block_bytes_per_token(cfg: dict[str, Any], compute: int, residual: int, autocast: int | None) -> dict[str, float]:
+def _moe_per_token(cfg: dict[str, Any], compute: int, ep: int) -> float:
+    """What smalti-moe's dropless layer keeps per token for backward (:mod:`smalti.moe.ops`): the router's fp32
+    input (a copy unless the FFN input is fp32 already), its fp32 logits and scores; per chosen expert the first
+    GEMM's output (GLU: gate and up, kept by the fused GLU; MLP: the activation's input and output) and the second
+    GEMM's rows the weighted combine keeps. Under expert parallelism each chosen expert's row also arrives by
+    all-to-all (the first GEMM keeps it) and returns (the combine keeps it). The input itself is the norm's output,
+    counted with the block."""
+    d, f = cfg["d_model"], cfg["ffn_hidden_size"]
+    experts, k, mlp_type = _moe_settings(cfg)
+    router = (0 if compute == 4 else 4 * d) + 2 * 4 * experts
+    hidden = (3 if mlp_type == "glu" else 2) * f
+    routed = k * compute * (hidden + d + (2 * d if ep > 1 else 0))
+    return float(router + routed)
+
+
+def all_to_all_bytes(model: Any, tokens: float, compute: int, ep: int) -> float:
+    """Bytes one GPU sends by all-to-all per micro batch of ``tokens`` under expert parallelism: every MoE layer
+    sends each token's ``top_k`` rows out and back in forward, and their gradients in backward (the share that
+    stays on the rank is left to the caller)."""
+    cfg = model.config
+    if ep <= 1 or cfg["ffn_type"] != "moe":
+        return 0.0
+    _, k, _ = _moe_settings(cfg)
+    return 4.0 * cfg["n_layers"] * tokens * k * cfg["d_model"] * compute
+
+
+def block_bytes_per_token(cfg: dict[str, Any], compute: int, residual: int, autocast: int | None,
+                          ep: int = 1) -> dict[str, float]:
     """Bytes per token one block keeps for backward, by part: ``norm_1``, ``attention``, ``norm_2``, ``ffn``,
     and ``attn_in``/``ffn_in`` (the norm outputs that a checkpointed attention or FFN region keeps instead)."""
     d, h, kv_heads = cfg["d_model"], cfg["n_heads"], cfg["n_kv_heads"]
@@ -96,7 +123,7 @@ def block_bytes_per_token(cfg: dict[str, Any], compute: int, residual: int, auto
         "norm_1": norm_keep * d,
         "attention": float(attn),
         "norm_2": norm_keep * d,
-        "ffn": _ffn_per_token(cfg, compute, autocast),
+        "ffn": _ffn_per_token(cfg, compute, autocast, ep),
         "attn_in": norm_out * d,
         "ffn_in": norm_out * d,
     }
@@ -112,6 +139,7 @@ def activation_bytes(
     weight_bytes: int,
     sp: int = 1,
     sequence_id: bool = False,
+    ep: int = 1,
 ) -> dict[str, float]:
     """Bytes of activation memory at the peak of one micro batch's forward and backward on one GPU.
 
@@ -124,6 +152,7 @@ def activation_bytes(
         autocast_bytes: the autocast dtype's size, or ``None`` without autocast.
         weight_bytes: the dtype of the output weight as forward sees it (its gradient has that dtype).
         sequence_id: batches carry ``sequence_id`` (packed documents masked from each other).
+        ep: ranks an MoE layer's experts are split over (the routed rows then travel, and are kept, twice more).
 
     Returns named parts in bytes that sum to the peak: ``blocks`` (what the blocks keep for backward),
     ``masks``, ``head`` (final norm and hidden states, held into backward), ``loss or recompute`` (the larger
@@ -132,7 +161,7 @@ def activation_bytes(
     cfg = model.config
     n_layers, d, vocab = cfg["n_layers"], cfg["d_model"], cfg["vocab_size"]
     tokens = micro_batch_size * seq_len / sp
-    parts = block_bytes_per_token(cfg, compute_bytes, residual_bytes, autocast_bytes)
+    parts = block_bytes_per_token(cfg, compute_bytes, residual_bytes, autocast_bytes, ep)
     lora = getattr(model, "lora_config", None) is not None
     adapters = lora_block_bytes_per_token(model, compute_bytes) if lora else 0.0
     full = parts["norm_1"] + parts["attention"] + parts["norm_2"] + parts["ffn"] + adapters
@@ -305,7 +334,7 @@ def plan_model(model: Any, setup: Any) -> Any:
     m = setup.micro_batch_size
     acts = activation_bytes(
         model, m, seq_len, setup.compute_bytes, setup.residual_bytes, setup.autocast_bytes, setup.weight_bytes,
-        setup.sp, setup.sequence_id,
+        setup.sp, setup.sequence_id, getattr(setup, "ep", 1),
     )
     flops = training_flops(model, m, seq_len)
     # Recomputation repeats (part of) the forward: 1/3 of the training FLOPs per recomputed block.
@@ -313,8 +342,15 @@ def plan_model(model: Any, setup: Any) -> Any:
     hardware = flops * (1 + recomputed / max(model.n_layers, 1) / 3)
     notes = [f"sequence length {seq_len}; fused chunked loss {'on' if model.fused_loss else 'off'}; "
              f"activation checkpointing on {recomputed} of {model.n_layers} blocks"]
+    a2a = 0.0
     if model.config["ffn_type"] == "moe":
-        notes.append("MoE FFN activations are approximated as top_k dense FFNs per token plus routing buffers")
+        experts, k, _ = _moe_settings(model.config)
+        ep = getattr(setup, "ep", 1)
+        a2a = all_to_all_bytes(model, m * seq_len / setup.sp, setup.compute_bytes, ep)
+        notes.append(f"MoE: {experts} experts, top-{k}: {model.n_active_params / 1e9:,.2f} B of "
+                     f"{model.n_params / 1e9:,.2f} B parameters active per token (FLOPs and MFU count the active "
+                     f"ones); experts split over ep={ep}"
+                     + (f", {a2a / 2**30:,.2f} GiB sent by all-to-all per micro batch and GPU" if a2a else ""))
     if model.lora_config is not None:
         lora = model.lora_config
         notes.append(f"LoRA r={lora.r} on {','.join(lora.targets)}, base held in {lora.base_dtype}"
@@ -322,4 +358,4 @@ def plan_model(model: Any, setup: Any) -> Any:
                      + "; adapters fp32 with gradients and optimizer state")
     notes.extend(published(setup.experiment, setup.gpu, setup.world_size))
     return ModelEstimate(activations=acts, flops=flops, hardware_flops=hardware, tokens=m * seq_len, notes=notes,
-                         frozen_bytes=frozen_bytes(model))
+                         frozen_bytes=frozen_bytes(model), all_to_all_bytes=a2a)

@@ -16,7 +16,8 @@ class Layout:
     ``kind``: single, ddp, fsdp or hsdp. ``shard``: ranks a parameter is split over (1 for single/ddp).
     ``replicate``: copies of each shard (ddp: the world; hsdp: the replicate dimension). ``sp``: ranks per
     sequence. ``reshard_after_forward``: FSDP frees gathered block weights after forward (and gathers again
-    in backward).
+    in backward). ``ep``: ranks the model's expert parameters are split over (expert parallelism, borrowed
+    from the ``shard`` ranks as torchtitan does: FSDP shards the experts over the other ``shard / ep``).
     """
 
     kind: str
@@ -28,6 +29,7 @@ class Layout:
     reshard_after_forward: bool = True
     #: FSDP reduce-scatters every micro batch's gradients (sharded accumulation) rather than only the last's.
     reduce_every_microbatch: bool = True
+    ep: int = 1
 
     @property
     def dp(self) -> int:
@@ -46,7 +48,10 @@ class ParamCounts:
     norm, head, which FSDP2's root keeps gathered); ``largest_tensor`` (for a per-parameter optimizer loop).
 
     Frozen parameters (LoRA's base) have no gradient and no optimizer state: ``trainable`` counts the others
-    (``None``: all), ``frozen_bytes`` is what the frozen ones are held in."""
+    (``None``: all), ``frozen_bytes`` is what the frozen ones are held in.
+
+    ``expert``: parameters a model marks as split by expert parallelism (modules with ``expert_parameters()``);
+    ``largest_unit_expert``: those in the largest unit (a rank gathers only its ``1 / ep`` of them)."""
 
     total: int
     linear: int
@@ -55,6 +60,16 @@ class ParamCounts:
     largest_tensor: int
     trainable: int | None = None
     frozen_bytes: float = 0.0
+    expert: int = 0
+    largest_unit_expert: int = 0
+
+    def unit_on_rank(self, ep: int) -> float:
+        """Parameters of the largest unit one rank gathers when the experts are split over ``ep`` ranks."""
+        return self.largest_unit - self.largest_unit_expert * (1 - 1 / max(ep, 1))
+
+    def on_rank(self, ep: int) -> float:
+        """Parameters one rank computes with (all of them, but only ``1 / ep`` of the experts)."""
+        return self.total - self.expert * (1 - 1 / max(ep, 1))
 
 
 @dataclass
@@ -119,14 +134,18 @@ def state_memory(
         # DistributedDataParallel's buckets are a second copy of the gradients (gradient_as_bucket_view=False).
         s.persistent["ddp gradient buckets"] = t * master_bytes
     if sharded:
-        units = p - counts.root
-        gathered = counts.root + (2 * counts.largest_unit if layout.reshard_after_forward else units)
-        s.forward_backward["gathered parameters"] = min(p, gathered) * weight_bytes
-        s.forward_backward["reduce-scatter buffers"] = 2 * counts.largest_unit * (weight_bytes + reduce_bytes)
+        # Under expert parallelism a rank gathers only its own experts (the other ``shard / ep`` hold them).
+        local = counts.on_rank(layout.ep)
+        unit = counts.unit_on_rank(layout.ep)
+        units = local - counts.root
+        gathered = counts.root + (2 * unit if layout.reshard_after_forward else units)
+        s.forward_backward["gathered parameters"] = min(local, gathered) * weight_bytes
+        s.forward_backward["reduce-scatter buffers"] = 2 * unit * (weight_bytes + reduce_bytes)
         if num_microbatches > 1 and not layout.reduce_every_microbatch:
-            s.forward_backward["unsharded accumulated gradients"] = p * reduce_bytes
+            s.forward_backward["unsharded accumulated gradients"] = local * reduce_bytes
     if amp and weight_bytes > compute_bytes:
         s.forward_backward["autocast weight copies"] = counts.linear * compute_bytes
+
     temp = t * master_bytes / shard if foreach_step else counts.largest_tensor * master_bytes
     s.optimizer_step["optimizer temporaries"] = temp if optimizer_state_tensors else 0.0
     return s
@@ -153,12 +172,16 @@ def collective_seconds(
     weight_bytes: int,
     reduce_bytes: int,
     num_microbatches: int,
+    all_to_all_bytes: float = 0.0,
 ) -> float:
     """Seconds of collectives per optimizer step at the accelerator's assumed bus bandwidths.
 
     FSDP: all-gather of the parameters in forward (and again in backward when resharding), per micro batch;
     a reduce-scatter of the gradients per micro batch (``layout.reduce_every_microbatch``) or per step; HSDP adds
-    an all-reduce of the shards over the replicas as often; DDP all-reduces the gradients once per step.
+    an all-reduce of the shards over the replicas as often; DDP all-reduces the gradients once per step. Under
+    expert parallelism the expert parameters travel only among the ``shard / ep`` ranks that shard each
+    expert; ``all_to_all_bytes`` (what one GPU sends per micro batch, e.g. routed tokens) goes at the bandwidth
+    of an ``ep`` group.
     """
     p = counts.total
     crosses_nodes = layout.nodes > 1
@@ -169,13 +192,22 @@ def collective_seconds(
 
     seconds = 0.0
     if layout.kind in ("fsdp", "hsdp") and layout.shard > 1:
-        s = layout.shard
+        s, ep = layout.shard, max(layout.ep, 1)
         ring = (s - 1) / s
         gathers = 2 if layout.reshard_after_forward else 1
-        seconds += num_microbatches * gathers * (p - counts.root) * weight_bytes * ring / bandwidth(s)
-        seconds += num_microbatches * counts.root * weight_bytes * ring / bandwidth(s)
         reductions = num_microbatches if layout.reduce_every_microbatch else 1
-        seconds += reductions * p * reduce_bytes * ring / bandwidth(s)
+        dense = p - counts.expert
+        seconds += num_microbatches * gathers * (dense - counts.root) * weight_bytes * ring / bandwidth(s)
+        seconds += num_microbatches * counts.root * weight_bytes * ring / bandwidth(s)
+        seconds += reductions * dense * reduce_bytes * ring / bandwidth(s)
+        if counts.expert:
+            e_group = max(s // ep, 1)
+            e_ring = (e_group - 1) / e_group
+            local = counts.expert / ep
+            seconds += num_microbatches * gathers * local * weight_bytes * e_ring / bandwidth(e_group)
+            seconds += reductions * local * reduce_bytes * e_ring / bandwidth(e_group)
+        if ep > 1 and all_to_all_bytes:
+            seconds += num_microbatches * all_to_all_bytes * (ep - 1) / ep / bandwidth(ep)
         if layout.replicate > 1:
             r = layout.replicate
             seconds += reductions * 2 * (p / s) * reduce_bytes * (r - 1) / r / bandwidth(layout.world)

@@ -165,6 +165,8 @@ def count_parameters(model: nn.Module) -> ParamCounts:
     frozen = [p for p in params if not p.requires_grad]
     units = shard_units(model)
     unit_sizes = [sum(p.numel() for p in unit.parameters()) for unit in units]
+    unit_experts = [_expert_count(unit) for unit in units]
+    largest = max(range(len(units)), key=unit_sizes.__getitem__, default=None)
     return ParamCounts(
         total=total,
         linear=linear,
@@ -173,7 +175,20 @@ def count_parameters(model: nn.Module) -> ParamCounts:
         largest_tensor=max((p.numel() for p in params if p.requires_grad), default=0),
         trainable=total - sum(p.numel() for p in frozen),
         frozen_bytes=float(sum(p.numel() * p.element_size() for p in frozen)),
+        expert=_expert_count(model),
+        largest_unit_expert=unit_experts[largest] if largest is not None else 0,
     )
+
+
+def _expert_count(module: nn.Module) -> int:
+    """Parameters of ``module`` that expert parallelism splits: those its submodules list in an
+    ``expert_parameters()`` method (the protocol of smalti-moe's layer; core names no MoE class)."""
+    seen: set[int] = set()
+    for sub in module.modules():
+        listed = getattr(sub, "expert_parameters", None)
+        if callable(listed):
+            seen.update(id(p) for p in listed())
+    return sum(p.numel() for p in module.parameters() if id(p) in seen)
 
 
 def layout_of(parallelism: Any, world: int, gpus_per_node: int) -> Layout:
@@ -183,13 +198,16 @@ def layout_of(parallelism: Any, world: int, gpus_per_node: int) -> Layout:
     sp = int(getattr(parallelism, "sp", 1) or 1)
     if world % sp:
         raise ConfigError(f"parallelism.sp={sp} does not divide the planned world size {world} (plan.gpus x plan.nodes)")
+    ep = int(getattr(parallelism, "ep", 1) or 1)
+    if world % ep:
+        raise ConfigError(f"parallelism.ep={ep} does not divide the planned world size {world} (plan.gpus x plan.nodes)")
     if isinstance(parallelism, HSDP):
         replicate, shard = parallelism.mesh_shape(world)
         return Layout("hsdp", world, gpus_per_node, shard, replicate, sp, parallelism.reshard_after_forward,
                       parallelism.reduce_every_microbatch)
     if isinstance(parallelism, FSDP):
         return Layout("fsdp", world, gpus_per_node, world, 1, sp, parallelism.reshard_after_forward,
-                      parallelism.reduce_every_microbatch)
+                      parallelism.reduce_every_microbatch, ep)
     if isinstance(parallelism, DDP):
         return Layout("ddp", world, gpus_per_node, 1, world, sp)
     if isinstance(parallelism, SingleDevice) or parallelism is None:
@@ -247,7 +265,7 @@ def make_plan(overrides: list[str], pm: Any = None) -> Plan:
     states = optimizer_states(opt_cfg.get("_target_"), opt_cfg.get("momentum"))
 
     def setup(m: int) -> PlanSetup:
-        return PlanSetup(cfg, m, compute, weight, autocast, weight, layout.sp, gpu.name, world,
+        return PlanSetup(cfg, m, compute, weight, autocast, weight, layout.sp, layout.ep, gpu.name, world,
                          bool(options["sequence_id"]), _experiment_name(rest))
 
     def estimate(m: int) -> ModelEstimate | None:
@@ -288,6 +306,8 @@ def make_plan(overrides: list[str], pm: Any = None) -> Plan:
         f"master, {_dtype_name(weight, precision)} in forward, gradients reduced in {_dtype_name(reduce, precision)}",
         f"model: {type(model).__name__}, {counts.total / 1e6:,.1f} M parameters ({counts.linear / 1e6:,.1f} M in "
         f"linear layers, largest block {counts.largest_unit / 1e6:,.1f} M)",
+        *([f"experts: {counts.expert / 1e6:,.1f} M parameters split over ep={layout.ep} "
+           f"({counts.on_rank(layout.ep) / 1e6:,.1f} M computed with per rank)"] if counts.expert else []),
         *([f"frozen: {(counts.total - counts.trainable) / 1e6:,.1f} M parameters held in "
            f"{counts.frozen_bytes / 2**30:,.2f} GiB (no gradient, no optimizer state); {counts.trainable / 1e6:,.2f} M "
            "train"] if counts.trainable is not None and counts.trainable < counts.total else []),
@@ -305,7 +325,7 @@ def make_plan(overrides: list[str], pm: Any = None) -> Plan:
     if est is not None and est.flops and gpu.peak_flops:
         dtype = _dtype_name(compute, precision)
         efficiency = options["efficiency"] or DEFAULT_EFFICIENCY.get(gpu.name, 0.5)
-        comm = collective_seconds(counts, layout, gpu, weight, reduce, n_micro)
+        comm = collective_seconds(counts, layout, gpu, weight, reduce, n_micro, est.all_to_all_bytes)
         plan.step = roofline(est.flops, est.hardware_flops or est.flops, est.tokens, n_micro, comm, counts, layout,
                              gpu, dtype, efficiency, master)
         fp8_lines = []
@@ -315,7 +335,7 @@ def make_plan(overrides: list[str], pm: Any = None) -> Plan:
             if "fp8" not in gpu.peak_flops:
                 raise ConfigError(f"plan.gpu={gpu.name} has no FP8 tensor cores; precision=fp8 needs h100 or h200")
             weight_fp8 = weight - (weight - 1) * gathered
-            comm = collective_seconds(counts, layout, gpu, weight_fp8, reduce, n_micro)
+            comm = collective_seconds(counts, layout, gpu, weight_fp8, reduce, n_micro, est.all_to_all_bytes)
             plan.step = roofline(est.flops, est.hardware_flops or est.flops, est.tokens, n_micro, comm, counts,
                                  layout, gpu, dtype, efficiency, master, fp8_share=share)
             fp8_lines = [
@@ -378,6 +398,8 @@ def _layout_text(layout: Layout) -> str:
                  else ", gradients reduce-scattered once per step")
     if layout.sp > 1:
         text += f", sequence parallel over {layout.sp}"
+    if layout.ep > 1:
+        text += f", experts split over ep={layout.ep} and sharded over the other {layout.shard // layout.ep}"
     return text + ")"
 
 

@@ -24,6 +24,8 @@ class PlanSetup:
     weight_bytes: int
     #: Ranks splitting each sequence (sequence parallelism); 1 without it.
     sp: int = 1
+    #: Ranks splitting the model's experts (expert parallelism); 1 without it.
+    ep: int = 1
     #: The accelerator name (h100, a100, h200, l4, cpu) and the number of GPUs in the run.
     gpu: str = "h100"
     world_size: int = 1
@@ -52,3 +54,6 @@ class ModelEstimate:
     tokens: int = 0
     notes: list[str] = field(default_factory=list)
     frozen_bytes: float | None = None
+    #: Bytes one GPU sends by all-to-all per micro batch (expert parallelism's routed tokens, both ways,
+    #: forward and backward); timed at the bandwidth of an ``ep`` group.
+    all_to_all_bytes: float = 0.0
