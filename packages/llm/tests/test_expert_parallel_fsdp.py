@@ -17,7 +17,7 @@ def _samples(vocab: int) -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": torch.randint(0, vocab, (SEQ,), generator=gen)} for _ in range(2 * STEPS * BATCH)]
 
 
-@pytest.mark.world_size(2)
+@pytest.mark.world_size(2, timeout=600)  # two ranks import transformers and train on a loaded 2-core CI
 def test_ep2_with_fsdp_gives_one_process_losses(shared_tmp_path):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
