@@ -118,3 +118,31 @@ def test_core_components_take_their_constraints_from_their_constructors():
     assert profiler.model_fields["repeat"].default == 1 == Profiler().repeat
     with pytest.raises(ValidationError):
         profiler.model_validate({"active": 0})
+
+
+def test_the_trainer_and_data_sections_take_their_defaults_from_one_place():
+    """``trainer``'s schema defaults are the Trainer's (``max_duration``, required there, the CLI's), and the CLI's
+    ``TrainerConfig`` says the same; ``data``'s schema is ``DataConfig``'s. A default changed in one place and
+    not the other fails here."""
+    import dataclasses
+    import inspect
+
+    from smalti.core.config.core_schemas import schemas
+    from smalti.core.config.schema import DataConfig, TrainerConfig
+    from smalti.core.trainer import Trainer
+
+    found = schemas()
+    trainer, data = found["trainer"], found["data"]
+    signature = inspect.signature(Trainer).parameters
+    config = {f.name: f.default for f in dataclasses.fields(TrainerConfig)}
+    assert set(trainer.model_fields) == set(config)
+    for key, info in trainer.model_fields.items():
+        expected = config["max_duration"] if key == "max_duration" else signature[key].default
+        assert info.default == expected, key
+        assert config[key] == expected, f"TrainerConfig.{key}"
+    sections = {f.name: f.default for f in dataclasses.fields(DataConfig) if f.name not in ("train", "eval")}
+    assert {key: info.default for key, info in data.model_fields.items()} == sections
+    with pytest.raises(ValidationError, match="greater than 0"):
+        data(global_train_batch_size=0)
+    with pytest.raises(ValidationError, match="dur"):
+        trainer(max_duration="0.5dur")

@@ -2,7 +2,8 @@
 
 Returned by core's ``smalti_config_schemas`` hook (:mod:`smalti.core.plugin`). A component's schema is read
 off its constructor (types, constraints and defaults are written there once); only rules that span keys are
-written here. The two sections are not components, so their schemas are written out.
+written here. The ``trainer`` section's defaults are the Trainer's, the ``data`` section's are
+:class:`~smalti.core.config.schema.DataConfig`'s (the CLI's structured config).
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from __future__ import annotations
 import importlib
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import AfterValidator, Field, create_model, model_validator
 
 from smalti.core.config.derive import schema_for
+from smalti.core.config.schema import DataConfig, TrainerConfig
 from smalti.core.config.types import (
     NonNegativeFloat,
     NonNegativeInt,
@@ -47,19 +49,29 @@ def _not_dur(value: str) -> str:
     return value
 
 
-class TrainerSchema(Schema):
-    """The ``trainer`` section (:class:`smalti.core.trainer.Trainer`'s arguments)."""
+def _trainer_schema() -> type[Schema]:
+    """The ``trainer`` section: the section's keys of :class:`~smalti.core.trainer.Trainer`, their defaults read
+    off its signature (``max_duration``, which the Trainer requires, defaults to the CLI's ``TrainerConfig``)."""
+    import inspect
 
-    max_duration: Annotated[TimeStr, AfterValidator(_not_dur)] = "200ba"
-    eval_interval: TimeOrBatches | None = "1ep"
-    eval_subset_num_batches: Annotated[int, Field(ge=-1)] = -1
-    device_train_microbatch_size: PositiveInt | Literal["auto"] | None = None
-    precision: Literal[PRECISIONS] = "fp32"  # type: ignore[valid-type]
-    seed: NonNegativeInt = 17
-    compile: bool = False
-    deterministic: bool = False
-    device: Annotated[str, AfterValidator(_device)] | None = None
-    log_interval: TimeOrBatches | None = None
+    # Imported by name, as the components below are: the trainer's plugin module asks for these schemas.
+    Trainer = importlib.import_module("smalti.core.trainer").Trainer  # noqa: N806
+
+    section = set(TrainerConfig.__dataclass_fields__)
+    others = [key for key in inspect.signature(Trainer).parameters if key not in section]
+    checks = {
+        "max_duration": Annotated[TimeStr, AfterValidator(_not_dur)],
+        "eval_interval": TimeOrBatches | None,
+        "eval_subset_num_batches": Annotated[int, Field(ge=-1)],
+        "device_train_microbatch_size": PositiveInt | Literal["auto"] | None,
+        "precision": Literal[PRECISIONS],  # type: ignore[valid-type]
+        "seed": NonNegativeInt,
+        "device": Annotated[str, AfterValidator(_device)] | None,
+        "log_interval": TimeOrBatches | None,
+    }
+    derived = schema_for(Trainer, checks=checks, exclude=others, name="TrainerSchema")
+    return create_model("TrainerSchema", __base__=derived, __module__=__name__,
+                        max_duration=(checks["max_duration"], TrainerConfig.max_duration))
 
 
 def data_parallel_size(config: dict[str, Any], world: int) -> int:
@@ -69,17 +81,11 @@ def data_parallel_size(config: dict[str, Any], world: int) -> int:
     return world // sp if isinstance(sp, int) and sp > 0 and world % sp == 0 else world
 
 
-class DataSchema(Schema):
-    """The ``data`` section: batch sizes (global, split over the data-parallel ranks) and loader options."""
-
-    global_train_batch_size: PositiveInt = 32
-    eval_batch_size: PositiveInt = 32
-    num_workers: NonNegativeInt = 0
-    shuffle: bool = True
-    drop_last: bool = True
+class _DataRules(Schema):
+    """The ``data`` section's rule across keys: batch sizes divide over the data-parallel ranks."""
 
     @model_validator(mode="after")
-    def _divides_over_ranks(self, info: ValidationInfo) -> DataSchema:
+    def _divides_over_ranks(self, info: ValidationInfo) -> Schema:
         dp = data_parallel_size(run_config(info), world_size(info))
         for key in ("global_train_batch_size", "eval_batch_size"):
             value = getattr(self, key)
@@ -88,6 +94,17 @@ class DataSchema(Schema):
             if value % dp:
                 raise field_error(key, value, f"a multiple of the {dp} data-parallel ranks")
         return self
+
+
+#: The ``data`` section (:class:`~smalti.core.config.schema.DataConfig`, its keys and defaults): batch sizes
+#: (global, split over the data-parallel ranks) and loader options; the datasets are built from their nodes.
+DataSchema = schema_for(
+    DataConfig,
+    checks={"global_train_batch_size": PositiveInt, "eval_batch_size": PositiveInt, "num_workers": NonNegativeInt},
+    exclude=("train", "eval"),
+    base=_DataRules,
+    name="DataSchema",
+)
 
 
 #: Checks for ``torch.optim``'s Adam family, whose signatures (``lr: float | Tensor``) say too little; the
@@ -120,7 +137,7 @@ def schemas() -> dict[str, type]:
     off its constructor (:func:`~smalti.core.config.derive.schema_for`)."""
     import torch
 
-    found: dict[str, type] = {"trainer": TrainerSchema, "data": DataSchema}
+    found: dict[str, type] = {"trainer": _trainer_schema(), "data": DataSchema}
     for name, checks in (("AdamW", _ADAM_CHECKS), ("Adam", _ADAM_CHECKS), ("SGD", _SGD_CHECKS)):
         found[f"torch.optim.{name}"] = schema_for(getattr(torch.optim, name), checks=checks)
     for package, names in _COMPONENTS.items():
