@@ -66,11 +66,17 @@ def test_text_mds_batches_take_the_batch_path_and_equal_the_sample_path(tmp_path
     ds = TextMDS(local=str(data), max_seq_len=16, shuffle=True, batch_size=4)
     cls = type(ds)
     calls = {"batch": 0, "sample": 0}
+    def counting(name: str, key: str):
+        original = getattr(cls, name)
+
+        def counted(self, value):
+            calls[key] += 1
+            return original(self, value)
+
+        return counted
+
     for name, key in (("transform_batch", "batch"), ("transform_sample", "sample")):
-        def counted(self, value, _orig=getattr(cls, name), _key=key):
-            calls[_key] += 1
-            return _orig(self, value)
-        monkeypatch.setattr(cls, name, counted)
+        monkeypatch.setattr(cls, name, counting(name, key))
     assert not ds.transforms_samples()
     loader = StreamingDataLoader(ds, batch_size=4, num_workers=workers)
     assert loader.batched
