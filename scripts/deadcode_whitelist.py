@@ -10,6 +10,7 @@ _.find_class
 _.persistent_load
 _.synchronize_staging  # DCP's AsyncStager
 _.extra_repr  # torch.nn.Module's repr
+_.__signature__  # inspect.signature reads it (LLM.__init__ shows LLMConfig's options)
 _._last_lr  # torch.optim.lr_scheduler.LRScheduler.get_last_lr reads it
 _.benchmark  # torch.backends.cudnn.benchmark, set
 _.dump_ptxas_log  # triton's knobs, set
