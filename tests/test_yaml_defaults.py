@@ -4,8 +4,7 @@ A default is written once, in the component (:mod:`smalti.core.config.derive`); 
 the day the constructor changes (the profiler's ``repeat`` was 1 in the callback, 0 in its schema, and the
 YAML hid the difference). A key may stay only when it is a documented command-line knob: Hydra sets an existing
 key with ``key=value`` but needs ``+key=value`` for one the file does not have, so removing it would break the
-commands the READMEs show. Those keys are listed in :data:`KNOBS` with where they are documented. smalti-llm's
-files are not checked here yet (its options are being moved into one dataclass).
+commands the READMEs show. Those keys are listed in :data:`KNOBS` with where they are documented.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("core", "health", "checkpoint", "moe", "streaming")
+PACKAGES = ("core", "health", "checkpoint", "moe", "streaming", "llm")
 
 #: Keys that restate their component's default on purpose: each is set on the command line without ``+`` in
 #: the README, test, bench or config error named beside it, or pairs with a key beside it. Each must still
@@ -123,6 +122,27 @@ KNOBS: dict[str, str] = {
     'parallelism.replicate': 'replicate is named by its config error (fsdp.py)',
     'parallelism.shard': 'shard is named by its config error (fsdp.py)',
     'scheduler.alpha_f': 'alpha_f is named by its config error (schedulers.py)',
+    # smalti-llm
+    'callbacks.gauntlet.tasks': 'set as callbacks.gauntlet.tasks=... in its file\'s comment and packages/llm/README.md',
+    'callbacks.hf_export.folder': 'documented beside the key (null: <run>/hf)',
+    'callbacks.hf_export.dtype': 'documented beside the key (the choices)',
+    'callbacks.hf_export.max_shard_size': 'named in the file\'s comment',
+    'callbacks.hf_export.merge': 'set as callbacks.hf_export.merge=... in packages/llm/README.md',
+    'callbacks.mlflow_model.registered_model_name': 'named in the file\'s comment (default: the run name)',
+    'callbacks.mlflow_model.interval': 'set as interval=... in packages/llm/README.md, documented beside the key',
+    'data.train.packing': 'the chat recipe\'s packing is read as data.train.packing by test_long_context_config.py',
+    'data.eval.packing': 'pairs with data.train.packing (data/chat.yaml)',
+    'data.train.overlong': 'documented beside the key in data/chat.yaml (truncate or drop)',
+    'data.eval.overlong': 'pairs with data.train.overlong',
+    'data.train.path': 'set as data.train.path=... in the finetune_hf experiments and packages/llm/README.md',
+    'data.eval.path': 'set as data.eval.path=... in bench/sft_vs_trl.py',
+    'data.train.vocab_size': 'pairs with the model\'s vocab_size (data/markov.yaml)',
+    'data.eval.vocab_size': 'pairs with data.train.vocab_size',
+    'data.eval.remote': 'pairs with data.train.remote (data/text_mds.yaml)',
+    'model.position': 'set as model.position=... in packages/llm/tests/test_plan.py; a model file states its architecture',
+    'model.norm_type': 'set as model.norm_type=... in packages/core/README.md; a model file states its architecture',
+    'model.ffn_type': 'named as model.ffn_type=... in model/ffn.py; a model file states its architecture',
+    'model.init_device': 'set as model.init_device=... in packages/llm/tests/test_recipes.py',
 }
 
 
