@@ -122,6 +122,11 @@ KNOBS: dict[str, str] = {
     'parallelism.replicate': 'replicate is named by its config error (fsdp.py)',
     'parallelism.shard': 'shard is named by its config error (fsdp.py)',
     'scheduler.alpha_f': 'alpha_f is named by its config error (schedulers.py)',
+    'checkpoint.keep_every_n': 'the retention knob beside keep_last_n; read as cfg.keep_every_n by test_retention.py',
+    'checkpoint.read_ahead_mb': 'documented in packages/checkpoint/README.md (the load read-ahead)',
+    'checkpoint.load_once': 'documented in packages/checkpoint/README.md (load_once: false for HSDP)',
+    'checkpoint.retry_budget_s': 'documented as checkpoint.retry_budget_s in packages/checkpoint/README.md',
+    'checkpoint.s3_multipart_mb': 'documented in packages/checkpoint/README.md (multipart uploads)',
     # smalti-llm
     'callbacks.gauntlet.tasks': 'set as callbacks.gauntlet.tasks=... in its file\'s comment and packages/llm/README.md',
     'callbacks.hf_export.folder': 'documented beside the key (null: <run>/hf)',
