@@ -50,6 +50,21 @@ def test_gradients_match_per_token_loop():
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_glu_experts_keep_no_activation_output_for_backward():
+    """The torch backend's fused GLU + second GEMM keeps only the first GEMM's output ``[N, 2F]`` for backward;
+    the GLU output ``[N, F]`` is recomputed there (the memory a Mixtral-like step saves)."""
+    layer = make(mlp_type="glu", activation="silu", num_experts=4, top_k=2)
+    x = torch.randn(13, 24, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        y, _ = layer(x)
+    entries = 13 * 2
+    assert (entries, 2 * 16) in saved
+    assert (entries, 16) not in saved, saved
+    y.sum().backward()
+    assert layer.w1.grad is not None and layer.w2.grad is not None
+
+
 def test_one_expert_equals_dense_ffn():
     layer = make(num_experts=1, top_k=1, mlp_type="glu", activation="silu")
     x = torch.randn(2, 9, 24)

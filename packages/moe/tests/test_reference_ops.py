@@ -64,6 +64,19 @@ def test_glu_backward_matches_autograd(activation):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_exact", "relu"])
+def test_packed_glu_backward_matches_autograd(activation):
+    h = torch.randn(7, 10, dtype=torch.float64, requires_grad=True)
+    dout = torch.randn(7, 5, dtype=torch.float64)
+    out = reference.glu(h[:, :5], h[:, 5:], activation)
+    (want,) = torch.autograd.grad(out, h, dout)
+    dh, recomputed = reference.glu_packed_backward(h.detach(), dout, activation)
+    torch.testing.assert_close(dh, want)
+    torch.testing.assert_close(recomputed, out.detach())
+    torch.testing.assert_close(reference.glu_packed(h.detach(), activation), out.detach())
+    assert reference.glu_packed_backward(h.detach(), dout, activation, input_grad=False)[0] is None
+
+
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_autograd_ops_gradcheck_float64(k):
     experts = 4
@@ -83,6 +96,8 @@ def test_autograd_ops_gradcheck_float64(k):
         "scatter_rows": (lambda r, ws: ops.scatter_rows(r, perm, ws, k, "torch"), (rows, weights)),
         "combine": (lambda r, ws: ops.combine(r, ws), (rows, weights)),
         "glu": (lambda r: ops.glu(r[:, :3], r[:, 3:], "silu", "torch"), (rows,)),
+        "glu_mm_scatter": (lambda r, w: ops.glu_mm_scatter(r, w, perm, offsets, "silu", "torch"),
+                           (rows, leaf(experts, 3, 4))),
     }
     for name, (fn, inputs) in checks.items():
         assert torch.autograd.gradcheck(fn, inputs, eps=1e-6, atol=1e-6), name

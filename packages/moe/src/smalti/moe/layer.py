@@ -198,11 +198,9 @@ class MoE(nn.Module):
         perm, _counts, offsets = ops.sort_by_expert(expert_ids, w1.shape[0], self.backend)
         h = ops.gather_mm(tokens, w1, perm, offsets, expert_ids.shape[1], self.backend)
         if self.mlp_type == "glu":
-            gate, up = h.split(self.ffn_hidden_size, dim=-1)
-            h = ops.glu(gate, up, self.activation, self.backend)
+            z = ops.glu_mm_scatter(h, w2, perm, offsets, self.activation, self.backend)
         else:
-            h = ACTIVATIONS[self.activation](h)
-        z = ops.mm_scatter(h, w2, perm, offsets, self.backend)
+            z = ops.mm_scatter(ACTIVATIONS[self.activation](h), w2, perm, offsets, self.backend)
         return ops.combine(z, weights)
 
     def _apply_capacity(self, routing: Routing) -> torch.Tensor:

@@ -178,6 +178,37 @@ class _GLU(torch.autograd.Function):
         return dg, du, None, None
 
 
+class _GLUMMScatter(torch.autograd.Function):
+    """``mm_scatter(act(gate) * up, w)`` for packed ``h = [gate | up]`` on the ``torch`` backend: keeps only ``h``
+    for backward (the GLU output, ``N x F``, is recomputed there for the weight gradient instead of held from
+    forward to backward) and writes the gate and up gradients into one packed tensor (no concatenation)."""
+
+    @staticmethod
+    def forward(ctx: Any, h, w, perm, offsets, activation) -> torch.Tensor:
+        ctx.save_for_backward(h, w, perm, offsets)
+        ctx.activation = activation
+        return reference.mm_scatter(reference.glu_packed(h, activation), w, perm, offsets)
+
+    @staticmethod
+    def backward(ctx: Any, dz):
+        h, w, perm, offsets = ctx.saved_tensors
+        dz = dz.contiguous()
+        da = reference.gather_mm(dz, _t(w), perm, offsets, 1)
+        dh, a = reference.glu_packed_backward(h, da, ctx.activation, input_grad=ctx.needs_input_grad[0])
+        dw = reference.grouped_mm_wgrad(a, dz, offsets, dc_index=perm) if ctx.needs_input_grad[1] else None
+        return dh, dw, None, None, None
+
+
+def glu_mm_scatter(h, w, perm, offsets, activation: str, backend: str) -> torch.Tensor:
+    """The GLU expert's second half: ``mm_scatter(act(gate) * up, w)`` for packed ``h = [gate | up]`` (sorted rows),
+    in entry order. The ``torch`` backend fuses it (:class:`_GLUMMScatter`: less memory, no concatenation in
+    backward); the Triton backend runs its fused ``glu`` kernel and ``mm_scatter``."""
+    if backend == "torch":
+        return _GLUMMScatter.apply(h, w, perm, offsets, activation)
+    gate, up = h.split(h.shape[-1] // 2, dim=-1)
+    return mm_scatter(glu(gate, up, activation, backend), w, perm, offsets, backend)
+
+
 def gather_mm(x, w, perm, offsets, k: int, backend: str) -> torch.Tensor:
     """Token rows times their expert's weight, in expert-sorted order ``[N, M]`` (fused gather + GEMM)."""
     return _GatherMM.apply(x, w, perm, offsets, k, kernels(backend))

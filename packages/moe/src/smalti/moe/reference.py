@@ -146,6 +146,37 @@ ACTIVATIONS = {
 }
 
 
+# Each activation's input gradient written into ``out`` (a column slice of a packed gradient): aten's fused
+# backward kernels, so nothing is recomputed through autograd and no separate buffer needs concatenating.
+ACTIVATION_GRADS = {
+    "gelu": lambda grad, x, out: torch.ops.aten.gelu_backward.grad_input(grad, x, approximate="tanh", grad_input=out),
+    "gelu_exact": lambda grad, x, out: torch.ops.aten.gelu_backward.grad_input(grad, x, grad_input=out),
+    "silu": lambda grad, x, out: torch.ops.aten.silu_backward.grad_input(grad, x, grad_input=out),
+    "relu": lambda grad, x, out: torch.ops.aten.threshold_backward.grad_input(grad, x, 0, grad_input=out),
+}
+
+
+def glu_packed(h: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """:func:`glu` of a packed ``h = [gate | up]`` (``[N, 2F]`` -> ``[N, F]``), computed in one output buffer."""
+    gate, up = h.split(h.shape[-1] // 2, dim=-1)
+    return ACTIVATIONS[activation](gate).mul_(up)
+
+
+def glu_packed_backward(h: torch.Tensor, dout: torch.Tensor, activation: str = "silu", input_grad: bool = True
+                        ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Gradient of :func:`glu_packed` for ``h = [gate | up]``, as one ``[N, 2F]`` tensor (``None`` unless
+    ``input_grad``), and the recomputed forward output ``act(gate) * up`` (what a following GEMM's weight
+    gradient needs, so the forward pass need not keep it)."""
+    gate, up = h.split(h.shape[-1] // 2, dim=-1)
+    act = ACTIVATIONS[activation](gate)
+    dh = None
+    if input_grad:
+        dh = torch.empty_like(h)
+        torch.mul(dout, act, out=dh[:, gate.shape[-1]:])
+        ACTIVATION_GRADS[activation](dout * up, gate, dh[:, : gate.shape[-1]])
+    return dh, act.mul_(up)
+
+
 def glu(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """The GLU activation ``act(gate) * up`` (SwiGLU for ``silu``); ``gate``/``up`` may be column slices of one tensor."""
     return ACTIVATIONS[activation](gate) * up
