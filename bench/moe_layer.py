@@ -9,6 +9,16 @@ DBRX-like shapes (16 experts, top-4).
     python bench/moe_layer.py                      # CPU, torch backend
     python bench/moe_layer.py --preset dbrx        # GPU, triton backend, bf16: 16 experts top-4, hidden 6144,
                                                    # expert ffn 10752 (dense ffn 43008), 8192 tokens
+
+``--gemm`` times the grouped GEMM alone instead, at the layer's shapes (``tokens * top_k`` rows routed at
+random, the GLU experts' two projections), for the forward product, the input gradient (``w`` transposed, a
+strided view) and the weight gradient, by each way of computing it: smalti-moe's torch backend
+(``reference.grouped_mm`` / ``grouped_mm_wgrad``, what the layer runs), a Python loop of ``torch.mm`` per
+expert, ``torch.nn.functional.grouped_mm``, ``torch._grouped_mm``, and a ``bmm`` over the experts' rows padded
+to the largest expert (the padded rows are computed and thrown away). Process CPU ms per call (best of
+``--repeats``) and GFLOP/s of the useful work; a dense ``mm`` of the same rows is the yardstick:
+
+    python bench/moe_layer.py --gemm --tokens 2048 --ffn 3584      # bench/moe_vs_hf.py's Mixtral-like shape
 """
 
 from __future__ import annotations
@@ -59,6 +69,90 @@ def timed(fn, x, repeats: int, device: str) -> tuple[list[float], list[float]]:
     return wall, cpu
 
 
+def grouped_gemm_ways(offsets: torch.Tensor) -> dict:
+    """Each way of computing ``c[rows of e] = a[rows of e] @ b[e]`` (``b`` may be strided) and its weight gradient."""
+    import torch.nn.functional as F
+
+    from smalti.moe import reference
+
+    bounds = [0, *offsets.tolist()]
+    offs32 = offsets.to(torch.int32)
+
+    def loop(a, b):
+        out = a.new_empty(a.shape[0], b.shape[-1])
+        for e, (s, t) in enumerate(zip(bounds, bounds[1:])):
+            torch.mm(a[s:t], b[e], out=out[s:t])
+        return out
+
+    def loop_wgrad(a, dc):
+        out = a.new_empty(len(bounds) - 1, a.shape[1], dc.shape[1])
+        for e, (s, t) in enumerate(zip(bounds, bounds[1:])):
+            torch.mm(a[s:t].t(), dc[s:t], out=out[e])
+        return out
+
+    def padded(a):
+        rows = max(t - s for s, t in zip(bounds, bounds[1:]))
+        out = a.new_zeros(len(bounds) - 1, rows, a.shape[1])
+        for e, (s, t) in enumerate(zip(bounds, bounds[1:])):
+            out[e, : t - s] = a[s:t]
+        return out
+
+    def unpad(c):
+        return torch.cat([c[e, : t - s] for e, (s, t) in enumerate(zip(bounds, bounds[1:]))])
+
+    return {
+        "smalti (torch backend)": (lambda a, b: reference.grouped_mm(a, b, offsets),
+                                   lambda a, dc: reference.grouped_mm_wgrad(a, dc, offsets)),
+        "loop of torch.mm": (loop, loop_wgrad),
+        "F.grouped_mm": (lambda a, b: F.grouped_mm(a, b, offs=offs32),
+                         lambda a, dc: F.grouped_mm(a.t(), dc, offs=offs32)),
+        "torch._grouped_mm": (lambda a, b: torch._grouped_mm(a, b, offs=offs32),
+                              lambda a, dc: torch._grouped_mm(a.t(), dc, offs=offs32)),
+        "padded bmm": (lambda a, b: unpad(torch.bmm(padded(a), b)),
+                       lambda a, dc: torch.bmm(padded(a).transpose(1, 2), padded(dc))),
+    }
+
+
+# (case, grouped call given a way's (product, weight gradient) and the operands, the dense yardstick)
+GEMM_CASES = (
+    ("forward", lambda f, g, t: f(t["x"], t["w"]), lambda t: t["x"] @ t["w"][0]),
+    ("input grad", lambda f, g, t: f(t["dc"], t["w"].transpose(1, 2)), lambda t: t["dc"] @ t["w"][0].t()),
+    ("weight grad", lambda f, g, t: g(t["x"], t["dc"]), lambda t: t["x"].t() @ t["dc"]),
+)
+
+
+def gemm_bench(a: argparse.Namespace) -> None:
+    """Time every way of :func:`grouped_gemm_ways` on the layer's two projections, forward and backward."""
+    torch.manual_seed(0)
+    rows, expert_ffn = a.tokens * a.top_k, a.ffn // a.top_k
+    ids = torch.randint(0, a.experts, (rows,))
+    offsets = torch.cumsum(torch.bincount(ids, minlength=a.experts), 0)
+    up = 2 * expert_ffn if a.mlp_type == "glu" else expert_ffn
+    print(f"grouped GEMM on cpu, float32, {rows} rows ({a.tokens} tokens top-{a.top_k}) over {a.experts} experts "
+          f"(largest {int(torch.bincount(ids).max())}), {torch.get_num_threads()} threads; "
+          "process CPU ms per call (best of {}), GFLOP/s".format(a.repeats))
+    ways = grouped_gemm_ways(offsets)
+    for name, k, m in (("w1", a.hidden, up), ("w2", expert_ffn, a.hidden)):
+        t = {"x": torch.randn(rows, k), "w": torch.randn(a.experts, k, m), "dc": torch.randn(rows, m)}
+        flops = 2 * rows * k * m
+        for case, call, dense in GEMM_CASES:
+            cells = [f"dense mm {_cpu_ms(lambda: dense(t), a.repeats):7.1f}"]  # noqa: B023
+            for name_, fns in ways.items():
+                ms = _cpu_ms(lambda: call(*fns, t), a.repeats)  # noqa: B023 (timed before the loop moves on)
+                cells.append(f"{name_} {ms:7.1f} ({flops / ms / 1e6:4.1f})")
+            print(f"{name} [{rows}x{k}]@[{a.experts}x{k}x{m}] {case:11s}: " + " | ".join(cells))
+
+
+def _cpu_ms(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.process_time()
+        fn()
+        best = min(best, time.process_time() - start)
+    return best * 1e3
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--experts", type=int, default=8)
@@ -74,9 +168,13 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--preset", choices=["dbrx"], help="dbrx: DBRX-like shapes, triton backend, bf16 on CUDA")
     p.add_argument("--threads", type=int, help="torch.set_num_threads on CPU (default: torch's choice)")
+    p.add_argument("--gemm", action="store_true", help="time the grouped GEMM's ways instead of the layer (CPU)")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
+    if a.gemm:
+        gemm_bench(a)
+        return
     if a.preset == "dbrx":
         a.experts, a.top_k, a.hidden, a.ffn, a.tokens = 16, 4, 6144, 4 * 10752, 8192
         a.backend, a.device, a.dtype, a.mlp_type = "triton", "cuda", "bfloat16", "glu"

@@ -1,12 +1,18 @@
 """smalti's imported Mixtral (experts on smalti-moe's dropless grouped GEMMs) against transformers' own
-``MixtralForCausalLM`` (which loops over the experts), training on the same folder at the same precision.
+``MixtralForCausalLM``, training on the same folder at the same precision.
+
+transformers 5.24's ``MixtralExperts`` is decorated with ``use_experts_implementation``: by default
+(``experts_implementation`` unset) ``from_pretrained`` picks ``"grouped_mm"`` (``grouped_mm_experts_forward``:
+sort the (token, slot) pairs by expert, gather the rows, ``torch.nn.functional.grouped_mm`` for both projections,
+which has a CPU kernel in torch >= 2.9), not the per-expert Python loop of the class's own ``forward``. That loop
+is ``experts_implementation="eager"`` (``--hf-experts eager`` here). The baseline line names the one that ran.
 
 The bench writes one random Mixtral-like model with ``transformers`` (``save_pretrained``, seeded) and random
 token data, then trains it for ``--steps`` steps in a fresh subprocess per side, each with
 ``torch.optim.AdamW(fused=True)`` and its loss including the load-balancing term (``output_router_logits``):
 
-  (a) ``transformers.AutoModelForCausalLM.from_pretrained(attn_implementation="sdpa")``, loss with
-      ``labels=input_ids``;
+  (a) ``transformers.AutoModelForCausalLM.from_pretrained(attn_implementation="sdpa")`` (plus
+      ``experts_implementation`` when ``--hf-experts`` names one), loss with ``labels=input_ids``;
   (b) ``smalti.llm.hf.import_hf`` of the same folder, ``model.loss(model(batch), batch)`` (fused chunked loss).
 
 Both run fp32 by default or under bf16 autocast (``--precision amp_bf16``). Each worker prints every step's wall
@@ -19,7 +25,8 @@ over transformers'. The first losses must agree to 1e-4 relative or no ratio is 
 Default shape (Mixtral's proportions scaled to a CPU): vocab 32000, d_model 512, 8 experts of width 1792, top 2,
 4 layers, 8/2 heads, sequence 512, batch 4.
 
-    OMP_NUM_THREADS=2 python bench/moe_vs_hf.py [--steps 4] [--precision fp32|amp_bf16] [--json out.json]
+    OMP_NUM_THREADS=1 python bench/moe_vs_hf.py [--steps 4] [--precision fp32|amp_bf16]
+                                                [--hf-experts default|grouped_mm|eager] [--json out.json]
 """
 
 from __future__ import annotations
@@ -57,13 +64,18 @@ def write_model(folder: Path, s: dict[str, int]) -> None:
     torch.save(ids, folder / "ids.pt")
 
 
-def worker(side: str, folder: Path, steps: int, precision: str) -> dict:
-    """Train ``side`` for ``steps`` steps; returns per-step times, losses, peak RSS and the terms it ran on."""
+def worker(side: str, folder: Path, steps: int, precision: str, hf_experts: str = "default") -> dict:
+    """Train ``side`` for ``steps`` steps; returns per-step times, losses, peak RSS, the terms it ran on and
+    (transformers) the experts implementation ``from_pretrained`` chose."""
     ids = torch.load(folder / "ids.pt")
+    experts = "smalti-moe dropless grouped GEMMs (torch backend)"
     if side == "hf":
         import transformers
 
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="sdpa").train()
+        chosen = {} if hf_experts == "default" else {"experts_implementation": hf_experts}
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), attn_implementation="sdpa",
+                                                                  **chosen).train()
+        experts = f"experts_implementation={model.config._experts_implementation}"
 
         def loss_fn() -> torch.Tensor:
             return model(input_ids=ids, labels=ids).loss
@@ -90,13 +102,13 @@ def worker(side: str, folder: Path, steps: int, precision: str) -> dict:
         wall.append(time.perf_counter() - w0)
         losses.append(float(loss))
     return {"losses": losses, "cpu_s": cpu, "wall_s": wall, "tokens_per_step": ids.numel(),
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "experts": experts,
             "terms": {"precision": precision, "adamw": "fused" if opt.defaults.get("fused") else "other"}}
 
 
 def _run_side(side: str, folder: Path, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--worker", side, "--folder", str(folder), "--steps", str(args.steps),
-           "--precision", args.precision]
+           "--precision", args.precision, "--hf-experts", args.hf_experts]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode:
         raise SystemExit(f"moe_vs_hf: the {side} worker failed:\n{done.stderr[-3000:]}")
@@ -109,12 +121,14 @@ def main() -> None:
         parser.add_argument("--" + key.replace("_", "-"), type=int, default=value)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--precision", choices=("fp32", "amp_bf16"), default="fp32")
+    parser.add_argument("--hf-experts", choices=("default", "grouped_mm", "eager"), default="default",
+                        help="transformers' experts_implementation (default: what from_pretrained picks, grouped_mm)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--worker", choices=("hf", "smalti"), help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.worker, args.folder, args.steps, args.precision)))
+        print(json.dumps(worker(args.worker, args.folder, args.steps, args.precision, args.hf_experts)))
         return
     shape = {key: getattr(args, key) for key in SHAPE}
     with tempfile.TemporaryDirectory(prefix="moe_vs_hf-") as tmp:
@@ -124,7 +138,7 @@ def main() -> None:
     for side, r in results.items():
         steps = " ".join(f"{c:.2f}/{w:.2f}" for c, w in zip(r["cpu_s"], r["wall_s"], strict=True))
         print(f"{side:7s} cpu/wall s per step: {steps}  losses {r['losses'][0]:.6f}..{r['losses'][-1]:.6f}  "
-              f"peak RSS {r['peak_rss_mb']:.0f} MB")
+              f"peak RSS {r['peak_rss_mb']:.0f} MB  [{r['experts']}]")
     hf, sm = results["hf"], results["smalti"]
     if hf["terms"] != sm["terms"]:
         raise SystemExit(f"moe_vs_hf: the sides ran on different terms {hf['terms']} vs {sm['terms']}: no ratio")
