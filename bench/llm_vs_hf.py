@@ -1,9 +1,11 @@
 """smalti's LLM against transformers' LlamaForCausalLM, on transformers' best plain settings and the same precision.
 
-For each shape it builds one Llama config with ``transformers`` (random init, seeded), saves it with
+For each shape it builds one Llama config (``--family qwen3`` or ``gemma3``: a Qwen3 or Gemma 3 text config of
+the same shape, head_dim ``d_model / heads``; Gemma 3 with a 512-token sliding window on its local layers) with
+``transformers`` (random init, seeded), saves it with
 ``save_pretrained`` to a temporary folder with random token data, and trains it for ``--steps`` steps with
 
-  (a) ``transformers.LlamaForCausalLM.from_pretrained(attn_implementation="sdpa")``, its own loss with
+  (a) ``transformers.AutoModelForCausalLM.from_pretrained(attn_implementation="sdpa")``, its own loss with
       ``labels=input_ids``, the forward and loss under bf16 autocast (what ``TrainingArguments(bf16=True)`` does),
       ``torch.optim.AdamW(fused=True)`` (``optim="adamw_torch_fused"``) and, whenever smalti checkpoints
       activations (``--ac``), ``gradient_checkpointing_enable()``;
@@ -106,10 +108,10 @@ def _watch_autocast(model: torch.nn.Module, device: torch.device, seen: list[str
 def run_hf(folder: Path, steps: int, device: torch.device, args: argparse.Namespace, precision: str) -> dict:
     """transformers' training step at its best plain settings: SDPA, ``labels=input_ids``, fused AdamW, bf16
     autocast of forward and loss for ``amp_bf16``, gradient checkpointing when smalti checkpoints activations."""
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     data = torch.load(folder / "tokens.pt")
-    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
     model = model.to(device).train()
     if args.ac:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -205,11 +207,23 @@ def run_smalti(
     }
 
 
-def make_folder(shape: dict[str, int], steps: int, folder: Path) -> None:
-    """A seeded random Llama saved by transformers, and the token batches both sides train on."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+# --family: transformers' config and model classes, and the fields that differ from a Llama of the same shape.
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {"rope_theta": 500000.0}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"rope_theta": 1000000.0, "head_dim": None}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": None, "sliding_window": 512}),
+}
 
-    config = LlamaConfig(
+
+def make_folder(shape: dict[str, int], steps: int, folder: Path, family: str = "llama") -> None:
+    """A seeded random model of ``family`` (Llama by default) saved by transformers, and the token batches both
+    sides train on."""
+    import transformers
+
+    config_name, model_name, extra = FAMILIES[family]
+    extra = {k: shape["d_model"] // shape["heads"] if k == "head_dim" else v for k, v in extra.items()}
+    config = getattr(transformers, config_name)(
+        **extra,
         vocab_size=shape["vocab"],
         hidden_size=shape["d_model"],
         intermediate_size=shape["ffn"],
@@ -217,12 +231,11 @@ def make_folder(shape: dict[str, int], steps: int, folder: Path) -> None:
         num_attention_heads=shape["heads"],
         num_key_value_heads=shape["kv_heads"],
         max_position_embeddings=shape["seq"],
-        rope_theta=500000.0,
         tie_word_embeddings=False,
         rms_norm_eps=1e-5,
     )
     torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
+    getattr(transformers, model_name)(config).save_pretrained(folder)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, shape["vocab"], (steps, shape["batch"], shape["seq"]), generator=gen)
     torch.save(tokens, folder / "tokens.pt")
@@ -286,7 +299,7 @@ def bench_shape(name: str, shape: dict[str, int], args: argparse.Namespace, devi
     print(f"== shape {name}: " + " ".join(f"{k}={v}" for k, v in shape.items()), flush=True)
     with tempfile.TemporaryDirectory(prefix="llm_vs_hf.") as tmp:
         folder = Path(tmp)
-        make_folder(shape, steps, folder)
+        make_folder(shape, steps, folder, args.family)
         runs: dict[tuple[str, str], list[dict]] = {c: [] for c in configs}
         for r in range(args.rounds):
             for config in configs if r % 2 == 0 else configs[::-1]:
@@ -397,6 +410,8 @@ def main() -> None:
         default=None,
         help="also run transformers at this precision and print that ratio, labelled (not the headline)",
     )
+    p.add_argument("--family", choices=list(FAMILIES), default="llama",
+                   help="the transformers family both sides train (smalti imports it through smalti.llm.hf)")
     p.add_argument("--json", type=Path, default=None, help="write every shape's ratios and terms here")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--worker", choices=["hf", "smalti"], help=argparse.SUPPRESS)
