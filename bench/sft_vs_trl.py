@@ -122,8 +122,9 @@ def _digest(*paths: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def run_trl(args: argparse.Namespace) -> dict:
-    """TRL's SFTTrainer over the train file (one epoch); saves the trained model to ``--out``."""
+def run_trl(args: argparse.Namespace, peft_config=None) -> dict:
+    """TRL's SFTTrainer over the train file (one epoch); saves the trained model to ``--out``. ``peft_config``
+    (a ``peft.LoraConfig``) trains PEFT adapters the way a PEFT user does, ``SFTTrainer(peft_config=...)``."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
@@ -136,14 +137,15 @@ def run_trl(args: argparse.Namespace) -> dict:
     # fused LM head reads lm_head.weight without calling the module
     _watch_autocast(model.model.layers[-1], torch.device("cpu"), autocast)
     config = SFTConfig(
-        output_dir=str(args.out / "trl_run"), bf16=True, optim="adamw_torch_fused", assistant_only_loss=True,
+        output_dir=str(args.out / "trl_run"), bf16=getattr(args, "precision", "amp_bf16") == "amp_bf16", optim="adamw_torch_fused", assistant_only_loss=True,
         max_length=args.max_len, packing=args.worker == "trl_packed", per_device_train_batch_size=TRL_BATCH,
         gradient_checkpointing=not args.no_checkpointing, num_train_epochs=1, learning_rate=args.lr,
         lr_scheduler_type="linear", adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=1e-8,
         weight_decay=0.0, max_grad_norm=1.0, save_strategy="no", eval_strategy="no", report_to="none",
         logging_steps=10, use_cpu=True, dataloader_num_workers=0, seed=0,
     )
-    trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows), processing_class=tok)
+    trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(rows), processing_class=tok,
+                         peft_config=peft_config)
     collate = trainer.data_collator
     counted = {"assistant_tokens": 0, "rows": 0, "row_tokens": 0}
 
@@ -170,6 +172,7 @@ def run_trl(args: argparse.Namespace) -> dict:
         "collator": type(collate).__name__,
         "padding_free": bool(getattr(collate, "padding_free", False)),
         "attention": model.config._attn_implementation,
+        "trainable": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
     }
 
 
@@ -219,14 +222,20 @@ def side_trl(args: argparse.Namespace, packed: bool, work: Path) -> dict:
     return {**res, "cpu_s": cpu, "wall_s": time.perf_counter() - start, "rss_mb": rss, "model": out / "hf"}
 
 
-def side_smalti(args: argparse.Namespace, batch_rows: int, rows: list[dict], work: Path) -> dict:
-    """Side (b): ``smalti-train experiment=finetune_hf`` in its own process."""
+def side_smalti(args: argparse.Namespace, batch_rows: int, rows: list[dict], work: Path,
+                lora: tuple[str, ...] | None = None) -> dict:
+    """Side (b): ``smalti-train experiment=finetune_hf`` in its own process; with ``lora`` (overrides),
+    ``experiment=finetune_hf_lora`` instead, and no merged Hugging Face folder is looked for."""
     import yaml
 
     run_dir = work / "smalti"
     env = {**os.environ, "SMALTI_RUN_NAME": "sft_vs_trl", "HF_HUB_OFFLINE": "1"}
     start = time.perf_counter()
-    done, cpu, rss = _measured(smalti_command(args, batch_rows, run_dir), env, work)
+    cmd = smalti_command(args, batch_rows, run_dir)
+    if lora is not None:
+        cmd = [c.replace("experiment=finetune_hf", "experiment=finetune_hf_lora") for c in cmd]
+        cmd += [o for o in lora if o.split("=")[0] not in {c.split("=")[0] for c in cmd}]
+    done, cpu, rss = _measured(cmd, env, work)
     if done.returncode:
         raise SystemExit(f"smalti side failed ({done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}")
     config = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
@@ -249,7 +258,8 @@ def side_smalti(args: argparse.Namespace, batch_rows: int, rows: list[dict], wor
         "optimizer": "fused" if config["optimizer"].get("fused") else "foreach/loop",
         "checkpointing": config["model"].get("activation_checkpointing") not in (None, "null"),
         "collator": "packed rows with sequence ids",
-        "cpu_s": cpu, "wall_s": time.perf_counter() - start, "rss_mb": rss, "model": _exported(run_dir),
+        "cpu_s": cpu, "wall_s": time.perf_counter() - start, "rss_mb": rss,
+        "model": _exported(run_dir) if lora is None else None,
     }
 
 
