@@ -9,7 +9,8 @@ ratio when they differ.
 
 Part 1, memory and checkpoints. One seeded random Llama (bench/llm_vs_hf.py's ``llama1b_like`` shape by default:
 Llama-3.2-1B's vocabulary and proportions scaled to this machine) is saved by ``transformers``; each run trains it
-for ``--steps`` steps on the same token batches in a fresh subprocess through ``smalti.core.Trainer``:
+for ``--steps`` steps on the same token batches in a fresh subprocess through ``smalti.core.Trainer``, every side
+with the same ``--checkpointing`` (``block``, as the chat part, or ``none``):
 
   full    smalti's ``import_hf``, every weight trained (fp32 weights)
   lora    the same with ``model.lora`` r 16, alpha 32, dropout 0.05, all linear layers: PEFT's usual settings,
@@ -38,8 +39,9 @@ whole-process peak RSS (``os.wait4``). The last line:
 (``vs_peft_speed``: smalti's tokens/CPU-s over PEFT's, higher is better; ``vs_peft_memory``: smalti's peak over
 PEFT's; ``ckpt_ratio``: LoRA checkpoint bytes over full; the save-time ratio is printed above it.)
 
-    OMP_NUM_THREADS=1 python bench/lora.py [--precision fp32] [--steps 3] [--conversations 40] [--max-len 1024]
-        [--vocab ... --seq ... to replace the shape] [--json PATH]
+    OMP_NUM_THREADS=1 python bench/lora.py [--precision fp32] [--checkpointing block] [--steps 3]
+        [--conversations 40] [--max-len 1024] [--vocab ... --seq ... to replace the shape] [--json PATH]
+        [--part memory|chat --json PART.json, then --from PART.json ... to join parts run apart]
 """
 
 from __future__ import annotations
@@ -94,14 +96,15 @@ class _Steps:
                 "tokens_per_cpu_s": tokens / statistics.median(self.cpu[1:] or self.cpu)}
 
 
-def run_smalti(side: str, folder: Path, steps: int, precision: str) -> dict:
+def run_smalti(side: str, folder: Path, steps: int, precision: str, checkpointing: str) -> dict:
     """smalti's Trainer on the imported model: every weight (``full``), or LoRA / QLoRA adapters."""
     from smalti.core import Callback, Trainer
     from smalti.llm.hf import import_hf
 
     data = torch.load(folder / "tokens.pt")
     lora = None if side == "full" else {**LORA, "base_dtype": "nf4" if side == "qlora" else BASE_DTYPE[precision]}
-    model = import_hf(folder, max_seq_len=data.shape[-1], lora=lora)
+    model = import_hf(folder, max_seq_len=data.shape[-1], lora=lora,
+                      activation_checkpointing=None if checkpointing == "none" else checkpointing)
     autocast: list[str] = []
     _watch_autocast(model, torch.device("cpu"), autocast)
     record = _Steps()
@@ -121,7 +124,8 @@ def run_smalti(side: str, folder: Path, steps: int, precision: str) -> dict:
     trainer = Trainer(model, [{"input_ids": data[i]} for i in range(steps)], f"{steps}ba", eval_interval=None,
                       precision=precision, callbacks={"record": Record()}, optimizers=make_optimizer)
     trainer.fit()
-    out = {**record.report(data[0].numel()), "precision": precision, "autocast": sorted(set(autocast)),
+    out = {**record.report(data[0].numel()), "precision": precision, "checkpointing": checkpointing,
+           "autocast": sorted(set(autocast)),
            "optimizer": _optimizer_impl(built[0]),
            "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
            "base_dtypes": sorted({type(p).__name__ if type(p).__name__ == "NF4Tensor" else str(p.dtype)
@@ -152,9 +156,9 @@ def run_peft(args: argparse.Namespace) -> dict:
     return {**run_trl(trl_args, peft_config=config), "precision": args.precision}
 
 
-def _child(side: str, folder: Path, steps: int, precision: str) -> dict:
-    cmd = [sys.executable, __file__, "--worker", side, "--folder", str(folder), "--steps", str(steps),
-           "--precision", precision]
+def _child(side: str, folder: Path, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, __file__, "--worker", side, "--folder", str(folder), "--steps", str(args.steps),
+           "--precision", args.precision, "--checkpointing", args.checkpointing]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode:
         raise SystemExit(f"{side} worker failed ({done.returncode}):\n{done.stderr[-4000:]}")
@@ -174,13 +178,14 @@ def memory_part(args: argparse.Namespace, shape: dict[str, int]) -> dict[str, di
         folder = Path(tmp)
         make_folder(shape, args.steps, folder)
         for side in SIDES:
-            runs[side] = r = _child(side, folder, args.steps, args.precision)
+            runs[side] = r = _child(side, folder, args)
             print(f"{side:6s} peak {r['peak_mb']:9.1f} MB  {r['tokens_per_cpu_s']:9.1f} tokens/CPU-s  trainable "
-                  f"{r['trainable'] / 1e6:8.2f} M  frozen {r['base_dtypes']}  {r['precision']} autocast "
+                  f"{r['trainable'] / 1e6:8.2f} M  frozen {r['base_dtypes']}  {r['precision']} checkpointing "
+                  f"{r['checkpointing']} autocast "
                   f"{r['autocast']}  adamw {r['optimizer']}  first loss {r['losses'][0]:.4f}"
                   + (f"  checkpoint {r['ckpt_bytes'] / 2**20:.1f} MB in {r['ckpt_s']:.3f} s" if "ckpt_s" in r
                      else ""), flush=True)
-    _same_terms(runs, ("precision", "autocast", "optimizer"))
+    _same_terms(runs, ("precision", "checkpointing", "autocast", "optimizer"))
     return runs
 
 
@@ -232,14 +237,16 @@ def chat_part(args: argparse.Namespace, shape: dict[str, int]) -> dict[str, dict
     return runs
 
 
-def _joined(files: list[Path], precision: str, shape: dict[str, int]) -> dict[str, dict]:
-    """The parts earlier ``--part`` runs wrote, refused when they ran at another precision or shape."""
+def _joined(files: list[Path], precision: str, checkpointing: str, shape: dict[str, int]) -> dict[str, dict]:
+    """The parts earlier ``--part`` runs wrote, refused when they ran at another precision, checkpointing or
+    shape."""
     parts: dict[str, dict] = {}
     for file in files:
         earlier = json.loads(file.read_text())
-        if earlier["precision"] != precision or earlier["shape"] != shape:
-            raise SystemExit(f"{file} holds a run at {earlier['precision']} {earlier['shape']}, not {precision} "
-                             f"{shape}: pass the same --precision and shape")
+        terms = (earlier["precision"], earlier.get("checkpointing"), earlier["shape"])
+        if terms != (precision, checkpointing, shape):
+            raise SystemExit(f"{file} holds a run at {terms}, not {(precision, checkpointing, shape)}: pass the "
+                             "same --precision, --checkpointing and shape")
         for key in ("runs", "chat"):
             if key in earlier:
                 parts[key] = earlier[key]
@@ -251,6 +258,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--checkpointing", choices=("block", "none"), default="block",
+                        help="memory part: activation checkpointing on every side (the chat part checkpoints "
+                        "blocks on both sides, TRL's default)")
     parser.add_argument("--conversations", type=int, default=40, help="chat conversations, one epoch")
     parser.add_argument("--max-len", type=int, default=1024, help="chat: TRL max_length and smalti max_seq_len")
     parser.add_argument("--lr", type=float, default=2e-4)
@@ -270,19 +280,19 @@ def main() -> None:
         parser.error("--steps must be at least 2 (the first step warms up)")
     if args.worker:
         result = (run_peft(args) if args.worker == "peft"
-                  else run_smalti(args.worker, args.folder, args.steps, args.precision))
+                  else run_smalti(args.worker, args.folder, args.steps, args.precision, args.checkpointing))
         print(json.dumps(result))
         return
     shape = dict(SHAPES["llama1b_like"])
     shape.update({k: getattr(args, k) for k in SHAPE_KEYS if getattr(args, k) is not None})
     print(f"precision {args.precision}; shape:", " ".join(f"{k} {v}" for k, v in shape.items()), flush=True)
-    parts = _joined(args.joined, args.precision, shape)
+    parts = _joined(args.joined, args.precision, args.checkpointing, shape)
     if "runs" not in parts and args.part in ("all", "memory"):
         parts["runs"] = memory_part(args, shape)
     if "chat" not in parts and args.part in ("all", "chat"):
         parts["chat"] = chat_part(args, shape)
     if args.json:
-        Path(args.json).write_text(json.dumps({"precision": args.precision, "shape": shape, **parts}, indent=2,
+        Path(args.json).write_text(json.dumps({"precision": args.precision, "checkpointing": args.checkpointing, "shape": shape, **parts}, indent=2,
                                               default=str))
     if set(parts) != {"runs", "chat"}:
         return
@@ -299,7 +309,7 @@ def main() -> None:
     print(f"checkpoint save time: lora {lora['ckpt_s']:.3f} s / full {full['ckpt_s']:.3f} s = "
           f"{lora['ckpt_s'] / full['ckpt_s']:.3f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"precision": args.precision, "shape": shape, "runs": runs,
+        Path(args.json).write_text(json.dumps({"precision": args.precision, "checkpointing": args.checkpointing, "shape": shape, "runs": runs,
                                                "chat": chat, "ratios": ratios}, indent=2, default=str))
     print("lora: " + " ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
 

@@ -82,3 +82,35 @@ def test_training_step_never_holds_batch_by_vocab_tensors():
         loss = model.loss(model({"input_ids": ids}), {"input_ids": ids})
     loss.backward()
     assert max(sizes) < batch_size * seq * vocab, f"a saved tensor has {max(sizes)} elements"
+
+
+def test_a_frozen_bf16_head_under_fp32_is_converted_block_by_block(monkeypatch):
+    """QLoRA's frozen bf16 head in an fp32 run: the products run in fp32 on the head converted a few rows at a
+    time, never as one whole fp32 copy (525 MB at Llama 3's 128K x 1,024), with the whole-copy path's values."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import smalti.llm.model.fused_loss as fused_loss
+
+    monkeypatch.setattr(fused_loss, "CAST_ROWS", 16)
+    hidden, weight, targets = _inputs(v=101)
+    head = weight.detach().to(torch.bfloat16)  # frozen: no gradient
+
+    class Largest(TorchDispatchMode):
+        fp32 = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() == 2 \
+                        and t.shape[1] == head.shape[1]:
+                    self.fp32 = max(self.fp32, t.shape[0])
+            return out
+
+    with Largest() as seen:
+        fused = fused_linear_cross_entropy(hidden, head, targets, chunk_rows=7)
+    (grad,) = torch.autograd.grad(fused, hidden)
+    assert seen.fp32 < head.shape[0]  # no [vocab, d] fp32 copy of the head was made
+    plain = F.cross_entropy(hidden @ head.float().T, targets, ignore_index=-100)
+    (want,) = torch.autograd.grad(plain, hidden)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6)

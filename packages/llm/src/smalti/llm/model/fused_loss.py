@@ -23,6 +23,32 @@ import torch
 CHUNK_ELEMENTS = 1 << 26
 
 
+#: Rows of the output weight converted at a time when it is held in another dtype than the products' (a frozen
+#: bf16 head under an fp32 run, QLoRA's): converting the whole table at once would be the step's largest
+#: transient (525 MB at 128,256 x 1,024 in fp32), larger than the chunk's logits themselves.
+CAST_ROWS = 8192
+
+
+def _logits(h: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``h @ weight.T`` in ``dtype``, converting ``weight`` :data:`CAST_ROWS` rows at a time when it is not."""
+    if weight.dtype == dtype:
+        return torch.mm(h, weight.t())
+    out = torch.empty(h.shape[0], weight.shape[0], dtype=dtype, device=h.device)
+    for v in range(0, weight.shape[0], CAST_ROWS):
+        out[:, v : v + CAST_ROWS] = torch.mm(h, weight[v : v + CAST_ROWS].to(dtype).t())
+    return out
+
+
+def _grad_hidden(dlogits: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = dlogits @ weight`` in ``out``'s dtype, converting ``weight`` block by block as :func:`_logits`."""
+    if weight.dtype == out.dtype:
+        torch.mm(dlogits, weight, out=out)
+        return
+    out.zero_()
+    for v in range(0, weight.shape[0], CAST_ROWS):
+        out.addmm_(dlogits[:, v : v + CAST_ROWS], weight[v : v + CAST_ROWS].to(out.dtype))
+
+
 def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(hidden.device.type):
         return torch.get_autocast_dtype(hidden.device.type)
@@ -47,7 +73,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         # waits for the device every step.
         valid = targets != ignore_index
         with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(dtype)
+            w = weight  # converted to ``dtype`` block by block where it differs
             h = hidden.to(dtype)
             t = targets.masked_fill(~valid, 0)
             keep = valid.float()
@@ -58,7 +84,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             for start in range(0, n, chunk_rows):
                 stop = min(start + chunk_rows, n)
                 hc, tc = h[start:stop], t[start:stop]
-                logits = torch.mm(hc, w.t()).float()
+                logits = _logits(hc, w, dtype).float()
                 target_logit = logits.gather(1, tc[:, None]).squeeze(1)
                 # One exp pass over the chunk, in place: exp(logits - max), its row sums give the log-sum-exp,
                 # and the same buffer divided by them is the softmax.
@@ -74,7 +100,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 dlogits.mul_(keep[start:stop, None])
                 dlogits = dlogits.to(dtype)
                 if grad_h is not None:
-                    torch.mm(dlogits, w, out=grad_h[start:stop])
+                    _grad_hidden(dlogits, w, grad_h[start:stop])
                 if grad_w is not None:
                     if dtype == torch.float32:
                         grad_w.addmm_(dlogits.t(), hc)
