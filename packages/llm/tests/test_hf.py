@@ -101,3 +101,30 @@ def test_import_names_a_missing_weight(tmp_path):
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ConversionError, match="model.layers.0.mlp.up_proj.bias"):
         import_hf(tmp_path)
+
+
+def test_export_writes_a_live_models_whole_parameters_without_copying_them(tmp_path, monkeypatch):
+    """The export runs at fit end on top of the weights, gradients and optimizer state: whole parameters go to
+    safetensors by reference, and only the slices of fused tensors (q/k/v of ``wqkv``) are copied."""
+    import safetensors.torch
+
+    real_save = safetensors.torch.save_file
+    written: dict[str, int] = {}
+
+    def recording_save(tensors, filename, metadata=None):
+        written.update({k: v.untyped_storage().data_ptr() for k, v in tensors.items()})
+        return real_save(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", recording_save)
+    torch.manual_seed(0)
+    model = LLM(**LLAMA)
+    folder = export_hf(model, tmp_path / "hf", tokenizer="default", max_shard_size="200KB")
+    assert (folder / "model.safetensors.index.json").is_file()  # several shards: each starts a new set of storages
+    storages = {p.untyped_storage().data_ptr(): name for name, p in model.named_parameters()}
+    by_reference = {hf for hf, ptr in written.items() if ptr in storages}
+    fused = {hf for hf in written if hf.split(".")[-2] in ("q_proj", "k_proj", "v_proj")}
+    assert len(fused) == 3 * LLAMA["n_layers"]
+    assert by_reference == set(written) - fused
+    back = import_hf(folder)
+    for (name, ours), (_, theirs) in zip(model.named_parameters(), back.named_parameters(), strict=True):
+        torch.testing.assert_close(theirs, ours, rtol=0, atol=0, msg=name)

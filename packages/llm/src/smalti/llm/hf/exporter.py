@@ -6,7 +6,8 @@ tokenizer files.
 
 The weights come one tensor at a time, from a live model (gathered from FSDP2 shards by every rank; only rank
 0 writes) or from a committed smalti-checkpoint (read key by key): no process holds more than one shard file's
-worth of tensors plus the one being converted. The folder is written under a temporary name and renamed into
+worth of tensors plus the one being converted, and a live model's whole parameters are written by reference, not
+copied (only slices of fused tensors, or another dtype, are). The folder is written under a temporary name and renamed into
 place, so a half-written export is never seen as complete.
 """
 
@@ -81,19 +82,34 @@ class _ShardWriter:
         self.files = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         self.current = 0
         self.buffer: dict[str, torch.Tensor] = {}
+        self._storages: set[int] = set()
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         from safetensors.torch import save_file
 
         if name not in self.shards[self.current]:
             raise ConversionError(f"export: tensor {name!r} came out of the planned order")
-        # one copy of this tensor (a row slice of a contiguous tensor stays contiguous): its own storage, as
-        # safetensors wants, and the gathered tensor can go as soon as the caller drops it
-        self.buffer[name] = tensor.detach().to("cpu", self.dtype, copy=True).contiguous()
+        self.buffer[name] = self._own(tensor.detach())
         if len(self.buffer) == len(self.shards[self.current]):
             save_file(self.buffer, str(self.folder / self.files[self.current]), metadata={"format": "pt"})
             self.buffer = {}
+            self._storages = set()
             self.current += 1
+
+    def _own(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` itself when it already is what safetensors writes (a CPU tensor of the export dtype that
+        is the whole of its storage, shared with no other tensor of this shard: a live model's own parameter),
+        else one copy of it (a row slice of a fused tensor, another dtype or device). Buffering a live model's
+        parameters by reference keeps a shard's worth of copies (up to ``max_shard_size``) out of the export's
+        peak memory, which comes at fit end on top of the weights, gradients and optimizer state."""
+        whole = (tensor.device.type == "cpu" and tensor.dtype == self.dtype and tensor.is_contiguous()
+                 and tensor.storage_offset() == 0
+                 and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
+        storage = tensor.untyped_storage().data_ptr()
+        if whole and storage not in self._storages:
+            self._storages.add(storage)
+            return tensor
+        return tensor.to("cpu", self.dtype, copy=True).contiguous()
 
     def finish(self) -> None:
         if self.current != len(self.shards):
