@@ -135,6 +135,25 @@ def test_balancing_loss_formula_and_balanced_value():
     assert router_z_loss(logits, 1e-3) == pytest.approx(float(1e-3 * torch.logsumexp(logits, -1).pow(2).mean()))
 
 
+def test_layer_scope_losses_leave_padding_out():
+    """``lbl_scope='layer'`` with ``token_weights``: the balancing loss and z-loss are those of the real tokens
+    alone (the padding is still routed), with the router's gradient from them only."""
+    layer = make(lbl_weight=0.1, zloss_weight=1e-3, num_layers=2).train()
+    x = torch.randn(2, 6, 24)
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+    _, masked = layer(x, mask)
+    parts = dict(layer.last_losses)
+    (grad,) = torch.autograd.grad(masked, layer.router.gate.weight)
+    _, real = layer(x[mask.bool()])
+    (expected_grad,) = torch.autograd.grad(real, layer.router.gate.weight)
+    torch.testing.assert_close(masked, real, rtol=1e-6, atol=1e-7)
+    for name, value in layer.last_losses.items():
+        torch.testing.assert_close(parts[name], value, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-8)
+    _, unmasked = layer(x)
+    assert abs(float(unmasked - masked)) > 1e-6  # the padding would have counted
+
+
 def test_aux_loss_is_returned_per_layer_and_off_in_eval():
     layer = make(lbl_weight=0.1, zloss_weight=1e-3)
     _, loss = layer(torch.randn(10, 24))

@@ -50,9 +50,12 @@ class LoRASchema(Schema):
         from smalti.llm.lora.config import LoRAConfig
 
         try:
-            LoRAConfig.from_any({"targets": self.targets, "modules_to_save": self.modules_to_save})
+            LoRAConfig.from_any({"targets": self.targets, "modules_to_save": self.modules_to_save,
+                                 "dropout": self.dropout})
         except LoRAError as exc:
-            key = "modules_to_save" if "modules_to_save" in str(exc) else "targets"
+            message = str(exc)
+            key = ("modules_to_save" if "modules_to_save" in message
+                   else "dropout" if "model.lora.dropout" in message else "targets")
             raise field_error(key, getattr(self, key), str(exc).split(": ", 1)[-1]) from None
         return self
 

@@ -158,9 +158,9 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Route ``x [..., hidden_size]`` to its experts; returns ``(y, aux_loss)`` with ``y`` shaped like ``x``
-        (``aux_loss``: this layer's balance statistics in training under ``lbl_scope='model'``, where
-        ``token_weights`` shaped ``x.shape[:-1]`` (1 for a token, 0 for padding, as Hugging Face's
-        ``attention_mask``) leave padding out of them; every token is still routed)."""
+        (``aux_loss``: this layer's balancing loss and z-loss, or its balance statistics in training under
+        ``lbl_scope='model'``; ``token_weights`` shaped ``x.shape[:-1]`` (1 for a token, 0 for padding, as
+        Hugging Face's ``attention_mask``) leave padding out of either; every token is still routed)."""
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         if self.backend == "triton":
@@ -221,8 +221,8 @@ class MoE(nn.Module):
 
     def aux_loss(self, routing: Routing, token_weights: torch.Tensor | None = None) -> torch.Tensor:
         """This layer's balancing loss (when ``load_balancing='aux_loss'``) plus its router z-loss; under
-        ``lbl_scope='model'`` its balance statistics instead (zero outside training), with each token weighted
-        by ``token_weights`` when given."""
+        ``lbl_scope='model'`` its balance statistics instead (zero outside training); either way each token is
+        weighted by ``token_weights`` when given (0 leaves padding out)."""
         loss = routing.logits.new_zeros(())
         self.last_losses = {}
         if self.lbl_scope == "model":
@@ -231,11 +231,11 @@ class MoE(nn.Module):
             return loss
         if self.training and self.load_balancing == "aux_loss" and self.lbl_weight:
             lbl = load_balancing_loss(routing.probs, routing.expert_ids, self.num_experts, self.lbl_weight,
-                                      self.num_layers)
+                                      self.num_layers, token_weights)
             self.last_losses["load_balancing_loss"] = lbl.detach()
             loss = loss + lbl
         if self.training and self.zloss_weight:
-            zloss = router_z_loss(routing.logits, self.zloss_weight)
+            zloss = router_z_loss(routing.logits, self.zloss_weight, token_weights)
             self.last_losses["router_z_loss"] = zloss.detach()
             loss = loss + zloss
         return loss

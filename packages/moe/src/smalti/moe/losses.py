@@ -16,18 +16,20 @@ def expert_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def load_balancing_loss(probs: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, weight: float,
-                        num_layers: int = 1) -> torch.Tensor:
+                        num_layers: int = 1, token_weights: torch.Tensor | None = None) -> torch.Tensor:
     """Switch/MegaBlocks load-balancing loss of one layer, in fp32.
 
     ``weight * E / (L * T * k) * sum_e c_e * mean_t p[t, e]`` where ``c_e`` counts the (token, slot)
     assignments to expert ``e``, ``p`` are the router's probabilities over all experts (not only the
     top-k) and ``L`` is the model's number of MoE layers: summed over the layers this is MegaBlocks'
     ``batched_load_balancing_loss``. Equals ``weight / L`` when routing is perfectly balanced.
+    ``token_weights [T]`` (0 for padding) weight each token in ``T``, ``c_e`` and the mean, as
+    :func:`balance_statistics` does, so padding does not weigh on the balance.
     """
-    tokens, k = expert_ids.shape
-    counts = expert_counts(expert_ids, num_experts).float()
-    mean_probs = probs.float().mean(0)
-    return weight * num_experts / (num_layers * tokens * k) * torch.dot(counts, mean_probs)
+    k = expert_ids.shape[1]
+    stats = balance_statistics(probs, expert_ids, num_experts, token_weights)
+    counts, prob_sums, tokens = stats[:num_experts], stats[num_experts:2 * num_experts], stats[-1]
+    return weight * num_experts / (num_layers * tokens * k) * torch.dot(counts, prob_sums / tokens)
 
 
 def balance_statistics(probs: torch.Tensor, expert_ids: torch.Tensor, num_experts: int,
@@ -58,6 +60,11 @@ def pooled_load_balancing_loss(statistics: torch.Tensor, num_experts: int, weigh
     return weight * num_experts * torch.dot(counts / rows, prob_sums / rows)
 
 
-def router_z_loss(logits: torch.Tensor, weight: float) -> torch.Tensor:
-    """Router z-loss: ``weight * mean_t logsumexp(logits[t])^2`` (ST-MoE), in fp32."""
-    return weight * torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+def router_z_loss(logits: torch.Tensor, weight: float, token_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Router z-loss: ``weight * mean_t logsumexp(logits[t])^2`` (ST-MoE), in fp32; the mean weighted by
+    ``token_weights [T]`` when given (0 leaves a padding token out)."""
+    z = torch.logsumexp(logits.float(), dim=-1).pow(2)
+    if token_weights is None:
+        return weight * z.mean()
+    w = token_weights.reshape(-1).float()
+    return weight * (z * w).sum() / w.sum()

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from smalti.llm.errors import LoRAError
-from smalti.llm.lora.config import TARGETS, LoRAConfig
+from smalti.llm.lora.config import ALL_LINEAR, EXPERT_TARGETS, LoRAConfig
+from smalti.llm.lora.experts import LoRAExperts, expert_lora_layers
 from smalti.llm.lora.fingerprint import BaseFingerprint
 from smalti.llm.lora.layer import LoRALinear, is_nf4, lora_layers
 from smalti.llm.lora.naming import clean_name, is_adapter_parameter
@@ -54,6 +55,21 @@ def _upcast_output(module: nn.Module, args: Any, output: torch.Tensor) -> torch.
     return output.float() if output.dtype in (torch.bfloat16, torch.float16) else output
 
 
+def _adapt_experts(block: nn.Module, config: LoRAConfig) -> set[str]:
+    """Put per-expert adapters on ``block``'s MoE layer (when it has one and experts are targeted); returns the
+    expert targets placed."""
+    from smalti.moe import MoE
+
+    ffn = getattr(block, "ffn", None)
+    layer = getattr(ffn, "moe", None)
+    wanted = [t for t in config.targets if t in EXPERT_TARGETS]
+    if not wanted or not isinstance(layer, MoE):
+        return set()
+    weights = [EXPERT_TARGETS[t] for t in wanted]
+    ffn.moe = LoRAExperts.adapt(layer, weights, config.r, config.scaling)
+    return set(wanted)
+
+
 def apply_lora(model: nn.Module, lora: Any) -> LoRAConfig:
     """Wrap ``model``'s block linear layers in :class:`LoRALinear`, freeze every base parameter (held in
     ``base_dtype``) and make the adapters and ``modules_to_save`` the only trainable parameters (fp32).
@@ -75,10 +91,14 @@ def apply_lora(model: nn.Module, lora: Any) -> LoRAConfig:
             found.update(adapted)
             base = block.get_submodule(path)
             _set_submodule(block, path, LoRALinear(base, parts, adapted, config.r, config.scaling, config.dropout))
+        found.update(_adapt_experts(block, config))
     missing = wanted - found
+    if set(ALL_LINEAR) <= wanted:  # all_linear: the linear layers the blocks have (an MoE block has no dense FFN)
+        missing -= set(ALL_LINEAR) - {"q", "k", "v", "o"}
     if missing:
-        raise LoRAError(f"model.lora.targets names {sorted(missing)} but the model has no such layer "
-                        f"(its blocks have {sorted(t for t in TARGETS if t not in missing)})")
+        raise LoRAError(f"model.lora.targets names {sorted(missing)} but the model has no such layer (of the "
+                        f"targets named it has {sorted(found)}; the expert targets need an MoE model, the gate, up "
+                        "and down targets a dense FFN)")
     savable = {name: model.get_submodule(name) for name in config.modules_to_save}
     keep = {id(p) for m in savable.values() for p in m.parameters()}
     dtype = _DTYPES[config.base_dtype]
@@ -106,7 +126,7 @@ def finish_lora_init(model: nn.Module) -> None:
     ``base_dtype=nf4``, quantise the frozen linear weights to NF4."""
     config: LoRAConfig = model.lora_config
     model.lora_base.set_from(getattr(model, "hf_folder", None))
-    for layer in lora_layers(model).values():
+    for layer in (*lora_layers(model).values(), *expert_lora_layers(model).values()):
         layer.reset_adapters()
     for name in config.modules_to_save:  # trained in full from the base's values, in fp32
         for p in model.get_submodule(name).parameters():
@@ -172,4 +192,10 @@ def merged_state_dict(model: nn.Module, state: dict[str, torch.Tensor] | None = 
                 lo_a, lo_b = state[f"{path}.lora_A.{name}"].float(), state[f"{path}.lora_B.{name}"].float()
                 weight[a:b] += (lo_b @ lo_a) * layer.scaling
         out[f"{path}.weight"] = weight
+    for path, experts in expert_lora_layers(model).items():
+        for name in experts.adapters.lora_A:
+            lo_a = state[f"{path}.adapters.lora_A.{name}"].float()
+            lo_b = state[f"{path}.adapters.lora_B.{name}"].float()
+            out[f"{path}.{name}"] = out[f"{path}.{name}"] + torch.bmm(lo_a.transpose(1, 2), lo_b.transpose(1, 2)) * (
+                experts.adapters.scaling)
     return out

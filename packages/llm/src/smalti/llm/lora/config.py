@@ -17,6 +17,13 @@ TARGETS = {
 }
 #: What ``all_linear`` means: every linear layer of every block (as PEFT's ``all-linear``: not the output head).
 ALL_LINEAR = tuple(TARGETS)
+#: Targets on an MoE layer's stacked experts -> its weight (PEFT's ``target_parameters``
+#: ``mlp.experts.gate_up_proj`` / ``mlp.experts.down_proj``); ``experts`` names both.
+EXPERT_TARGETS = {"experts_gate_up": "w1", "experts_down": "w2"}
+_EXPERT_ALIASES = {"experts": tuple(EXPERT_TARGETS), "experts_gate_up": ("experts_gate_up",),
+                   "experts_down": ("experts_down",), "gate_up": ("experts_gate_up",), "experts_w1": ("experts_gate_up",),
+                   "experts_w2": ("experts_down",), "mlp_experts_gate_up": ("experts_gate_up",),
+                   "mlp_experts_down": ("experts_down",)}
 #: ``modules_to_save`` names -> smalti's module (PEFT's names and smalti's own are both accepted).
 SAVABLE = {"embed_tokens": "wte", "wte": "wte", "embed": "wte", "lm_head": "lm_head", "head": "lm_head"}
 BASE_DTYPES = ("bfloat16", "float32", "nf4")
@@ -40,7 +47,9 @@ class LoRAConfig:
         r: the adapters' rank.
         alpha: the update is scaled by ``alpha / r`` (``alpha / sqrt(r)`` with ``rslora``).
         dropout: dropout on the adapters' input (training only).
-        targets: ``q,k,v,o,gate,up,down`` (PEFT's ``q_proj``... also accepted) or ``all_linear``.
+        targets: ``q,k,v,o,gate,up,down`` (PEFT's ``q_proj``... also accepted) or ``all_linear`` (the linear
+            layers a block has), plus on MoE models ``experts`` (every routed expert's ``gate_up`` and ``down``
+            weights; ``experts_gate_up`` / ``experts_down`` for one of them, which need ``dropout=0``).
         modules_to_save: base modules trained in full and saved with the adapters: ``embed_tokens``, ``lm_head``.
         rslora: rank-stabilised scaling ``alpha / sqrt(r)``.
         base_dtype: how the frozen base is held: ``bfloat16`` (default), ``float32`` or ``nf4`` (QLoRA: 4-bit
@@ -92,6 +101,11 @@ class LoRAConfig:
             raise LoRAError(f"model.lora.dropout={self.dropout!r} must be in [0, 1)")
         if self.base_dtype not in BASE_DTYPES:
             raise LoRAError(f"model.lora.base_dtype={self.base_dtype!r} is not one of {', '.join(BASE_DTYPES)}")
+        experts = [t for t in self.targets if t in EXPERT_TARGETS]
+        if experts and self.dropout:
+            raise LoRAError(f"model.lora.dropout={self.dropout} with expert targets {experts}: a per-expert weight "
+                            "update takes no input dropout (nor does PEFT's target_parameters); set "
+                            "model.lora.dropout=0")
         if not self.targets and not self.modules_to_save:
             raise LoRAError("model.lora.targets is empty: name the layers to adapt (e.g. all_linear or q,v)")
 
@@ -109,12 +123,16 @@ def resolve_targets(names: list[str]) -> list[str]:
         if key in ("all_linear", "all"):
             out.update(ALL_LINEAR)
             continue
-        key = key.removesuffix("_proj")
+        key = key.replace(".", "_").removesuffix("_proj")
+        if key in _EXPERT_ALIASES:
+            out.update(_EXPERT_ALIASES[key])
+            continue
         if key not in TARGETS:
             raise LoRAError(f"model.lora.targets: {name!r} is not a target; use all_linear or names from "
-                            f"{', '.join(TARGETS)} (PEFT's q_proj, ..., down_proj also work)")
+                            f"{', '.join(TARGETS)} (PEFT's q_proj, ..., down_proj also work), or on an MoE model "
+                            f"experts, {', '.join(EXPERT_TARGETS)}")
         out.add(key)
-    return [t for t in ALL_LINEAR if t in out]
+    return [t for t in (*ALL_LINEAR, *EXPERT_TARGETS) if t in out]
 
 
 def _savable(name: str) -> str:

@@ -1,0 +1,163 @@
+"""LoRA on each expert (``model.lora.targets`` with ``experts``) of the MoE families whose experts transformers
+fuses (Mixtral, Qwen3-MoE): smalti's adapter is PEFT's ``target_parameters`` adapter (PEFT loads it with equal
+logits) and PEFT's loads into smalti, the merged export equals PEFT's ``merge_and_unload()``, only the adapters
+train while the base stays bit-identical, and settings PEFT's expert adapters cannot take fail naming the key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import peft
+import pytest
+import torch
+import transformers
+
+from smalti.llm.errors import LoRAError
+from smalti.llm.lora.experts import LoRAExperts
+from smalti.llm.lora.export import merged_model
+from smalti.testing.hf_models import write_tiny_hf_model  # noqa: E402
+
+LORA = {"r": 2, "alpha": 4, "dropout": 0.0, "base_dtype": "float32"}
+GATE_UP, DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
+
+
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
+def source(request, tmp_path_factory) -> Path:
+    return write_tiny_hf_model(tmp_path_factory.mktemp(request.param), request.param)
+
+
+def _ids(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 400, (2, 24), generator=torch.Generator().manual_seed(seed))
+
+
+def _hf(folder: Path) -> torch.nn.Module:
+    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True).eval()
+
+
+def _import(folder: Path, **lora) -> torch.nn.Module:
+    from smalti.llm.hf import import_hf
+
+    return import_hf(folder, lora={**LORA, **lora}).eval()
+
+
+@torch.no_grad()
+def _randomise_adapters(model: torch.nn.Module, seed: int) -> None:
+    """Non-zero B, and a different value for every expert (a swapped expert or rank axis then shows)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+
+
+@pytest.mark.parametrize(("targets", "parameters"), [
+    (["q", "v", "experts"], [DOWN, GATE_UP]),
+    (["experts_down"], [DOWN]),
+    (["o", "gate_up_proj"], [GATE_UP]),
+])
+def test_smalti_expert_adapter_loads_in_peft_with_equal_logits(source, tmp_path, monkeypatch, targets, parameters):
+    from smalti.llm.lora import save_adapter
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model = _import(source, targets=targets)
+    assert all(isinstance(block.ffn.moe, LoRAExperts) for block in model.blocks)
+    _randomise_adapters(model, seed=1)
+    folder = save_adapter(model, tmp_path / "adapter")
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["target_parameters"] == parameters and config["lora_dropout"] == 0.0
+    theirs = peft.PeftModel.from_pretrained(_hf(source), str(folder)).eval()
+    ids = _ids()
+    with torch.no_grad():
+        ours = model({"input_ids": ids})["logits"]
+        torch.testing.assert_close(ours, theirs(ids).logits, atol=1e-4, rtol=1e-4)
+        assert (ours - _hf(source)(ids).logits).abs().max() > 1e-2  # the expert adapters change the model
+
+
+def test_peft_expert_adapter_starts_smalti_and_merges_as_peft_does(source, tmp_path, monkeypatch):
+    from smalti.llm.hf import export_hf
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    theirs = peft.get_peft_model(_hf(source), peft.LoraConfig(
+        r=2, lora_alpha=4, lora_dropout=0.0, use_rslora=True, target_modules=["k_proj"],
+        target_parameters=[GATE_UP, DOWN], task_type="CAUSAL_LM"))
+    _randomise_adapters(theirs, seed=2)
+    theirs.save_pretrained(str(tmp_path / "peft"))
+    ours = _import(source, targets=["k", "experts"], rslora=True, init_from=str(tmp_path / "peft"))
+    ids = _ids(3)
+    with torch.no_grad():
+        expected = theirs.eval()(ids).logits
+        torch.testing.assert_close(ours({"input_ids": ids})["logits"], expected, atol=1e-4, rtol=1e-4)
+        assert (expected - _hf(source)(ids).logits).abs().max() > 1e-2
+        # merged export: transformers alone loads it, equal to PEFT's merge_and_unload()
+        export_hf(merged_model(ours), tmp_path / "merged", dtype="float32")
+        merged = theirs.merge_and_unload().eval()
+        torch.testing.assert_close(_hf(tmp_path / "merged")(ids).logits, merged(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_adapter_of_other_targets_is_refused_naming_the_setting(source, tmp_path):
+    theirs = peft.get_peft_model(_hf(source), peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0,
+                                                                target_modules=[], target_parameters=[DOWN]))
+    theirs.save_pretrained(str(tmp_path / "peft"))
+    with pytest.raises(LoRAError, match="missing .*experts.base_layer.lora_A.*set model.lora.targets"):
+        _import(source, targets=["experts"], init_from=str(tmp_path / "peft"))
+
+
+def test_only_expert_adapters_train_and_the_base_stays_bit_identical(tmp_path, monkeypatch):
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    from smalti.core.config.build import build_trainer
+    from smalti.core.config.schema import register_configs
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    source = write_tiny_hf_model(tmp_path / "mixtral", "mixtral")
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="smalti.core.conf", version_base="1.3"):
+        cfg = compose("train", overrides=[
+            "experiment=finetune_hf_lora", f"model.pretrained={source}", "callbacks=[]", "logger=[]",
+            "run_name=lora-experts", "trainer.max_duration=3ba", "trainer.eval_interval=null", "optimizer.lr=1e-2",
+            "model.max_seq_len=32", "data.global_train_batch_size=4", "model.lora.targets=[all_linear,experts]",
+            "model.lora.dropout=0"])
+    trainer = build_trainer(cfg)
+    try:
+        model = trainer.state.raw_model
+        base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+        adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        n_layers = 2
+        # q, k, v, o and the experts' gate_up and down: lora_A and lora_B each
+        assert len(adapters) == n_layers * 6 * 2
+        assert sum(".moe.adapters.lora_" in n for n in adapters) == n_layers * 4
+        assert {p.dtype for n, p in base.items() if ".moe.w" in n} == {torch.bfloat16}
+        trainer.fit()
+        (optimizer,) = trainer.state.optimizers
+        with_state = [p for group in optimizer.param_groups for p in group["params"] if optimizer.state.get(p)]
+        assert len(with_state) == len(adapters)
+        params = dict(model.named_parameters())
+        for name, before in base.items():
+            assert params[name].grad is None, name
+            assert torch.equal(params[name].detach(), before), name
+        moved = [n for n, v in adapters.items() if ".moe.adapters.lora_B." in n and not torch.equal(params[n], v)]
+        assert len(moved) == n_layers * 2, moved
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize(("lora", "named"), [
+    ({"targets": ["experts"], "dropout": 0.05}, "model.lora.dropout=0.05 with expert targets"),
+    ({"targets": ["q", "experts_up"]}, "'experts_up' is not a target"),
+])
+def test_bad_expert_settings_name_the_key(lora, named):
+    from smalti.llm import LLM
+
+    with pytest.raises(LoRAError, match=named):
+        LLM(d_model=64, n_heads=4, n_layers=1, vocab_size=64, ffn_type="glu", lora=lora, init_device="meta")
+
+
+def test_experts_on_a_dense_model_are_refused():
+    from smalti.llm import LLM
+
+    with pytest.raises(LoRAError, match=r"names \['experts_down', 'experts_gate_up'\] but the model has no such"):
+        LLM(d_model=64, n_heads=4, n_layers=1, vocab_size=64, ffn_type="glu", init_device="meta",
+            lora={**LORA, "targets": ["q", "experts"]})
