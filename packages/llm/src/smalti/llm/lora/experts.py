@@ -56,12 +56,6 @@ class ExpertAdapters(nn.Module):
             nn.init.kaiming_uniform_(a.view(-1, a.shape[-1]), a=math.sqrt(5))
             nn.init.zeros_(self.lora_B[name])
 
-    def delta(self, name: str, first: int = 0, count: int | None = None) -> torch.Tensor:
-        """``scaling * A_e^T B_e^T`` for experts ``first .. first + count - 1`` as ``[count, in, out]`` fp32."""
-        a, b = self.lora_A[name], self.lora_B[name]
-        stop = a.shape[0] if count is None else first + count
-        return torch.bmm(a[first:stop].float().transpose(1, 2), b[first:stop].float().transpose(1, 2)) * self.scaling
-
     def forward(self, weights: dict[str, torch.Tensor], first: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """``weights`` (the experts ``first ..`` a rank holds, by name) with their updates added, in ``dtype``."""
         out = {}
