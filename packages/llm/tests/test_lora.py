@@ -98,7 +98,12 @@ def test_fused_qkv_adapts_only_the_named_parts(tmp_path):
     assert delta[:q].abs().max() == 0 and delta[q + kv:].abs().max() == 0 and delta[q:q + kv].abs().max() > 0
 
 
-def test_only_adapters_train_and_the_base_stays_bit_identical(tmp_path, monkeypatch):
+@pytest.mark.parametrize(("family", "overrides", "adapted"), [
+    ("qwen2", [], 5 + 2),  # wqkv (q, k, v), out_proj, gate, up, down
+    # q, k, v, o and each expert's gate_up and down (test_lora_experts.py checks them against PEFT)
+    ("mixtral", ["model.lora.targets=[all_linear,experts]", "model.lora.dropout=0"], 6),
+])
+def test_only_adapters_train_and_the_base_stays_bit_identical(tmp_path, monkeypatch, family, overrides, adapted):
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
@@ -107,21 +112,21 @@ def test_only_adapters_train_and_the_base_stays_bit_identical(tmp_path, monkeypa
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)
-    source = write_tiny_hf_model(tmp_path / "qwen2", "qwen2")
+    source = write_tiny_hf_model(tmp_path / family, family)
     register_configs()
     GlobalHydra.instance().clear()
     with initialize_config_module(config_module="smalti.core.conf", version_base="1.3"):
         cfg = compose("train", overrides=[
             "experiment=finetune_hf_lora", f"model.pretrained={source}", "callbacks=[]", "logger=[]",
             "run_name=lora-train", "trainer.max_duration=4ba", "trainer.eval_interval=null", "optimizer.lr=1e-2",
-            "model.max_seq_len=64", "data.global_train_batch_size=4", "model.lora.r=8"])
+            "model.max_seq_len=64", "data.global_train_batch_size=4", "model.lora.r=8", *overrides])
     trainer = build_trainer(cfg)
     try:
         model = trainer.state.raw_model
         base = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
         adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-        n_layers, n_linear = 2, 5  # wqkv (q, k, v), out_proj, gate, up, down
-        assert len(adapters) == n_layers * (n_linear + 2) * 2  # lora_A and lora_B per adapted part
+        n_layers = 2
+        assert len(adapters) == n_layers * adapted * 2  # lora_A and lora_B per adapted part
         assert all(".lora_A." in n or ".lora_B." in n for n in adapters)
         assert {p.dtype for p in base.values() if p.dim() > 1} == {torch.bfloat16}
         assert {p.dtype for p in adapters.values()} == {torch.float32}
@@ -133,7 +138,8 @@ def test_only_adapters_train_and_the_base_stays_bit_identical(tmp_path, monkeypa
         for name, before in base.items():
             assert params[name].grad is None, name
             assert torch.equal(params[name].detach(), before), name
-        assert any(not torch.equal(params[n].detach(), v) for n, v in adapters.items() if ".lora_B." in n)
+        moved = [n for n, v in adapters.items() if ".lora_B." in n and not torch.equal(params[n].detach(), v)]
+        assert len(moved) == n_layers * adapted, sorted(set(adapters) - set(moved))
     finally:
         trainer.close()
 
