@@ -114,3 +114,27 @@ def test_a_frozen_bf16_head_under_fp32_is_converted_block_by_block(monkeypatch):
     (want,) = torch.autograd.grad(plain, hidden)
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad, want, rtol=1e-5, atol=1e-6)
+
+
+def test_one_chunk_of_logits_is_alive_at_a_time(monkeypatch):
+    """Each chunk's logits (268 MB at Llama 3's vocabulary and 523 rows) are freed before the next chunk's are
+    made, so the loss adds one chunk to the step's peak, not two."""
+    import weakref
+
+    import smalti.llm.model.fused_loss as fused_loss
+
+    made: list[weakref.ref] = []
+    alive_at_each: list[int] = []
+
+    def tracked(h, weight, dtype):
+        alive_at_each.append(sum(r() is not None for r in made))
+        out = _logits(h, weight, dtype)
+        made.append(weakref.ref(out))
+        return out
+
+    _logits = fused_loss._logits
+    monkeypatch.setattr(fused_loss, "_logits", tracked)
+    hidden, weight, targets = _inputs()
+    loss = fused_linear_cross_entropy(hidden, weight, targets, chunk_rows=7)
+    loss.backward()
+    assert len(alive_at_each) == 6 and max(alive_at_each) == 0

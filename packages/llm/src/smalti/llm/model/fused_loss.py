@@ -82,6 +82,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_h = torch.empty_like(h) if want_h else None
             grad_w = torch.zeros(vocab, w.shape[1], dtype=torch.float32, device=w.device) if want_w else None
             for start in range(0, n, chunk_rows):
+                # the last chunk's logits go before this chunk's are made: never two chunks at once
+                logits = exp = dlogits = None
                 stop = min(start + chunk_rows, n)
                 hc, tc = h[start:stop], t[start:stop]
                 logits = _logits(hc, w, dtype).float()
