@@ -55,6 +55,9 @@ class State:
     grad_scaler: Any = None
     plugin_manager: SmaltiPluginManager | None = None
     config: dict[str, Any] | None = None
+    #: Each parameter is stepped inside backward and its gradient freed (``Trainer(optimizer_in_backward=True)``):
+    #: after backward no gradient is left for a plugin to read.
+    optimizer_in_backward: bool = False
 
     # Per-step values the hooks read and may change.
     batch: Any = None

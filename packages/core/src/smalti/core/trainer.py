@@ -26,7 +26,12 @@ from smalti.core.evaluator import Evaluator
 from smalti.core.events import Event, Events
 from smalti.core.intervals import interval_fires
 from smalti.core.logger import Logger
-from smalti.core.optim import DecoupledAdamW, Schedule
+from smalti.core.optim import DecoupledAdamW, OptimizerInBackward, Schedule
+from smalti.core.optim.in_backward_checks import (
+    check_optimizer_in_backward,
+    refuse_microbatches,
+    refuse_skipped_step,
+)
 from smalti.core.parallelism import DDP, Parallelism, SingleDevice
 from smalti.core.plugin import should_eval as default_should_eval
 from smalti.core.plugins.manager import SmaltiPluginManager, new_plugin_manager
@@ -116,6 +121,13 @@ class Trainer:
             a checkpoint, at the end of the run and when it fails.
         deterministic: bit-reproducible runs (:func:`smalti.core.seed.configure_determinism`): deterministic
             algorithms only, the cuBLAS workspace setting on GPU, a fixed number of CPU threads.
+        optimizer_in_backward: step each parameter's optimizer inside backward, as soon as its gradient is
+            complete, and free that gradient (:class:`~smalti.core.optim.OptimizerInBackward`): the step never
+            holds every gradient at once. The configured optimizer stays the one schedulers, loggers and
+            checkpoints see. Refused, naming the key, with what needs all gradients at once: gradient
+            accumulation (more than one microbatch, ``"auto"``), ``amp_fp16``'s grad scaler, DDP, and plugins
+            that read or change the gradients between backward and step (gradient clipping, SAM, the
+            optimizer monitor, ``nan_guard`` skipping steps).
     """
 
     def __init__(
@@ -145,6 +157,7 @@ class Trainer:
         deterministic: bool = False,
         progress_bar: bool = True,
         output_dir: str | os.PathLike[str] | None = None,
+        optimizer_in_backward: bool = False,
     ) -> None:
         _check_model(model)
         check_precision(precision)
@@ -181,6 +194,7 @@ class Trainer:
             plugin_manager=self.pm,
             config=config,
             eval_interval=Time.from_input(eval_interval) if eval_interval else None,
+            optimizer_in_backward=bool(optimizer_in_backward),
         )
         self.state.dataloader_len = _safe_len(train_dataloader)
         if self.state.dataloader_len == 0:
@@ -199,6 +213,7 @@ class Trainer:
              ("loggers", _named(loggers))]
         )
         self._closed = False
+        self._in_backward: list[OptimizerInBackward] = []
         self._replay = 0
         # A parallelism that keeps the base class's no-op gradient_sync needs no context around each microbatch.
         self._sync_context = type(self.parallelism).gradient_sync is not Parallelism.gradient_sync
@@ -228,6 +243,9 @@ class Trainer:
             if compile:
                 self.state.model.compile()
             self.state.optimizers = self._build_optimizers(optimizers)
+            if optimizer_in_backward:
+                check_optimizer_in_backward(self.state, self.pm)
+                self._in_backward = OptimizerInBackward.attach(self.state.optimizers)
             self.state.schedulers = self._build_schedulers(schedulers)
             # Built now, as Composer does, not in the first evaluation: making them imports torchmetrics (seconds
             # in a fresh process), which would count as evaluation time and skew the runtime estimate.
@@ -537,6 +555,9 @@ class Trainer:
         events.fire(Event.AFTER_TRAIN_BATCH)
         state.skip_optimizer_step = False
         events.fire(Event.BEFORE_OPTIMIZER_STEP)
+        if state.skip_optimizer_step and state.optimizer_in_backward:
+            raise TrainingError(refuse_skipped_step())
+        # With the step in backward every hooked gradient is gone: this steps only what is left (nothing).
         if not state.skip_optimizer_step:
             for opt in state.optimizers:
                 if state.grad_scaler is not None:
@@ -621,6 +642,8 @@ class Trainer:
         micro_size = state.device_train_microbatch_size or self._microbatch_size(batch, total)
         microbatches = (batch,) if micro_size >= total else split_batch(batch, micro_size)
         count = state.num_microbatches = len(microbatches)
+        if count > 1 and state.optimizer_in_backward:
+            raise TrainingError(refuse_microbatches(micro_size, total))
         batch_loss: torch.Tensor | None = None
         for idx, micro in enumerate(microbatches):
             state.microbatch_idx = idx
@@ -752,6 +775,8 @@ class Trainer:
         if self._closed:
             return
         self._closed = True
+        for hooks in self._in_backward:
+            hooks.remove()  # the model trains as usual again after this run
         try:
             self.events.fire(Event.CLOSE)
         finally:

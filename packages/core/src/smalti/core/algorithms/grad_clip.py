@@ -25,6 +25,12 @@ class GradientClipping(Algorithm):
     at the step it belongs to. Clipping itself never waits for the device.
     """
 
+    #: Why ``trainer.optimizer_in_backward=true`` refuses this algorithm (no gradient is left after backward).
+    optimizer_in_backward_conflict = (
+        "it clips the gradients after backward, when the step in backward has already used and freed them "
+        "(clipping by global norm needs every gradient at once)"
+    )
+
     def __init__(
         self, clipping_type: Literal["norm", "value"] = "norm", clipping_threshold: PositiveFloat = 1.0, log_every: TimeOrBatches = "10ba"
     ) -> None:

@@ -38,6 +38,13 @@ class NaNGuard(Callback):
         self._in_a_row = 0
         self._epoch_start = (0, 0)  # (epoch, first batch of it), to name a batch logged after the fact
 
+    @property
+    def optimizer_in_backward_conflict(self) -> str | None:
+        """Why ``trainer.optimizer_in_backward=true`` refuses ``action="skip"`` (``"stop"`` works with it)."""
+        if self.action != "skip":
+            return None
+        return "action='skip' skips optimizer steps, which the step in backward has already taken; use action='stop'"
+
     def on_epoch_start(self, state: Any) -> None:
         self._epoch_start = (state.timestamp.epoch, state.timestamp.batch)
 

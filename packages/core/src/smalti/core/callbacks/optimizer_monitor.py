@@ -46,6 +46,12 @@ class OptimizerMonitor(Callback):
     batch end, where the trainer already waits for the step. ``per_layer=False`` logs the global norm only.
     """
 
+    #: Why ``trainer.optimizer_in_backward=true`` refuses this callback.
+    optimizer_in_backward_conflict = (
+        "it reads every gradient before the optimizer step, but the step in backward has already used and freed "
+        "them (the global gradient norm needs all of them at once)"
+    )
+
     def __init__(self, interval: TimeOrBatches = "10ba", per_layer: bool = True) -> None:
         self.interval = Time(batch_count(interval, "callbacks.optimizer_monitor.interval"), TimeUnit.BATCH)
         self.per_layer = per_layer

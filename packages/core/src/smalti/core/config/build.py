@@ -163,6 +163,7 @@ def _build(cfg: DictConfig, resolved: dict[Any, Any], parallelism: Parallelism, 
         compile=t.compile,
         deterministic=bool(t.get("deterministic", False)),
         log_interval=t.get("log_interval"),
+        optimizer_in_backward=bool(t.get("optimizer_in_backward", False)),
         run_name=cfg.run_name,
         config=resolved,
         output_dir=resolve_output_dir(_root_=cfg),  # hydra.run.dir when set: every file of the run goes there

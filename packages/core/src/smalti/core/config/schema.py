@@ -26,6 +26,7 @@ class TrainerConfig:
     device: Any = None
     deterministic: bool = False
     log_interval: Any = None
+    optimizer_in_backward: bool = False
 
 
 @dataclass

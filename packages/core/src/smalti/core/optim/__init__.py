@@ -1,6 +1,7 @@
 """Optimizers and learning-rate schedules with warmup in :class:`~smalti.core.time.Time` units."""
 
 from smalti.core.optim.decoupled import DecoupledAdamW, DecoupledSGDW
+from smalti.core.optim.in_backward import OptimizerInBackward
 from smalti.core.optim.schedulers import (
     ConstantWithWarmup,
     CosineWithWarmup,
@@ -15,6 +16,7 @@ __all__ = [
     "DecoupledAdamW",
     "DecoupledSGDW",
     "InverseSqrtWithWarmup",
+    "OptimizerInBackward",
     "LinearWithWarmup",
     "Schedule",
 ]
