@@ -8,7 +8,10 @@ also prints the bytes of live tensors (parameters, gradients, optimizer state an
 RSS minus live tensors minus the process's start-up RSS is what the C allocator holds but no tensor uses.
 
     OMP_NUM_THREADS=1 python bench/llm_memory_phases.py hf     [--shape llama1b_like] [--layers 8] [--steps 3]
-    OMP_NUM_THREADS=1 python bench/llm_memory_phases.py smalti [--precision fp32|amp_bf16]
+    OMP_NUM_THREADS=1 python bench/llm_memory_phases.py smalti [--precision fp32|amp_bf16] [--optimizer-in-backward]
+
+``--optimizer-in-backward`` runs smalti with ``Trainer(optimizer_in_backward=True)``: the AdamW steps then run
+inside the backward phase (its peak includes them) and no gradient is alive after it.
 
 Set ``MALLOC_MMAP_THRESHOLD_=1048576`` to see how much of the peak is the allocator's (glibc) retained memory.
 """
@@ -87,7 +90,7 @@ def run_hf(folder: Path, steps: int, precision: str, phases: Phases) -> None:
         opt.zero_grad(set_to_none=True)
 
 
-def run_smalti(folder: Path, steps: int, precision: str, phases: Phases) -> None:
+def run_smalti(folder: Path, steps: int, precision: str, phases: Phases, in_backward: bool = False) -> None:
     from smalti.core import Callback, Trainer
     from smalti.llm.hf import import_hf
 
@@ -106,7 +109,8 @@ def run_smalti(folder: Path, steps: int, precision: str, phases: Phases) -> None
     events = ("on_after_forward", "on_after_backward", "on_after_optimizer_step")
     marks = type("Marks", (Callback,), {event: marker(event) for event in events})()
     trainer = Trainer(model, [{"input_ids": data[i]} for i in range(steps)], f"{steps}ba", eval_interval=None,
-                      precision=precision, callbacks={"marks": marks}, optimizers=lambda p: _adamw(p, "fused"))
+                      precision=precision, callbacks={"marks": marks}, optimizers=lambda p: _adamw(p, "fused"),
+                      optimizer_in_backward=in_backward)
     phases.mark("trainer built")
     trainer.fit()
 
@@ -119,6 +123,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--precision", choices=("fp32", "amp_bf16"), default="fp32")
     parser.add_argument("--folder", default=None, help="reuse (or write) the model folder here")
+    parser.add_argument("--optimizer-in-backward", action="store_true",
+                        help="smalti: step each parameter inside backward (Trainer(optimizer_in_backward=True))")
     args = parser.parse_args()
     shape = dict(SHAPES[args.shape])
     if args.layers:
@@ -129,7 +135,12 @@ def main() -> None:
         make_folder(shape, args.steps, folder)
     phases = Phases(args.side)
     phases.mark("start")
-    (run_hf if args.side == "hf" else run_smalti)(folder, args.steps, args.precision, phases)
+    if args.side == "hf":
+        if args.optimizer_in_backward:
+            parser.error("--optimizer-in-backward is a smalti setting; transformers' Trainer has none")
+        run_hf(folder, args.steps, args.precision, phases)
+    else:
+        run_smalti(folder, args.steps, args.precision, phases, args.optimizer_in_backward)
 
 
 if __name__ == "__main__":

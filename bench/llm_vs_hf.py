@@ -38,9 +38,14 @@ The last line is the worst speed and the worst memory ratio over the shapes:
 
     llm_vs_hf: worst speed X.XX worst memory X.XX (same precision)
 
+``--optimizer-in-backward`` runs smalti's side with ``Trainer(optimizer_in_backward=True)`` (each parameter's
+AdamW step inside backward, its gradient freed at once): a setting transformers' ``Trainer`` lacks, so every
+ratio line and the last line say so (``... (same precision; smalti optimizer_in_backward, a setting
+transformers' Trainer lacks)``).
+
     OMP_NUM_THREADS=2 python bench/llm_vs_hf.py [--shapes head_heavy,llama1b_like,long --steps 3 --rounds 1]
     Levers on smalti's side: --ac block|attention|ffn (transformers then checkpoints too), --no-fused-loss,
-    --compile; on both: --precision fp32|amp_bf16, --adamw fused|foreach|loop; --json PATH writes the results.
+    --compile, --optimizer-in-backward; on both: --precision fp32|amp_bf16, --adamw fused|foreach|loop; --json PATH writes the results.
 """
 
 from __future__ import annotations
@@ -191,6 +196,7 @@ def run_smalti(
         precision=precision,
         callbacks={"record": record},
         optimizers=make_optimizer,
+        optimizer_in_backward=args.optimizer_in_backward,
     )
     setup = time.perf_counter() - start
     trainer.fit()
@@ -260,6 +266,7 @@ def _child(side: str, precision: str, folder: Path, steps: int, args: argparse.N
     ]
     cmd += (["--compile"] if args.compile else []) + (["--ac", args.ac] if args.ac else [])
     cmd += ["--no-fused-loss"] if args.no_fused_loss else []
+    cmd += ["--optimizer-in-backward"] if args.optimizer_in_backward else []
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode:
         raise SystemExit(f"{side} {precision} worker failed ({done.returncode}):\n{done.stderr[-4000:]}")
@@ -363,7 +370,7 @@ def bench_shape(name: str, shape: dict[str, int], args: argparse.Namespace, devi
     }
     print(
         f"{name}: same precision ({args.precision}) speed smalti/hf {out['speed']:.2f} (CPU time; wall "
-        f"{out['wall_speed']:.2f}), memory smalti/hf {out['memory']:.2f}"
+        f"{out['wall_speed']:.2f}), memory smalti/hf {out['memory']:.2f}{_bought_by_setting(args)}"
     )
     if len(configs) > 2:
         bought = configs[2]
@@ -377,6 +384,13 @@ def bench_shape(name: str, shape: dict[str, int], args: argparse.Namespace, devi
             f"{out['bought']['speed']:.2f}, memory {out['bought']['memory']:.2f}"
         )
     return out
+
+
+def _bought_by_setting(args: argparse.Namespace) -> str:
+    """The label of ratios bought by a smalti setting that transformers' Trainer lacks ('' when none is on)."""
+    if not args.optimizer_in_backward:
+        return ""
+    return "; smalti optimizer_in_backward, a setting transformers' Trainer lacks"
 
 
 def main() -> None:
@@ -402,6 +416,12 @@ def main() -> None:
     )
     p.add_argument(
         "--no-fused-loss", action="store_true", help="smalti with the plain linear + cross-entropy"
+    )
+    p.add_argument(
+        "--optimizer-in-backward",
+        action="store_true",
+        help="smalti steps each parameter inside backward (Trainer(optimizer_in_backward=True)); transformers' "
+        "Trainer has no such setting, and the ratios are labelled so",
     )
     p.add_argument("--precision", choices=PRECISIONS, default="amp_bf16", help="both sides' precision")
     p.add_argument(
@@ -437,7 +457,8 @@ def main() -> None:
     print(
         f"{device.type} threads={os.environ.get('OMP_NUM_THREADS', torch.get_num_threads())} torch="
         f"{torch.__version__} steps={args.steps}x{args.rounds} (first {args.warmup} not timed); smalti: "
-        f"compile={args.compile} activation_checkpointing={args.ac} fused_loss={not args.no_fused_loss}",
+        f"compile={args.compile} activation_checkpointing={args.ac} fused_loss={not args.no_fused_loss}"
+        + (" optimizer_in_backward=True (a setting transformers' Trainer lacks)" if args.optimizer_in_backward else ""),
         flush=True,
     )
     print(f"baseline: {baseline}", flush=True)
@@ -453,12 +474,16 @@ def main() -> None:
                     "shapes": results,
                     "worst_speed": worst_speed,
                     "worst_memory": worst_memory,
+                    "smalti_optimizer_in_backward": args.optimizer_in_backward,
                 },
                 indent=1,
             )
         )
     print(f"baseline: {baseline}")
-    print(f"llm_vs_hf: worst speed {worst_speed:.2f} worst memory {worst_memory:.2f} (same precision)")
+    print(
+        f"llm_vs_hf: worst speed {worst_speed:.2f} worst memory {worst_memory:.2f} (same precision"
+        f"{_bought_by_setting(args)})"
+    )
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ import functools
 
 import pytest
 import torch
-from torch import nn
 
 from smalti.core import Callback, Trainer
 from smalti.core.algorithms import SAM, GradientClipping
@@ -17,6 +16,7 @@ from smalti.core.data import build_dataloader
 from smalti.core.errors import ConfigError, TrainingError
 from smalti.core.examples import CharCorpus, TinyLM
 from smalti.core.optim import CosineWithWarmup, DecoupledAdamW, OptimizerInBackward
+from smalti.core.tensors import local_shard
 
 
 class Record(Callback):
@@ -49,9 +49,9 @@ class StopAt(Callback):
 
 def _live_tensor_bytes(state):
     """Bytes of the distinct storages the training holds: weights, their gradients, the optimizer state."""
-    tensors = [t for p in state.raw_model.parameters() for t in (p, p.grad) if t is not None]
-    tensors += [t for opt in state.optimizers for per_param in opt.state.values() for t in per_param.values()
-                if isinstance(t, torch.Tensor)]
+    tensors = [local_shard(t) for p in state.raw_model.parameters() for t in (p, p.grad) if t is not None]
+    tensors += [local_shard(t) for opt in state.optimizers for per_param in opt.state.values()
+                for t in per_param.values() if isinstance(t, torch.Tensor)]
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())
 
@@ -196,7 +196,7 @@ def test_wraps_only_torch_optimizers():
         OptimizerInBackward(object())  # type: ignore[arg-type]
 
 
-@pytest.mark.world_size(2)
+@pytest.mark.world_size(2, timeout=400)
 def test_fsdp2_steps_each_reduced_shard_in_backward_and_ddp_is_refused():
     import torch.distributed as dist
 

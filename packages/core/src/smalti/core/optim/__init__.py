@@ -16,7 +16,7 @@ __all__ = [
     "DecoupledAdamW",
     "DecoupledSGDW",
     "InverseSqrtWithWarmup",
-    "OptimizerInBackward",
     "LinearWithWarmup",
+    "OptimizerInBackward",
     "Schedule",
 ]
