@@ -50,25 +50,28 @@ def test_resume_mid_epoch_yields_exactly_the_tail(dataset_dir):
     full = ids(StreamingDataset(local=str(dataset_dir), batch_size=8, shuffle=True))
     ds = StreamingDataset(local=str(dataset_dir), batch_size=8, shuffle=True)
     ds.load_state_dict({"epoch": 0, "sample_in_epoch": 400, "num_canonical_nodes": 1, "shuffle_seed": 9176,
-                        "shuffle_algo": "blocks"})
+                        "shuffle_algo": "keyed"})
     assert ids(ds) == full[400:]
 
 
 def test_a_checkpoint_keeps_its_shuffle_algorithm(dataset_dir):
-    """New runs shuffle with blocks; a smalti state that names no algorithm (taken before blocks) resumes
-    py1e's order, one that names one resumes it; a different given one is refused."""
+    """New runs shuffle with keyed; a smalti state that names no algorithm (taken before blocks) resumes
+    py1e's order, one that names one (blocks, from before keyed) resumes it; a different given one is refused."""
     new = StreamingDataset(local=str(dataset_dir), batch_size=8, shuffle=True)
-    assert new.shuffle_algo == "blocks" and new.state_dict()["shuffle_algo"] == "blocks"
+    assert new.shuffle_algo == "keyed" and new.state_dict()["shuffle_algo"] == "keyed"
     py1e = ids(StreamingDataset(local=str(dataset_dir), batch_size=8, shuffle=True, shuffle_algo="py1e"))
-    assert ids(new) != py1e
+    blocks = ids(StreamingDataset(local=str(dataset_dir), batch_size=8, shuffle=True, shuffle_algo="blocks"))
+    assert ids(new) != py1e and ids(new) != blocks
     handmade = StreamingDataset(local=str(dataset_dir), batch_size=8, shuffle=True)
     handmade.load_state_dict({"epoch": 0, "sample_in_epoch": 400})
-    assert handmade.shuffle_algo == "blocks"
+    assert handmade.shuffle_algo == "keyed"
     assert ids(handmade) == ids(StreamingDataset(local=str(dataset_dir), batch_size=8, shuffle=True))[400:]
-    for state, expected in (({"partition_algo": "relaxed"}, py1e), ({"shuffle_algo": "py1e"}, py1e)):
+    for state, algo, expected in (({"partition_algo": "relaxed"}, "py1e", py1e),
+                                  ({"shuffle_algo": "py1e"}, "py1e", py1e),
+                                  ({"partition_algo": "relaxed", "shuffle_algo": "blocks"}, "blocks", blocks)):
         ds = StreamingDataset(local=str(dataset_dir), batch_size=8, shuffle=True)
         ds.load_state_dict({"epoch": 0, "sample_in_epoch": 400, "num_canonical_nodes": 1, **state})
-        assert ds.shuffle_algo == "py1e" and ids(ds) == expected[400:]
+        assert ds.shuffle_algo == algo and ids(ds) == expected[400:]
     given = StreamingDataset(local=str(dataset_dir), batch_size=8, shuffle=True, shuffle_algo="blocks")
     with pytest.raises(StreamingError, match="shuffle_algo='py1e'"):
         given.load_state_dict({"epoch": 0, "sample_in_epoch": 8, "num_canonical_nodes": 1, "shuffle_algo": "py1e"})
@@ -80,7 +83,7 @@ def test_state_dict_counts_yielded_samples(dataset_dir):
     for _ in range(24):
         next(it)
     assert ds.state_dict() == {"epoch": 0, "sample_in_epoch": 24, "num_canonical_nodes": 1, "shuffle_seed": 9176,
-                               "partition_algo": "relaxed", "physical_nodes": 1, "shuffle_algo": "blocks"}
+                               "partition_algo": "relaxed", "physical_nodes": 1, "shuffle_algo": "keyed"}
     with pytest.raises(StreamingError, match="num_canonical_nodes"):
         ds.load_state_dict({"epoch": 0, "sample_in_epoch": 8, "num_canonical_nodes": 4, "shuffle_seed": 9176})
 
@@ -233,7 +236,7 @@ def test_streaming_dataloader_state_with_workers_and_next_epoch(dataset_dir):
     assert seen + rest == ids(StreamingDataset(local=str(dataset_dir), batch_size=8, shuffle=True))
     assert resumed_loader.state_dict() == {"epoch": 1, "sample_in_epoch": 0, "num_canonical_nodes": 1,
                                            "shuffle_seed": 9176, "partition_algo": "relaxed", "physical_nodes": 1,
-                                           "shuffle_algo": "blocks"}
+                                           "shuffle_algo": "keyed"}
     second = [i for batch in resumed_loader for i in batch["id"].tolist()]
     assert sorted(set(second)) == list(range(1003)) and second != seen + rest
     with pytest.raises(StreamingError, match="persistent_workers"):

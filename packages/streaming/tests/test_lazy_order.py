@@ -1,4 +1,4 @@
-"""With the ``blocks`` shuffle a rank computes its batches' ids when it needs them: the epoch is never
+"""With the ``blocks`` and ``keyed`` shuffles a rank computes its batches' ids when it needs them: the epoch is never
 materialised, any resume position (whole global batches or not) is reached directly, and what the ranks read
 is the order ``epoch_order`` describes, exactly once."""
 
@@ -45,16 +45,17 @@ def _read(datasets):
     return [i for step in zip_longest(*per_rank, fillvalue=[]) for batch in step for i in batch]
 
 
-def test_reading_never_materialises_the_epoch(make_dataset, tmp_path, monkeypatch):
+@pytest.mark.parametrize("algo", ["blocks", "keyed"])
+def test_reading_never_materialises_the_epoch(make_dataset, tmp_path, monkeypatch, algo):
     data = make_dataset(tmp_path / "data")
-    whole = _ranks(data, 2)[0].epoch_order(1).tolist()
+    whole = _ranks(data, 2, shuffle_algo=algo)[0].epoch_order(1).tolist()
     monkeypatch.setattr(BlockOrder, "full", _never)
     monkeypatch.setattr(StreamingDataset, "_sequence", _never)
-    ds = _ranks(data, 2, epoch=1)
+    ds = _ranks(data, 2, epoch=1, shuffle_algo=algo)
     assert isinstance(ds[0]._order(1), LazyOrder)
     assert _read(ds) == whole
     assert sorted(set(whole)) == list(range(1003)) and len(whole) == 1010  # padded to whole global batches
-    one = _ranks(data, 1, epoch=1)[0]
+    one = _ranks(data, 1, epoch=1, shuffle_algo=algo)[0]
     loader = StreamingDataLoader(one, batch_size=5, num_workers=0)
     read = [i for b in loader for i in b["id"].tolist()]
     assert sorted(set(read)) == list(range(1003)) and len(read) == 1005
@@ -62,7 +63,8 @@ def test_reading_never_materialises_the_epoch(make_dataset, tmp_path, monkeypatc
 
 # blocks (lazy), and py1e held as an array: with epoch_size set, mosaicml-streaming's own partition (which
 # places its resume itself, see test_mosaic_orders.py) does not apply
-@pytest.mark.parametrize("algo,options", [("blocks", {}), ("py1e", {"epoch_size": 1003})], ids=["blocks", "py1e"])
+@pytest.mark.parametrize("algo,options", [("blocks", {}), ("keyed", {}), ("py1e", {"epoch_size": 1003})],
+                         ids=["blocks", "keyed", "py1e"])
 @pytest.mark.parametrize("saved_on,resumed_on", [(2, 2), (4, 2), (4, 3), (2, 3), (3, 1)])
 def test_resume_on_another_data_parallel_size_reads_the_rest(make_dataset, tmp_path, algo, options, saved_on,
                                                             resumed_on):

@@ -49,7 +49,7 @@ def test_the_shuffle_seed_decides_the_order_in_every_epoch_resume_and_node_count
     assert tail_one != tail_two
 
 
-@pytest.mark.parametrize("algo", ["py1br", "py1e", "blocks"])
+@pytest.mark.parametrize("algo", ["py1br", "py1e", "blocks", "keyed"])
 def test_the_shuffle_block_size_changes_the_order(dataset_dir, algo):
     topology = (2, 1, 4)
 

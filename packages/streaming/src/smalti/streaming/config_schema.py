@@ -39,7 +39,7 @@ def _size(value: Any) -> Any:
 STREAMING_CHECKS = {
     "streams": list[Any] | None,
     "batch_size": PositiveInt | None,
-    "shuffle_algo": Literal[SHUFFLES] | None,  # type: ignore[valid-type]  # None: blocks, or the checkpoint's
+    "shuffle_algo": Literal[SHUFFLES] | None,  # type: ignore[valid-type]  # None: keyed, or the checkpoint's
     "shuffle_seed": NonNegativeInt,
     "shuffle_block_size": PositiveInt | None,
     "num_canonical_nodes": PositiveInt | None,

@@ -30,9 +30,11 @@ from smalti.streaming.index_trust import (
 from smalti.streaming.mds import INDEX, check_columns, load_index, parse_size
 from smalti.streaming.order import (
     DEFAULT_SHUFFLE,
+    LAZY_SHUFFLES,
     LEGACY_SHUFFLE,
     SHUFFLES,
     default_block_size,
+    lazy_order,
     select_samples,
     sequential_order,
     shuffle_order,
@@ -80,8 +82,8 @@ class StreamingDataset(IterableDataset):
     except under mosaicml-streaming's algorithms, which give every rank that library's order (see
     :meth:`mosaic_layout`).
     ``rank``/``world_size`` default to the process group or torchrun's environment, ``local_world_size`` (ranks
-    per node) to ``LOCAL_WORLD_SIZE``. ``shuffle_algo`` defaults to ``blocks`` (see
-    :mod:`smalti.streaming.order_blocks`), or the checkpoint's on resume. ``num_canonical_nodes`` defaults to the node count (64x for
+    per node) to ``LOCAL_WORLD_SIZE``. ``shuffle_algo`` defaults to ``keyed`` (see
+    :mod:`smalti.streaming.order_keyed`), or the checkpoint's on resume. ``num_canonical_nodes`` defaults to the node count (64x for
     ``py1s``/``py2s``) and is kept from a checkpoint; ``partition_algo="orig"`` requires the node count to
     divide it or be a multiple of it, ``"relaxed"`` (default) does not. ``proportion_schedule`` entries
     (``{"at": "100ba" | "3200sp" | "2ep", "proportions": [...]}``) change the stream mix, mid-epoch
@@ -721,10 +723,10 @@ class StreamingDataset(IterableDataset):
         return order
 
     def _block_order(self, epoch: int, global_batch: int) -> BlockOrder | None:
-        """The epoch's ``blocks`` order as a :class:`BlockOrder`, when it can be computed lazily: one stream
+        """The epoch's ``blocks`` or ``keyed`` order (:func:`lazy_order`), when it can be computed lazily: one stream
         mix for the whole epoch, every stream read a whole number of times, one sequence for all streams
         (``random`` batching or one stream). It equals the order :meth:`_compute_order` materialises."""
-        if not (self.shuffle and self.shuffle_algo == "blocks"):
+        if not (self.shuffle and self.shuffle_algo in LAZY_SHUFFLES):
             return None
         if not (self.batching_method == "random" or len(self.streams) == 1):
             return None
@@ -741,8 +743,8 @@ class StreamingDataset(IterableDataset):
         shards = np.concatenate(picked) if picked else np.zeros(0, dtype=np.int64)
         if not len(shards):
             return None
-        return BlockOrder(starts[shards + 1] - starts[shards], seed=self.shuffle_seed, epoch=epoch,
-                          num_canonical_nodes=self.num_canonical_nodes, global_batch=global_batch,
+        return lazy_order(self.shuffle_algo, starts[shards + 1] - starts[shards], seed=self.shuffle_seed,
+                          epoch=epoch, num_canonical_nodes=self.num_canonical_nodes, global_batch=global_batch,
                           block_size=self.shuffle_block_size, shard_first_ids=starts[shards])
 
     def _compute_order(self, epoch: int, global_batch: int) -> np.ndarray:

@@ -3,7 +3,7 @@
 Two kinds of order answer the same questions (the ids of some columns of some global batches, the ids at
 some global positions): :class:`ArrayOrder` holds the whole padded epoch as one array (mosaicml-streaming's
 shuffles, curricula that change the mix mid-epoch, the non-random batching methods), :class:`LazyOrder`
-computes them from a :class:`~smalti.streaming.order_blocks.BlockOrder`, in memory that grows with shards,
+computes them from a :class:`~smalti.streaming.order_blocks.BlockOrder` (or its ``keyed`` kind), in memory that grows with shards,
 not samples. :class:`Remaining` is what is left of an epoch after a resume position (any global sample
 count, not only a whole number of global batches), cut again into global batches.
 """
@@ -76,7 +76,7 @@ class ArrayOrder:
 
 
 class LazyOrder:
-    """The ``blocks`` order of :class:`~smalti.streaming.order_blocks.BlockOrder`, never materialised."""
+    """A ``blocks`` or ``keyed`` order (:class:`~smalti.streaming.order_blocks.BlockOrder`), never materialised."""
 
     def __init__(self, blocks: BlockOrder) -> None:
         self.blocks, self.global_batch, self.length = blocks, blocks.global_batch, blocks.num_samples

@@ -17,15 +17,21 @@ canonical nodes: its cache and its downloads stay a fraction of the dataset.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import numpy.random  # noqa: F401  (NumPy loads it lazily: here, on import, not while the first order is computed)
 
 from smalti.streaming.errors import StreamingError
 from smalti.streaming.order_mosaic import MOSAIC_ALGOS, mosaic_shuffle, node_cuts
 
+if TYPE_CHECKING:
+    from smalti.streaming.order_blocks import BlockOrder
+
 MOSAIC_SHUFFLES = MOSAIC_ALGOS  # mosaicml-streaming 0.13's, its orders exactly (see order_mosaic)
-SHUFFLES = (*MOSAIC_SHUFFLES, "blocks")
-DEFAULT_SHUFFLE = "blocks"  # for new runs; a checkpoint keeps the algorithm it was taken with
+LAZY_SHUFFLES = ("blocks", "keyed")  # computed batch by batch (order_blocks, order_keyed)
+SHUFFLES = (*MOSAIC_SHUFFLES, *LAZY_SHUFFLES)
+DEFAULT_SHUFFLE = "keyed"  # for new runs; a checkpoint keeps the algorithm it was taken with
 LEGACY_SHUFFLE = "py1e"  # what a checkpoint that names no algorithm was taken with (the default until then)
 
 
@@ -42,15 +48,15 @@ def shuffle_order(shards: list[np.ndarray], algo: str, seed: int, epoch: int, nu
     over the shards' sizes, applied to their ids): ``naive`` permutes globally; the others keep shards
     together, cut the run's fixed shard order into ``num_canonical_nodes`` pieces and shuffle inside each
     piece every epoch. The pieces are then interleaved sample by sample. Returns the order and each entry's
-    canonical node. ``blocks`` is :class:`~smalti.streaming.order_blocks.BlockOrder`'s order over the same
-    samples (the shards' arrays in the given order), materialised.
+    canonical node. ``blocks`` and ``keyed`` are :func:`lazy_order`'s orders over the same samples (the
+    shards' arrays in the given order), materialised.
     """
     if algo not in SHUFFLES:
         raise StreamingError(f"shuffle_algo={algo!r} is not one of {', '.join(SHUFFLES)}")
     if not shards:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    if algo == "blocks":
-        return _blocks_order(shards, seed, epoch, num_canonical_nodes, block_size)
+    if algo in LAZY_SHUFFLES:
+        return _lazy_order_arrays(shards, algo, seed, epoch, num_canonical_nodes, block_size)
     ids = np.concatenate(shards).astype(np.int64)
     sizes = np.array([len(s) for s in shards], dtype=np.int64)
     block = block_size or default_block_size(num_canonical_nodes)
@@ -61,14 +67,27 @@ def shuffle_order(shards: list[np.ndarray], algo: str, seed: int, epoch: int, nu
     return interleave([ids[lo:hi] for lo, hi in zip(cuts[:-1], cuts[1:])])
 
 
-def _blocks_order(shards: list[np.ndarray], seed: int, epoch: int, num_canonical_nodes: int,
-                  block_size: int | None) -> tuple[np.ndarray, np.ndarray]:
-    """The ``blocks`` order of ``shards`` as arrays, unpadded and interleaved (the dataset pads and groups it)."""
+def lazy_order(algo: str, shard_sizes: np.ndarray, *, seed: int, epoch: int, num_canonical_nodes: int,
+               global_batch: int, block_size: int | None = None,
+               shard_first_ids: np.ndarray | None = None) -> BlockOrder:
+    """The order of ``algo`` (one of :data:`LAZY_SHUFFLES`) that computes any global batch when asked: a
+    :class:`~smalti.streaming.order_blocks.BlockOrder` or :class:`~smalti.streaming.order_keyed.KeyedOrder`."""
     from smalti.streaming.order_blocks import BlockOrder
+    from smalti.streaming.order_keyed import KeyedOrder
 
+    if algo not in LAZY_SHUFFLES:
+        raise StreamingError(f"shuffle_algo={algo!r} has no lazy order; use one of {', '.join(LAZY_SHUFFLES)}")
+    cls = KeyedOrder if algo == "keyed" else BlockOrder
+    return cls(shard_sizes, seed=seed, epoch=epoch, num_canonical_nodes=num_canonical_nodes,
+               global_batch=global_batch, block_size=block_size, shard_first_ids=shard_first_ids)
+
+
+def _lazy_order_arrays(shards: list[np.ndarray], algo: str, seed: int, epoch: int, num_canonical_nodes: int,
+                       block_size: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """A lazy order of ``shards`` as arrays, unpadded and interleaved (the dataset pads and groups it)."""
     sizes = np.array([len(s) for s in shards], dtype=np.int64)
-    blocks = BlockOrder(sizes, seed=seed, epoch=epoch, num_canonical_nodes=num_canonical_nodes, global_batch=1,
-                        block_size=block_size)
+    blocks = lazy_order(algo, sizes, seed=seed, epoch=epoch, num_canonical_nodes=num_canonical_nodes,
+                        global_batch=1, block_size=block_size)
     flat = np.concatenate(shards).astype(np.int64)
     return interleave([flat[blocks.node_order(c)] for c in range(num_canonical_nodes)])
 

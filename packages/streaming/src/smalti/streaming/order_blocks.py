@@ -41,7 +41,7 @@ _M64 = (1 << 64) - 1
 _CHUNK = 1 << 16  # samples decoded per vectorised pass: small enough for the CPU cache
 
 
-def _mix(z: np.ndarray) -> np.ndarray:
+def splitmix(z: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser, element-wise on uint64 (wrapping arithmetic)."""
     z = (z ^ (z >> np.uint64(30))) * _MIX1
     z = (z ^ (z >> np.uint64(27))) * _MIX2
@@ -144,23 +144,8 @@ class BlockOrder:
     def __init__(self, shard_sizes: np.ndarray, *, seed: int, epoch: int, num_canonical_nodes: int,
                  global_batch: int, block_size: int | None = None,
                  shard_first_ids: np.ndarray | None = None) -> None:
-        sizes = np.asarray(shard_sizes, dtype=np.int64)
-        if num_canonical_nodes < 1:
-            raise StreamingError(f"num_canonical_nodes={num_canonical_nodes} must be a positive number")
-        if global_batch < 1:
-            raise StreamingError(f"global_batch={global_batch} must be a positive number of samples")
-        if block_size is not None and block_size < 1:
-            raise StreamingError(f"shuffle_block_size={block_size} must be a positive number of samples")
-        if (sizes < 0).any():
-            raise StreamingError("shard sizes must not be negative")
-        self.seed, self.epoch = int(seed), int(epoch)
-        self.num_nodes = num_canonical_nodes
-        self.global_batch = global_batch
-        self.block = int(block_size or DEFAULT_BLOCK)
-        self.num_samples = int(sizes.sum())
+        sizes = self._setup(shard_sizes, seed, epoch, num_canonical_nodes, global_batch, block_size)
         n = self.num_samples
-        self.num_batches = -(-n // global_batch)
-        self.padded_size = self.num_batches * global_batch
         seed_u = self.seed % (1 << 64)
         run_rng = np.random.default_rng([seed_u, 0x5B10C5])
         epoch_rng = np.random.default_rng([seed_u, self.epoch % (1 << 64), 0x5B10C5])
@@ -223,9 +208,41 @@ class BlockOrder:
         self._off -= self._pos[:-1]
         self._lengths = np.diff(cuts)  # samples per canonical node
         self._node_start = cuts[:-1]
-        self._key = int(_mix(np.array([seed_u ^ int(_mix(np.array([self.epoch % (1 << 64)], np.uint64))[0])],
+        self._key = int(splitmix(np.array([seed_u ^ int(splitmix(np.array([self.epoch % (1 << 64)], np.uint64))[0])],
                                       np.uint64))[0])
         self._build_interleave()
+
+    def _setup(self, shard_sizes: np.ndarray, seed: int, epoch: int, num_canonical_nodes: int, global_batch: int,
+               block_size: int | None) -> np.ndarray:
+        """Check the arguments and set what every order of this kind has; returns the sizes as int64."""
+        sizes = np.asarray(shard_sizes, dtype=np.int64)
+        if num_canonical_nodes < 1:
+            raise StreamingError(f"num_canonical_nodes={num_canonical_nodes} must be a positive number")
+        if global_batch < 1:
+            raise StreamingError(f"global_batch={global_batch} must be a positive number of samples")
+        if block_size is not None and block_size < 1:
+            raise StreamingError(f"shuffle_block_size={block_size} must be a positive number of samples")
+        if (sizes < 0).any():
+            raise StreamingError("shard sizes must not be negative")
+        self.seed, self.epoch = int(seed), int(epoch)
+        self.num_nodes = num_canonical_nodes
+        self.global_batch = global_batch
+        self.block = int(block_size or DEFAULT_BLOCK)
+        self.num_samples = int(sizes.sum())
+        self.num_batches = -(-self.num_samples // global_batch)
+        self.padded_size = self.num_batches * global_batch
+        return sizes
+
+    def _block_spans(self, node: int, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """The spans that epoch sequence positions ``[start, end)`` of canonical node ``node`` cover, in order:
+        each one's first position and its id offset (a sample's id is its position plus the offset)."""
+        s0 = int(np.searchsorted(self._pos, start, side="right")) - 1
+        s1 = int(np.searchsorted(self._pos, end, side="left"))
+        return self._pos[s0:s1], self._off[s0:s1]
+
+    def _offsets_at(self, node: int, pos: np.ndarray) -> np.ndarray:
+        """The id offsets of canonical node ``node``'s epoch sequence positions ``pos``."""
+        return self._off[np.searchsorted(self._pos, pos, side="right") - 1]
 
     # ---------------------------------------------------------------- epoch sequence position -> sample id
 
@@ -267,13 +284,12 @@ class BlockOrder:
                     outside = outside[w >= np.uint64(size)]
             pos = perm.view(np.int64)
             start = base + block * B
-            s0 = int(np.searchsorted(self._pos, start, side="right")) - 1
-            s1 = int(np.searchsorted(self._pos, start + size, side="left"))
-            offs = self._off[s0:s1] + start
-            if s1 - s0 == 1:
+            span_pos, span_off = self._block_spans(node, start, start + size)
+            offs = span_off + start
+            if len(offs) == 1:
                 pos += offs[0]
             else:
-                pos += offs[_span_in_block(self._pos[s0 + 1 : s1] - start, size, pos)]
+                pos += offs[_span_in_block(span_pos[1:] - start, size, pos)]
             out[lo:hi] = pos
             lo = hi
         return out
@@ -289,7 +305,7 @@ class BlockOrder:
         pos = permute_within(offset, sizes, keys)
         pos += int(self._node_start[node])
         pos += block * self.block
-        pos += self._off[np.searchsorted(self._pos, pos, side="right") - 1]
+        pos += self._offsets_at(node, pos)
         return pos
 
     def _sample_ids(self, node: np.ndarray, row: np.ndarray) -> np.ndarray:
