@@ -61,7 +61,8 @@ def test_a_checkpoint_keeps_its_shuffle_algorithm(dataset_dir):
     assert new.shuffle_algo == "keyed" and new.state_dict()["shuffle_algo"] == "keyed"
     py1e = ids(StreamingDataset(local=str(dataset_dir), batch_size=8, shuffle=True, shuffle_algo="py1e"))
     blocks = ids(StreamingDataset(local=str(dataset_dir), batch_size=8, shuffle=True, shuffle_algo="blocks"))
-    assert ids(new) != py1e and ids(new) != blocks
+    keyed = ids(new)  # (reading an epoch moves the dataset to the next)
+    assert keyed != py1e and keyed != blocks
     handmade = StreamingDataset(local=str(dataset_dir), batch_size=8, shuffle=True)
     handmade.load_state_dict({"epoch": 0, "sample_in_epoch": 400})
     assert handmade.shuffle_algo == "keyed"

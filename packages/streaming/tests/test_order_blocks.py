@@ -89,6 +89,9 @@ def test_a_physical_node_reads_only_its_canonical_nodes_shards(physical_nodes: i
     bo = ORDERS[algo](sizes, seed=11, epoch=2, num_canonical_nodes=C, global_batch=G, block_size=2048)
     shard_of = np.repeat(np.arange(len(sizes)), sizes)
     node_shards = [set(shard_of[bo.node_order(c)].tolist()) for c in range(C)]
+    # a shard belongs to one canonical node, but for one cut at each border between two nodes
+    assert sum(len(node_shards[c] & node_shards[d]) for c in range(C) for d in range(c + 1, C)) <= C - 1
+    assert set().union(*node_shards) == set(range(len(sizes)))
     grid = bo.full().reshape(-1, G)[:-1]  # the padded last batch repeats the epoch's first samples
     width = G // physical_nodes
     for p in range(physical_nodes):
