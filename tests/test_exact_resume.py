@@ -71,6 +71,16 @@ def test_mlp_with_dropout_resumes_bit_identical_across_an_epoch_boundary(tmp_pat
     kill_and_resume(tmp_path, overrides, save_every=5, kill_at=11, last="ep1-ba14")
 
 
+@pytest.mark.timeout(900)
+def test_optimizer_in_backward_resumes_bit_identical(tmp_path):
+    """The optimizer stepped per parameter inside backward (trainer.optimizer_in_backward): its DCP checkpoint
+    holds the configured optimizer's usual state, and a killed run resumes to the uninterrupted run's weights
+    and AdamW moments."""
+    overrides = ["model=mlp", "model.dropout=0.3", "data=synthetic", "data.train.num_samples=256", "data.eval=null",
+                 "trainer.max_duration=6ba", "trainer.eval_interval=null", "trainer.optimizer_in_backward=true"]
+    kill_and_resume(tmp_path, overrides, save_every=2, kill_at=3, last="ep0-ba6", timeout=240)
+
+
 def test_moe_tiny_with_router_jitter_resumes_bit_identical(tmp_path):
     overrides = ["experiment=moe_tiny", "+model.moe.router_jitter=0.1", "model.n_layers=1", "model.max_seq_len=32",
                  "data.global_train_batch_size=8", "data.eval=null",
