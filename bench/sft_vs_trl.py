@@ -10,11 +10,12 @@ sides), in its own process:
 
   (a) TRL's ``SFTTrainer`` with its defaults where the user keeps them: its default collator
       (``DataCollatorForLanguageModeling``: one conversation per row, padded to the batch's longest),
-      ``per_device_train_batch_size=8``, ``gradient_checkpointing=True``; and ``bf16=True`` (autocast on CPU),
+      ``per_device_train_batch_size=8``, ``gradient_checkpointing=True``; and ``bf16=True`` (autocast on CPU;
+      ``bf16=False`` under ``--precision fp32``, fp32 weights either way),
       ``optim="adamw_torch_fused"``, ``assistant_only_loss=True``, ``max_length=--max-len``, SDPA attention;
       then (``--packed``) again with ``packing=True`` (TRL's best-fit-decreasing packing, padding-free);
   (b) ``smalti-train experiment=finetune_hf`` (packed rows with sequence ids, the fused linear + cross-entropy,
-      ``precision=amp_bf16``, fused AdamW) with ``model.activation_checkpointing=block`` as TRL checkpoints,
+      ``precision=--precision``, fused AdamW) with ``model.activation_checkpointing=block`` as TRL checkpoints,
       and as many packed rows per batch as hold about the tokens of TRL's 8 conversations.
 
 Both use the same learning rate (``--lr``, linear decay to 0, no warm-up), AdamW betas (0.9, 0.999), eps 1e-8,
@@ -29,6 +30,7 @@ tokens. The last line:
     sft_vs_trl: default speed X.XX memory X.XX packed speed X.XX memory X.XX
 
     OMP_NUM_THREADS=2 python bench/sft_vs_trl.py [--shape llama1b_like] [--conversations 400] [--packed]
+        [--precision fp32|amp_bf16]   (default amp_bf16 on a GPU or a CPU with bf16 instructions, else fp32)
     (needs trl==1.16.0: pip install 'smalti-llm[bench]'); --json PATH writes every figure.
 """
 
@@ -56,6 +58,20 @@ SMALL = dict(vocab=128256, d_model=256, ffn=768, layers=4, heads=4, kv_heads=2)
 TINY = dict(vocab=512, d_model=32, ffn=96, layers=2, heads=4, kv_heads=2)
 MODEL_SHAPES = {**{k: v for k, v in SHAPES.items() if k != "long"}, "small": SMALL, "tiny": TINY}
 TOLERANCE = 0.02
+PRECISIONS = ("fp32", "amp_bf16")
+
+
+def default_precision() -> str:
+    """``amp_bf16`` on a GPU or a CPU with bf16 instructions (avx512_bf16 or AMX), else ``fp32``: without them
+    PyTorch emulates bf16 matrix products on the CPU (about 40x slower than fp32 on an AVX2-only machine), so
+    a bf16 run at a real shape takes hours and measures the emulation rather than either trainer."""
+    if torch.cuda.is_available():
+        return "amp_bf16"
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "fp32"
+    return "amp_bf16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "fp32"
 
 TRAIN_TEMPLATE = r"""{%- if messages and messages[0]['role'] == 'system' %}
     {%- set system_message = messages[0]['content'] | trim %}
@@ -137,7 +153,8 @@ def run_trl(args: argparse.Namespace, peft_config=None) -> dict:
     # fused LM head reads lm_head.weight without calling the module
     _watch_autocast(model.model.layers[-1], torch.device("cpu"), autocast)
     config = SFTConfig(
-        output_dir=str(args.out / "trl_run"), bf16=getattr(args, "precision", "amp_bf16") == "amp_bf16", optim="adamw_torch_fused", assistant_only_loss=True,
+        output_dir=str(args.out / "trl_run"), bf16=getattr(args, "precision", "amp_bf16") == "amp_bf16",
+        optim="adamw_torch_fused", assistant_only_loss=True,
         max_length=args.max_len, packing=args.worker == "trl_packed", per_device_train_batch_size=TRL_BATCH,
         gradient_checkpointing=not args.no_checkpointing, num_train_epochs=1, learning_rate=args.lr,
         lr_scheduler_type="linear", adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=1e-8,
@@ -193,6 +210,7 @@ def smalti_command(args: argparse.Namespace, batch_rows: int, run_dir: Path) -> 
         "trainer.eval_interval=null", "callbacks=[hf_export]", "logger=[jsonl]", f"hydra.run.dir={run_dir}",
         f"optimizer.lr={args.lr}", f"optimizer.betas=[{BETAS[0]},{BETAS[1]}]", "scheduler.t_warmup=0ba",
         "model.activation_checkpointing=" + ("null" if args.no_checkpointing else "block"),
+        f"precision={args.precision}",
     ]
 
 
@@ -212,7 +230,8 @@ def side_trl(args: argparse.Namespace, packed: bool, work: Path) -> dict:
     """Side (a) in its own process."""
     out = work / ("trl_packed" if packed else "trl")
     cmd = [sys.executable, __file__, "--worker", "trl_packed" if packed else "trl", "--folder", str(args.folder),
-           "--train", str(args.train), "--out", str(out), "--max-len", str(args.max_len), "--lr", str(args.lr)]
+           "--train", str(args.train), "--out", str(out), "--max-len", str(args.max_len), "--lr", str(args.lr),
+           "--precision", args.precision]
     cmd += ["--no-checkpointing"] if args.no_checkpointing else []
     start = time.perf_counter()
     done, cpu, rss = _measured(cmd, {**os.environ}, work)
@@ -334,6 +353,10 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--packed", action="store_true", help="also run TRL with packing=True")
     p.add_argument("--no-checkpointing", action="store_true", help="neither side checkpoints activations")
+    p.add_argument("--precision", choices=PRECISIONS, default=None,
+                   help="both sides: fp32 (TRL bf16=False; smalti precision=fp32) or amp_bf16 (TRL bf16=True, "
+                   "autocast; smalti precision=amp_bf16); fp32 weights either way. Default: amp_bf16 on a GPU "
+                   "or a CPU with bf16 instructions, else fp32")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--worker", choices=["trl", "trl_packed"], help=argparse.SUPPRESS)
     p.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
@@ -341,6 +364,7 @@ def main() -> None:
     p.add_argument("--eval", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
+    args.precision = args.precision or default_precision()
     if args.worker:
         print(json.dumps(run_trl(args)))
         return
@@ -362,13 +386,15 @@ def main() -> None:
         packed_tokens = sum(int((r["sequence_id"] >= 0).sum()) for r in rows)
         batch_rows = max(1, round(TRL_BATCH * packed_tokens / args.conversations / args.max_len))
         baseline = (
-            f"trl {trl.__version__} SFTTrainer, transformers {transformers.__version__}: bf16=True (autocast), "
+            f"trl {trl.__version__} SFTTrainer, transformers {transformers.__version__}: precision {args.precision} "
+            f"(bf16={args.precision == 'amp_bf16'}{', autocast' if args.precision == 'amp_bf16' else ''}, fp32 "
+            f"weights), "
             f"optim=adamw_torch_fused, assistant_only_loss=True, attention sdpa, per_device_train_batch_size="
             f"{TRL_BATCH}, gradient_checkpointing={not args.no_checkpointing}, max_length={args.max_len}, "
             f"lr {args.lr} linear, betas {BETAS}, max_grad_norm 1.0; default collator, then packing=True (bfd)"
         )
         print(f"baseline: {baseline}", flush=True)
-        print(f"smalti: experiment=finetune_hf, {batch_rows} packed rows of {args.max_len} per batch "
+        print(f"smalti: experiment=finetune_hf precision={args.precision}, {batch_rows} packed rows of {args.max_len} per batch "
               f"(about {TRL_BATCH} conversations), activation_checkpointing="
               f"{'null' if args.no_checkpointing else 'block'}", flush=True)
         sm = side_smalti(args, batch_rows, rows, work)
@@ -380,7 +406,7 @@ def main() -> None:
             losses[name] = eval_loss(res["model"], args.eval, args.max_len)
             _report(name, res, losses[name])
         _report("smalti", sm, losses["smalti"])
-        result: dict = {"baseline": baseline, "shape": args.shape, "sides": {}, "ratios": {}}
+        result: dict = {"baseline": baseline, "shape": args.shape, "precision": args.precision, "sides": {}, "ratios": {}}
         for name, res in {**sides, "smalti": sm}.items():
             result["sides"][name] = {k: v for k, v in res.items() if k != "model"} | {"eval_loss": losses[name]}
         for name, res in sides.items():
