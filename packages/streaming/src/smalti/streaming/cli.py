@@ -118,6 +118,23 @@ def verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def index(args: argparse.Namespace) -> int:
+    """Write ``index.npz`` (the columnar copy of ``index.json``, see :mod:`smalti.streaming.shard_table`)."""
+    from smalti.streaming.shard_table import INDEX_NPZ, write_table
+
+    root = Path(args.dataset)
+    try:
+        data = (root / INDEX).read_bytes()
+    except OSError as exc:
+        raise StreamingError(f"cannot read {root / INDEX}: {exc}") from exc
+    entries = load_index(root / INDEX)  # checked as readers check it: a bad index gets no columnar copy
+    if not write_table(root, data, entries):
+        print(f"{root / INDEX}: its entries have no exact columnar form; readers parse the JSON")
+        return 1
+    print(f"wrote {root / INDEX_NPZ} ({len(entries)} shards)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="smalti-streaming", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -143,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--allow-unhashed", action="store_true",
                    help="exit 0 even if some shards have no hashes (only their sizes are checked); without it "
                         "such a dataset exits 3, since nothing was verified")
+    p = sub.add_parser("index", help="write index.npz beside index.json: the same index as columns, which "
+                                     "loads in a fraction of the time (read only while it matches index.json)")
+    p.add_argument("dataset")
     p = sub.add_parser("merge-index", help="write root/index.json from root/*/index.json")
     p.add_argument("root")
     args = parser.parse_args(argv)
@@ -150,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "merge-index":
             print(merge_index(args.root))
             return 0
-        return {"convert": convert, "inspect": inspect, "verify": verify}[args.command](args)
+        return {"convert": convert, "inspect": inspect, "verify": verify, "index": index}[args.command](args)
     except StreamingError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

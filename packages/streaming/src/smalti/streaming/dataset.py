@@ -24,10 +24,11 @@ from smalti.streaming.errors import StreamingError
 from smalti.streaming.fetch_plan import CacheNeeds, FetchPlan, cache_needs
 from smalti.streaming.index_trust import (
     check_local_lengths,
+    remote_table,
     secure_stream_folder,
     sync_index,
 )
-from smalti.streaming.mds import INDEX, check_columns, load_index, parse_size
+from smalti.streaming.mds import INDEX, check_columns, parse_size, read_index
 from smalti.streaming.order import (
     DEFAULT_SHUFFLE,
     LAZY_SHUFFLES,
@@ -44,6 +45,7 @@ from smalti.streaming.order import (
 from smalti.streaming.order_blocks import BlockOrder
 from smalti.streaming.order_mosaic import MOSAIC_ALGOS, mosaic_work
 from smalti.streaming.partial import read_rows
+from smalti.streaming.shard_table import ShardList, ShardTable
 from smalti.streaming.storage import Fetcher
 from smalti.streaming.stream import Stream, parse_schedule_time
 
@@ -194,25 +196,18 @@ class StreamingDataset(IterableDataset):
         self._initial_nodes: int | None = None  # the first run's node count, once resumed on another
         self._first_rows: dict[int, Future] = {}  # shard -> rows of the first batch read ahead (see _warm_up)
         self._first_rows_ids: np.ndarray | None = None
-        shards: list[tuple[int, dict[str, Any]]] = []  # (stream index, index entry)
-        self._stream_shards: list[list[int]] = []
-        for si, stream in enumerate(streams):
-            ids = []
-            for entry in self._load_stream_index(stream):
-                ids.append(len(shards))
-                shards.append((si, entry))
-            self._stream_shards.append(ids)
+        shards = ShardList([self._load_stream_index(stream) for stream in streams])  # (stream, entry) on use
+        self._stream_shards = [shards.stream_ids(si) for si in range(len(streams))]
         self._shards = shards
-        sizes = np.array([entry["samples"] for _, entry in shards], dtype=np.int64)
-        self._shard_starts = np.concatenate([[0], np.cumsum(sizes)])
+        self._shard_starts = np.concatenate([[0], np.cumsum(shards.samples)])
         self.num_samples = int(self._shard_starts[-1])
         if self.num_samples == 0:
             raise StreamingError(f"streams {[s.name for s in streams]} hold no samples")
-        self._stream_sizes = [int(sum(shards[s][1]["samples"] for s in ids)) for ids in self._stream_shards]
+        self._stream_sizes = [int(shards.samples[ids.start : ids.stop].sum()) for ids in self._stream_shards]
         self._epoch_plan(0)  # bad weights (a stream without a proportion among proportions) fail here
         self.cache_limit = parse_size(cache_limit, "cache_limit") if cache_limit is not None else None
         if self.cache_limit is not None:
-            largest = max((e["raw_data"]["bytes"] + ((e.get("zip_data") or {}).get("bytes") or 0)) for _, e in shards)
+            largest = int((shards.raw_bytes + shards.zip_bytes).max())
             if self.cache_limit < largest:
                 raise StreamingError(f"cache_limit={self.cache_limit} bytes is smaller than the largest shard "
                                      f"({largest} bytes with its zip); raise cache_limit")
@@ -233,8 +228,8 @@ class StreamingDataset(IterableDataset):
         start = self._resume[1] if self._resume and self._resume[0] == epoch else 0
         if self._needs is not None and self._needs[0] == (epoch, start):
             return self._needs[1]
-        sizes = np.array([entry["raw_data"]["bytes"] if self.streams[si].remote is not None else 0
-                          for si, entry in self._shards], dtype=np.int64)  # local-only shards are never evicted
+        remote = np.array([s.remote is not None for s in self.streams], dtype=bool)
+        sizes = np.where(remote[self._shards.stream], self._shards.raw_bytes, 0)  # local-only: never evicted
         window = max(1, -(-self.predownload // self.batch_size))
         needs = cache_needs(self._remaining(epoch), self._node_columns(), self._locate, sizes, window)
         self._needs = ((epoch, start), needs)
@@ -438,7 +433,7 @@ class StreamingDataset(IterableDataset):
 
     def _remove_stale_downloads(self) -> None:
         """Delete temporary download files that a killed process left behind (untouched for ``STALE_TMP_S``)."""
-        dirs = {self.cache.raw_path(i).parent for i in range(len(self._shards))}
+        dirs = {s.local_dir() / folder for si, s in enumerate(self.streams) for folder in self._shards.raw_folders(si)}
         dirs |= {s.local_dir() for s in self.streams}
         cutoff = time.time() - STALE_TMP_S
         for folder in dirs:
@@ -515,21 +510,25 @@ class StreamingDataset(IterableDataset):
 
     # ------------------------------------------------------------------ index and shards
 
-    def _load_stream_index(self, stream: Stream) -> list[dict[str, Any]]:
+    def _load_stream_index(self, stream: Stream) -> Sequence[dict[str, Any]]:
         """The shard entries of ``stream``'s index, checked; with a remote, the remote's index is fetched and the
-        local copy made equal to it (a cached index is never trusted over the remote's)."""
+        local copy made equal to it (a cached index is never trusted over the remote's). Read from the
+        ``index.npz`` beside it when that matches it (see :mod:`smalti.streaming.shard_table`)."""
         local = stream.local_dir() / INDEX
         remote = stream.remote_root()
         secure_stream_folder(stream)
+        index_bytes, npz = None, True
         if remote is not None:
-            sync_index(stream, self._fetcher.get_bytes(remote, INDEX))
+            index_bytes = self._fetcher.get_bytes(remote, INDEX)
+            sync_index(stream, index_bytes)
+            npz = remote_table(self._fetcher, remote, stream.name)
         if not local.exists():
             raise StreamingError(f"stream {stream.name}: no {INDEX} at {local} and no remote to fetch it from")
-        entries = load_index(local)
-        for i, entry in enumerate(entries):
+        entries = read_index(local, index_bytes, npz)
+        for entry in entries.configs_as_entries() if isinstance(entries, ShardTable) else entries:
             check_columns(entry, self.allow_unsafe_types, f"stream {stream.name} ({local})")
-            if remote is None:
-                check_local_lengths(stream.local_dir(), entry, local, i)
+        if remote is None:
+            check_local_lengths(stream.local_dir(), entries, local)
         return entries
 
     def _locate(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -15,8 +15,11 @@ import json
 import logging
 import os
 import stat
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from smalti.storage import (
     UnsafeLocalPathError,
@@ -26,11 +29,13 @@ from smalti.storage import (
     open_beneath,
     user_cache_dir,
 )
-from smalti.streaming.errors import ShardCorruptError, UnsafePathError
+from smalti.streaming.errors import DownloadError, ShardCorruptError, UnsafePathError
 from smalti.streaming.mds import INDEX, remove_copy
 from smalti.streaming.paths import check_name
+from smalti.streaming.shard_table import INDEX_NPZ, ShardTable
 
 if TYPE_CHECKING:
+    from smalti.streaming.storage import Fetcher
     from smalti.streaming.stream import Stream
 
 log = logging.getLogger(__name__)
@@ -122,17 +127,39 @@ def sync_index(stream: Stream, remote_index: bytes) -> None:
     atomic_write_bytes(local, remote_index, fsync=False)
 
 
-def check_local_lengths(folder: Path, entry: dict[str, Any], index: Path, i: int) -> None:
-    """Refuse shard ``i`` of a local-only ``index`` when the file samples come from (its zip, else its raw
-    file), if present, is a link or not the size the index declares: before any count or size of it is used."""
-    info = entry.get("zip_data") or entry["raw_data"]
-    path = no_links(folder, info["basename"])
+def remote_table(fetcher: Fetcher, remote: str, stream: str) -> bytes | None:
+    """The remote's ``index.npz`` bytes, or ``None`` (logged) when it has none: the JSON is read then."""
     try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISREG(st.st_mode):
-        raise UnsafePathError(f"{index}: shard {i} file {path} is not a regular file; refused")
-    if st.st_size != info["bytes"]:
-        raise ShardCorruptError(f"{index}: shard {i} file {path} is {st.st_size} bytes, the index declares "
-                                f"{info['bytes']}: the index or the file was changed; write the dataset again")
+        return fetcher.get_bytes(remote, INDEX_NPZ)
+    except DownloadError as exc:
+        log.info("stream %s: no columnar index (%s); parsing %s", stream, exc, INDEX)
+        return None
+
+
+def check_local_lengths(folder: Path, entries: Sequence[dict[str, Any]], index: Path) -> None:
+    """Refuse a shard of a local-only ``index`` when the file its samples come from (its zip, else its raw
+    file), if present, is a link or not the size the index declares: before any count or size of it is used."""
+    if isinstance(entries, ShardTable):
+        with_zip = np.flatnonzero(entries.zip_kinds() == 2)
+        sizes = np.where(entries.zip_kinds() == 2, entries.zip_bytes, entries.raw_bytes).tolist()
+        zipped = set(with_zip.tolist())
+        files = ((i, entries.name("zip" if i in zipped else "raw", i), size) for i, size in enumerate(sizes))
+    else:
+        files = ((i, info["basename"], info["bytes"]) for i, info in
+                 enumerate(entry.get("zip_data") or entry["raw_data"] for entry in entries))
+    checked: set[str] = set()
+    for i, name, size in files:
+        parent = os.path.dirname(name)
+        if parent not in checked:  # the folders once, then each file itself refused if it is a link
+            no_links(folder, name)
+            checked.add(parent)
+        path = folder / name
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePathError(f"{index}: shard {i} file {path} is not a regular file; refused")
+        if st.st_size != size:
+            raise ShardCorruptError(f"{index}: shard {i} file {path} is {st.st_size} bytes, the index declares "
+                                    f"{size}: the index or the file was changed; write the dataset again")

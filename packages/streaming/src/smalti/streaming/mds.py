@@ -15,7 +15,7 @@ import re
 import shutil
 import struct
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from smalti.streaming import encodings, seekable
 from smalti.streaming.errors import ShardCorruptError, StreamingError, UnsafePathError, UploadError
 from smalti.streaming.hashing import digest
 from smalti.streaming.paths import check_name
+from smalti.streaming.shard_table import INDEX_NPZ, NotColumnar, ShardTable, matching_table, write_table
 
 log = logging.getLogger(__name__)
 
@@ -211,9 +212,13 @@ class MDSWriter:
             names = [(entry["zip_data"] or entry["raw_data"])["basename"] for entry in self.shards]
             for name in names:
                 self._upload(lambda name=name: self._store.put_file(self.local / name, name), name)
+            if write_table(self.local, index, self.shards):
+                npz = self.local / INDEX_NPZ
+                self._upload(lambda: self._store.put_file(npz, INDEX_NPZ), INDEX_NPZ)
             self._upload(lambda: self._store.put_bytes(INDEX, index), INDEX)  # last: the commit
             shutil.rmtree(self.local, ignore_errors=True)
         else:
+            write_table(self.local, index, self.shards)  # first: readers use it only once index.json matches it
             atomic_write_bytes(self.local / INDEX, index)
         self._finished = True
 
@@ -232,24 +237,62 @@ class MDSWriter:
             self.finish()
 
 
+def _parse_index(path: Path) -> list[Any]:
+    """``index.json``'s ``shards`` list, unchecked beyond the index's own version."""
+    try:
+        obj = json.loads(path.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise StreamingError(f"cannot read MDS index {path}: {exc}") from exc
+    if not isinstance(obj, dict) or obj.get("version") != 2:
+        version = obj.get("version") if isinstance(obj, dict) else None
+        raise StreamingError(f"{path}: index version {version!r} is not supported (need 2)")
+    shards = obj.get("shards", [])
+    if not isinstance(shards, list):
+        raise StreamingError(f"{path}: 'shards' is not a list")
+    return shards
+
+
 def load_index(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The shard entries of an ``index.json``; raise naming the file when it is not a version-2 MDS index."""
     path = Path(path)
-    try:
-        obj = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise StreamingError(f"cannot read MDS index {path}: {exc}") from exc
-    if obj.get("version") != 2:
-        raise StreamingError(f"{path}: index version {obj.get('version')!r} is not supported (need 2)")
-    for i, shard in enumerate(obj.get("shards", [])):
-        if shard.get("format") != "mds" or shard.get("version") != 2:
+    shards = _parse_index(path)
+    _check_entries(shards, path)
+    return shards
+
+
+def _check_entries(shards: list[Any], path: Path) -> None:
+    for i, shard in enumerate(shards):
+        if not isinstance(shard, dict) or shard.get("format") != "mds" or shard.get("version") != 2:
+            shard = shard if isinstance(shard, dict) else {}
             raise StreamingError(f"{path}: shard {i} is format {shard.get('format')!r} v{shard.get('version')}, "
                                  "only MDS version 2 is supported")
         for key in ("raw_data", "zip_data"):
             if key == "raw_data" or shard.get(key):
                 check_name((shard.get(key) or {}).get("basename"), path, f"shard {i} {key}.basename")
         check_declared_sizes(shard, path, i)
-    return obj["shards"]
+
+
+def read_index(path: str | os.PathLike[str], index_bytes: bytes | None = None,
+               npz: bytes | Path | None | bool = True) -> Sequence[dict[str, Any]]:
+    """The shard entries of the ``index.json`` at ``path`` (whose bytes are ``index_bytes`` when already read),
+    checked as :func:`load_index` checks them, as a :class:`~smalti.streaming.shard_table.ShardTable` when
+    they have a columnar form: read from ``npz`` (``index.npz``'s bytes or path; ``True``: the one beside
+    ``path``) when it matches the JSON, else parsed from the JSON (see :mod:`smalti.streaming.shard_table`)."""
+    path = Path(path)
+    if npz is True:
+        npz = path.parent / INDEX_NPZ
+    table = matching_table(path, npz or None, index_bytes)  # type: ignore[arg-type]
+    if table is not None:
+        return table
+    entries = _parse_index(path)
+    try:
+        table = ShardTable.from_entries(entries, path)
+    except NotColumnar:  # the entry-by-entry checks name what is wrong, or it is right but has no columns
+        _check_entries(entries, path)
+        return entries
+    del entries  # the columns hold it all: let the JSON's objects go before the checks
+    table.check()
+    return table
 
 
 def _whole(value: Any) -> bool:
@@ -296,6 +339,29 @@ def check_declared_sizes(entry: dict[str, Any], path: object, i: int) -> None:
                                  f"than MAX_COMPRESSION_RATIO={MAX_COMPRESSION_RATIO} times its size; refused before "
                                  "decompressing (the index is damaged or hostile; data that really compresses so "
                                  "well, such as all zeros, is written without compression)")
+
+
+def declared_sizes_ok(table: ShardTable) -> np.ndarray:
+    """Per shard of ``table``, whether it passes :func:`check_declared_sizes` (the same rules, over columns)."""
+    samples, raw, packed = table.samples, table.raw_bytes, table.zip_bytes
+    ok = (samples >= 0) & (raw >= 0) & (raw <= MAX_SHARD_BYTES)
+    for c, config in enumerate(table.configs):
+        mine = table.config == c
+        rest = config["rest"]
+        sizes = rest.get("column_sizes") or []
+        if not isinstance(sizes, list) or not all(s is None or _whole(s) for s in sizes):
+            ok &= ~mine
+            continue
+        smallest = 4 + sum(4 if s is None else s for s in sizes)
+        limit = rest.get("size_limit")
+        good = 8 + np.minimum(samples, raw + 1) * smallest <= raw
+        if _whole(limit) and limit:
+            good &= (samples <= 1) | (raw <= limit)
+        if config["zip"] == 2:
+            good &= (packed >= 0) & (packed <= MAX_SHARD_BYTES) & \
+                (raw <= np.maximum(SMALL_SHARD_BYTES, packed * MAX_COMPRESSION_RATIO))
+        ok &= ~mine | good
+    return ok
 
 
 def check_columns(entry: dict[str, Any], allow_unsafe_types: bool, where: object) -> None:
@@ -643,5 +709,7 @@ def merge_index(root: str | os.PathLike[str], subdirs: list[str] | None = None) 
             if entry.get("zip_data"):
                 entry["zip_data"]["basename"] = f"{sub}/{entry['zip_data']['basename']}"
             shards.append(entry)
-    atomic_write_bytes(root / INDEX, json.dumps({"shards": shards, "version": 2}, sort_keys=True).encode())
+    index = json.dumps({"shards": shards, "version": 2}, sort_keys=True).encode()
+    write_table(root, index, shards)
+    atomic_write_bytes(root / INDEX, index)
     return root / INDEX
