@@ -18,6 +18,12 @@ FIXTURES = Path(__file__).parent / "fixtures"
 KINDS = sorted(p.name for p in FIXTURES.iterdir() if (p / "index.json").exists())
 
 
+@pytest.fixture(autouse=True)
+def columns_at_any_size(monkeypatch):
+    """These small indexes are read through index.npz as a million-shard one is."""
+    monkeypatch.setattr(mds_module, "COLUMNAR_MIN_BYTES", 0)
+
+
 def no_json(monkeypatch):
     """Make parsing index.json fail, so a read that succeeds came from index.npz."""
     def refuse(path):

@@ -54,6 +54,9 @@ MAX_SHARD_BYTES = (1 << 32) - 1  # MDS sample offsets are 32-bit
 # is refused before it is decompressed: real shards compress 1-50x; zstd reaches ~14000x on all zeros.
 MAX_COMPRESSION_RATIO = 2048
 SMALL_SHARD_BYTES = 1 << 20
+# index.json below this size (about 1,800 shards) is parsed, not read from index.npz: opening the ten arrays of
+# an .npz costs ~1 ms, more than parsing a small JSON, which matters to a mix of many small streams
+COLUMNAR_MIN_BYTES = 1 << 20
 
 
 def parse_size(value: int | str | None, what: str = "size") -> int | None:
@@ -277,8 +280,13 @@ def read_index(path: str | os.PathLike[str], index_bytes: bytes | None = None,
     """The shard entries of the ``index.json`` at ``path`` (whose bytes are ``index_bytes`` when already read),
     checked as :func:`load_index` checks them, as a :class:`~smalti.streaming.shard_table.ShardTable` when
     they have a columnar form: read from ``npz`` (``index.npz``'s bytes or path; ``True``: the one beside
-    ``path``) when it matches the JSON, else parsed from the JSON (see :mod:`smalti.streaming.shard_table`)."""
+    ``path``) when it matches the JSON, else parsed from the JSON (see :mod:`smalti.streaming.shard_table`).
+    An ``index.json`` under :data:`COLUMNAR_MIN_BYTES` is read as a list of dicts, as :func:`load_index` reads
+    it: for a few thousand shards that is faster than opening the columns."""
     path = Path(path)
+    size = len(index_bytes) if index_bytes is not None else path.stat().st_size
+    if size < COLUMNAR_MIN_BYTES:  # a few thousand shards at most: the JSON is read faster than the columns
+        return load_index(path)
     if npz is True:
         npz = path.parent / INDEX_NPZ
     table = matching_table(path, npz or None, index_bytes)  # type: ignore[arg-type]
