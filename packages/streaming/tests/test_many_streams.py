@@ -47,11 +47,13 @@ def build(root, n):
 
 
 def test_a_thousand_streams_mix_by_weight_in_linear_time(streams_dir):
+    build(streams_dir, 10)  # imports and first-use costs out of the way
     small, _, small_s, small_peak = build(streams_dir, 100)
     ds, order, big_s, big_peak = build(streams_dir, 1000)
-    # per-sample or per-pair-of-streams Python would make 10x the streams cost 100x; linear is about 10x
-    assert big_s < 25 * small_s + 0.5, (small_s, big_s)
-    assert big_peak < 25 * small_peak, (small_peak, big_peak)
+    # Python per pair of streams (or per shard of every stream, per stream) would make 10x the streams cost
+    # about 100x; measured: 11-13x the CPU time and 10x the peak memory
+    assert big_s < 20 * small_s, (small_s, big_s)
+    assert big_peak < 20 * small_peak, (small_peak, big_peak)
     assert len(ds._shards) == 1000 * (len(os.listdir(streams_dir / 's0')) - 2) and ds.num_samples == 8000
     # every stream gets the samples its weight asks for: the counts stream_counts gives, at least the whole
     # part of its exact share, plus rounding leftovers (drawn by weight, so a stream may get a few)
