@@ -212,7 +212,7 @@ def test_decompression_bomb_is_refused_before_writing_past_declared_size(compres
     zip_name = entry["zip_data"]["basename"]
     assert out.stdout.startswith("ShardCorruptError"), out.stdout
     assert f"{zip_name} of stream" in out.stdout and f"more than the {declared} bytes" in out.stdout
-    assert sorted(p.name for p in data.iterdir()) == ["index.json", zip_name]  # no raw copy, no temp file
+    assert sorted(p.name for p in data.iterdir()) == ["index.json", "index.npz", zip_name]  # no raw copy, no temp file
 
 
 def test_streaming_dataset_refuses_bomb_naming_shard(tmp_path):
@@ -224,7 +224,7 @@ def test_streaming_dataset_refuses_bomb_naming_shard(tmp_path):
     for thread in threading.enumerate():  # the warm-up met the same bomb; let it release its claim
         if thread.name.startswith("smalti-streaming-warm-up-"):
             thread.join(10)
-    assert sorted(p.name for p in data.iterdir()) == ["index.json", entry["zip_data"]["basename"]]
+    assert sorted(p.name for p in data.iterdir()) == ["index.json", "index.npz", entry["zip_data"]["basename"]]
 
 
 # ---------------------------------------------------------------- 5. pkl columns need the opt-in everywhere
