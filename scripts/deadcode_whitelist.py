@@ -56,6 +56,7 @@ _.total_wct
 _.entry_point
 _.proportion  # smalti.streaming.Stream, set from configs
 _.choose
+_.full_order  # smalti.streaming.epoch_orders.EpochOrders: StreamingDataset._compute_order reads it by name
 
 # Public names of the event table, for plugins choosing which events to handle
 _.MICROBATCH_EVENTS

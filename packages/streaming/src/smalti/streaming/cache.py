@@ -59,6 +59,7 @@ MAX_OPEN_READERS = 64
 MAX_LOST_OPENS = 1000  # a shard evicted this many times in a row between its fetch and its opening: give up
 TOUCH_S = 1.0  # how often a process that reads a shard refreshes its copy's mtime (the node's shared recency)
 COUNT_SLOTS = 64  # per-process counters of one rank (its main process and DataLoader workers), summed on read
+STALE_TMP_S = 15 * 60  # a download's temporary file untouched this long belongs to a dead process
 STALE_CHECK_S = 0.05  # how often a process looks for open readers of shards another process evicted
 _CACHES: weakref.WeakSet[ShardCache] = weakref.WeakSet()
 
@@ -122,6 +123,24 @@ class ShardCache:
         self._checked = set()
         self._zips_checked = set()
         self.fetcher._new_process()
+
+    def remove_stale_downloads(self) -> None:
+        """Delete temporary download files that a killed process left behind (untouched for ``STALE_TMP_S``)."""
+        dirs = {s.local_dir() / folder for si, s in enumerate(self.streams) for folder in self.shards.raw_folders(si)}
+        dirs |= {s.local_dir() for s in self.streams}
+        cutoff = time.time() - STALE_TMP_S
+        for folder in dirs:
+            if not folder.is_dir():
+                continue
+            for tmp in folder.glob(".*"):
+                if not (is_temp_name(tmp.name) or tmp.name.endswith(".tmp")):  # .tmp: left by older versions
+                    continue
+                try:
+                    if tmp.stat().st_mtime < cutoff:
+                        tmp.unlink()
+                        log.debug("removed stale temporary download %s", tmp)
+                except FileNotFoundError:
+                    pass
 
     def raw_path(self, shard: int) -> Path:
         si, entry = self.shards[shard]

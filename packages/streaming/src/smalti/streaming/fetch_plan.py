@@ -5,16 +5,16 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from smalti.streaming.cache import ShardCache
 from smalti.streaming.epoch_plan import GridRemaining, Remaining
-
-if TYPE_CHECKING:
-    from smalti.streaming.dataset import StreamingDataset
+from smalti.streaming.layout import RankLayout
+from smalti.streaming.sample_map import SampleMap
+from smalti.streaming.stream import Stream
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,26 @@ def cache_needs(remaining: Remaining | GridRemaining, columns: tuple[int, int],
                       complete=k >= total, last_use=last)
 
 
+def node_cache_needs(remaining: Remaining | GridRemaining, table: SampleMap, streams: Sequence[Stream],
+                     layout: RankLayout, predownload: int) -> CacheNeeds:
+    """:func:`cache_needs` of the node of rank ``layout`` for ``remaining``, fetching ``predownload`` samples
+    ahead; shards of streams without a remote are never evicted, so they count for nothing."""
+    remote = np.array([s.remote is not None for s in streams], dtype=bool)
+    owner = np.repeat(np.arange(len(streams)), [len(ids) for ids in table.stream_shards])
+    sizes = np.where(remote[owner], table.raw_bytes, 0)
+    window = max(1, -(-predownload // layout.batch_size))
+    return cache_needs(remaining, layout.node_columns(), table.locate, sizes, window)
+
+
+def report_cache_needs(needs: CacheNeeds, streams: str, cache_limit: int | None) -> None:
+    """Log the cache ``needs`` of a node reading ``streams``, warning when ``cache_limit`` is below them."""
+    log.info("streaming %s: %s", streams, needs.describe())
+    if cache_limit is not None and cache_limit < needs.min_cache_bytes:
+        log.warning("cache_limit=%d bytes is below the %d bytes this node's order needs at once: shards "
+                    "will be fetched again after eviction (slower; see StreamingDataset.metrics())",
+                    cache_limit, needs.min_cache_bytes)
+
+
 class FetchPlan:
     """Which process of this node fetches which shard, and a thread that fetches this process's share ahead.
 
@@ -121,24 +141,24 @@ class FetchPlan:
 
     WALK_SAMPLES = WALK_SAMPLES
 
-    def __init__(self, ds: StreamingDataset, remaining: Remaining | GridRemaining, worker_id: int,
-                 num_workers: int) -> None:
-        self.ds = ds
+    def __init__(self, remaining: Remaining | GridRemaining, table: SampleMap, cache: ShardCache,
+                 layout: RankLayout, predownload: int, worker_id: int, num_workers: int) -> None:
+        self.table, self.cache = table, cache
         self.progress = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.owner: dict[int, int] = {}
         self.participants, self.me = 1, 0
-        if ds.predownload <= 0 or len(remaining) == 0:
+        if predownload <= 0 or len(remaining) == 0:
             return
-        self.participants = ds.local_world * num_workers
-        self.me = ds.local_rank * num_workers + worker_id
+        self.participants = layout.local_world * num_workers
+        self.me = layout.local_rank * num_workers + worker_id
         self._remaining = remaining
-        self._cols = ds._node_columns()
+        self._cols = layout.node_columns()
         self._chunk = max(1, self.WALK_SAMPLES // max(self._cols[1] - self._cols[0], 1))
-        self._seen = np.zeros(len(ds._shards), dtype=bool)
+        self._seen = np.zeros(len(table), dtype=bool)
         first = self._walk(0)
-        lookahead = max(1, math.ceil(ds.predownload / ds.batch_size)) * num_workers
+        lookahead = max(1, math.ceil(predownload / layout.batch_size)) * num_workers
         self._thread = threading.Thread(target=self._run, args=(first, lookahead), daemon=True,
                                         name="smalti-streaming-prefetch")
         self._thread.start()
@@ -153,7 +173,7 @@ class FetchPlan:
         lo, hi = self._cols
         flat = self._remaining.rows(k, k + self._chunk, lo, hi).reshape(-1)
         valid = np.flatnonzero(flat >= 0)
-        shards, _ = self.ds._locate(flat[valid])
+        shards, _ = self.table.locate(flat[valid])
         unique, first = np.unique(shards, return_index=True)
         new = ~self._seen[unique]
         unique, first = unique[new], first[new]
@@ -177,7 +197,7 @@ class FetchPlan:
                         return
                 if self._stop.is_set():
                     return
-                cache = self.ds.cache
+                cache = self.cache
                 if not cache.is_local(shard) and cache.peer_busy(shard):
                     continue  # another process (the warm-up, a peer rank) is making it: make the next one meanwhile
                 try:

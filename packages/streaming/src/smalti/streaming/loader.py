@@ -93,8 +93,8 @@ def warn_if_worker_socket_path_too_long() -> None:
                       "TMPDIR=/tmp).", RuntimeWarning, stacklevel=3)
 
 
-# what set_epoch / load_state_dict change in a dataset: the epoch, the resume point and the order's settings
-_ORDER_STATE = ("epoch", "_resume", "num_canonical_nodes", "_order_cache")
+# what set_epoch / load_state_dict change in a dataset: the epoch, the resume point and the epoch plan
+_ORDER_STATE = ("epoch", "_resume", "orders")
 _LOADER_PARAMS = inspect.signature(DataLoader.__init__)
 BATCHED_PREFETCH = 8  # items (batches or bundles) in flight per worker on the whole-batch path (torch's default: 2)
 
@@ -156,7 +156,7 @@ class StreamingDataLoader(DataLoader):
         if not (self.batched and self.num_workers and view.bundles and self.streaming_dataset.predownload > 0):
             return None
         ds = self.streaming_dataset
-        ids = ds._first_batch_ids()  # the same ids the warm-up reads ahead (see StreamingDataset._rows_ahead)
+        ids = ds._first_batch_ids()  # the same ids the warm-up reads ahead (see WarmUp.take_readers)
         if ids is None or not len(ids) or (len(ids) < ds.batch_size and view.drop_last):
             return None
         return ids

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,3 +97,17 @@ class Stream:
     @property
     def name(self) -> str:
         return str(self.remote or self.local)
+
+
+def given_streams(streams: list[Stream | Mapping[str, Any]] | None, remote: str | None, local: str | None,
+                  split: str | None) -> list[Stream]:
+    """The dataset's streams: ``streams`` (mappings, as from YAML, made into ``Stream``) or one stream of
+    ``remote``/``local``/``split``; giving both or neither is refused."""
+    if streams is None:
+        if remote is None and local is None:
+            raise StreamingError("give streams=[Stream(...)] or remote/local")
+        return [Stream(remote=remote, local=local, split=split)]
+    if remote is not None or local is not None:
+        raise StreamingError("give either streams or remote/local, not both")
+    return [Stream(**dict(s)) if isinstance(s, Mapping) else s for s in streams]
+
