@@ -32,6 +32,12 @@ from smalti.storage import (
 )
 from smalti.streaming import compression as comp
 from smalti.streaming import encodings, seekable
+from smalti.streaming.declared_sizes import (  # noqa: F401  (MAX_*: part of this module's API)
+    MAX_COMPRESSION_RATIO,
+    MAX_SHARD_BYTES,
+    SMALL_SHARD_BYTES,
+    check_declared_sizes,
+)
 from smalti.streaming.errors import ShardCorruptError, StreamingError, UnsafePathError, UploadError
 from smalti.streaming.hashing import digest
 from smalti.streaming.paths import check_name
@@ -49,11 +55,6 @@ _UNITS = {"": 1, "b": 1}
 for _power, _letter in enumerate("kmgtpe", start=1):
     for _suffix in (_letter, _letter + "b", _letter + "ib"):
         _UNITS[_suffix] = 1 << (10 * _power)
-MAX_SHARD_BYTES = (1 << 32) - 1  # MDS sample offsets are 32-bit
-# A zip whose index says it decompresses to more than this many times its own size (and past SMALL_SHARD_BYTES)
-# is refused before it is decompressed: real shards compress 1-50x; zstd reaches ~14000x on all zeros.
-MAX_COMPRESSION_RATIO = 2048
-SMALL_SHARD_BYTES = 1 << 20
 # index.json below this size (about 1,800 shards) is parsed, not read from index.npz: opening the ten arrays of
 # an .npz costs ~1 ms, more than parsing a small JSON, which matters to a mix of many small streams
 COLUMNAR_MIN_BYTES = 1 << 20
@@ -301,75 +302,6 @@ def read_index(path: str | os.PathLike[str], index_bytes: bytes | None = None,
     del entries  # the columns hold it all: let the JSON's objects go before the checks
     table.check()
     return table
-
-
-def _whole(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def check_declared_sizes(entry: dict[str, Any], path: object, i: int) -> None:
-    """Refuse shard ``i`` of index ``path`` when the sizes and counts it declares cannot be true of an MDS shard.
-
-    Checked before anything is allocated, downloaded or decompressed from them: ``raw_data.bytes`` at most
-    :data:`MAX_SHARD_BYTES` (32-bit offsets) and, for a shard of more than one sample, at most its
-    ``size_limit`` (the writer starts a new shard before passing it); ``samples`` no more than the raw bytes
-    can hold (each sample takes its 4-byte offset plus its fixed-size columns and the 4-byte lengths of its
-    variable-size ones); ``zip_data.bytes`` decompressing to at most :data:`MAX_COMPRESSION_RATIO` times itself.
-    """
-    where = f"{path}: shard {i}"
-    raw = entry.get("raw_data") or {}
-    size, samples = raw.get("bytes"), entry.get("samples")
-    if not _whole(size) or size > MAX_SHARD_BYTES:
-        raise StreamingError(f"{where} raw_data.bytes={size!r} is not a shard size: an MDS shard holds 0 to "
-                             f"{MAX_SHARD_BYTES} bytes (its offsets are 32-bit); the index is damaged or hostile")
-    if not _whole(samples):
-        raise StreamingError(f"{where} samples={samples!r} is not a count of samples; the index is damaged")
-    limit = entry.get("size_limit")
-    if samples > 1 and _whole(limit) and limit and size > limit:
-        raise StreamingError(f"{where} declares raw_data.bytes={size} for {samples} samples, more than its "
-                             f"size_limit={limit} (only a shard of one sample may pass it); the index is damaged "
-                             "or hostile")
-    sizes = entry.get("column_sizes") or []
-    if not all(s is None or _whole(s) for s in sizes):
-        raise StreamingError(f"{where} column_sizes={sizes!r} must be byte counts or null")
-    smallest = 4 + sum(4 if s is None else s for s in sizes)  # offset entry + fixed columns + variable lengths
-    if 8 + samples * smallest > size:
-        raise StreamingError(f"{where} declares {samples} samples in raw_data.bytes={size}, but each sample takes "
-                             f"at least {smallest} bytes (its offset and columns), so at most "
-                             f"{max(0, (size - 8) // smallest)} fit; the index is damaged or hostile")
-    zip_info = entry.get("zip_data")
-    if zip_info:
-        packed = zip_info.get("bytes")
-        if not _whole(packed) or packed > MAX_SHARD_BYTES:
-            raise StreamingError(f"{where} zip_data.bytes={packed!r} is not a shard size (0 to {MAX_SHARD_BYTES})")
-        if size > max(SMALL_SHARD_BYTES, packed * MAX_COMPRESSION_RATIO):
-            raise StreamingError(f"{where} declares that its {packed}-byte zip decompresses to {size} bytes, more "
-                                 f"than MAX_COMPRESSION_RATIO={MAX_COMPRESSION_RATIO} times its size; refused before "
-                                 "decompressing (the index is damaged or hostile; data that really compresses so "
-                                 "well, such as all zeros, is written without compression)")
-
-
-def declared_sizes_ok(table: ShardTable) -> np.ndarray:
-    """Per shard of ``table``, whether it passes :func:`check_declared_sizes` (the same rules, over columns)."""
-    samples, raw, packed = table.samples, table.raw_bytes, table.zip_bytes
-    ok = (samples >= 0) & (raw >= 0) & (raw <= MAX_SHARD_BYTES)
-    for c, config in enumerate(table.configs):
-        mine = table.config == c
-        rest = config["rest"]
-        sizes = rest.get("column_sizes") or []
-        if not isinstance(sizes, list) or not all(s is None or _whole(s) for s in sizes):
-            ok &= ~mine
-            continue
-        smallest = 4 + sum(4 if s is None else s for s in sizes)
-        limit = rest.get("size_limit")
-        good = 8 + np.minimum(samples, raw + 1) * smallest <= raw
-        if _whole(limit) and limit:
-            good &= (samples <= 1) | (raw <= limit)
-        if config["zip"] == 2:
-            good &= (packed >= 0) & (packed <= MAX_SHARD_BYTES) & \
-                (raw <= np.maximum(SMALL_SHARD_BYTES, packed * MAX_COMPRESSION_RATIO))
-        ok &= ~mine | good
-    return ok
 
 
 def check_columns(entry: dict[str, Any], allow_unsafe_types: bool, where: object) -> None:

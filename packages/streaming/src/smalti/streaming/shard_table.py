@@ -1,8 +1,8 @@
 """An MDS index held as columns: ``index.npz``, written beside ``index.json`` and read in its place when it matches.
 
 mosaicml-streaming's ``index.json`` stays the source of truth (and byte for byte what mosaicml-streaming
-writes and reads). Parsing and checking it costs about 40 us of CPU and 3 KB of Python objects per shard
-(a million shards: 40 s and 3 GB in every process), so smalti also writes the same entries as NumPy columns: per shard its sample
+writes and reads). Parsing and checking it costs CPU time and Python objects per shard in every process (the
+streaming README's index section has the figures), so smalti also writes the same entries as NumPy columns: per shard its sample
 count, raw and zip sizes, the index of its *configuration* (the keys every shard of a dataset usually shares:
 columns, compression, hash names, ``size_limit``...; each distinct one stored once), its file names (one UTF-8
 blob and offsets) and its hashes (raw bytes, half the size of their hex). A shard's entry dict is made only
@@ -11,7 +11,7 @@ when the shard is used (:meth:`ShardTable.__getitem__`), equal to the one in ``i
 ``index.npz`` records the size and ``xxh3_128`` of the ``index.json`` it was made from and is read only when
 the current ``index.json`` has both: a content hash, not size and mtime, because a download or copy of the
 folder (a remote stream's cached index is rewritten at every start) changes the mtime of an unchanged file,
-and an edit can keep the size; hashing the JSON is about 100 times cheaper than parsing it. Anything else (no
+and an edit can keep the size; hashing the JSON costs far less than parsing it. Anything else (no
 ``index.npz``, one of another ``index.json``, one that does not read) falls back to the JSON with a log line.
 """
 
@@ -31,6 +31,13 @@ from typing import Any
 import numpy as np
 
 from smalti.storage import atomic_write
+from smalti.streaming.declared_sizes import (
+    MAX_COMPRESSION_RATIO,
+    MAX_SHARD_BYTES,
+    SMALL_SHARD_BYTES,
+    check_declared_sizes,
+    whole,
+)
 from smalti.streaming.errors import StreamingError
 from smalti.streaming.paths import check_name
 
@@ -284,12 +291,33 @@ class ShardTable(Sequence[dict[str, Any]]):
             raise NotColumnar(f"{self.source}: its columns do not fit together (damaged or written by something "
                               "else)")
 
+    def declared_sizes_ok(self) -> np.ndarray:
+        """Per shard, whether it passes :func:`~smalti.streaming.declared_sizes.check_declared_sizes` (the same
+        rules, over the columns at once)."""
+        samples, raw, packed = self.samples, self.raw_bytes, self.zip_bytes
+        ok = (samples >= 0) & (raw >= 0) & (raw <= MAX_SHARD_BYTES)
+        for c, config in enumerate(self.configs):
+            mine = self.config == c
+            rest = config["rest"]
+            sizes = rest.get("column_sizes") or []
+            if not isinstance(sizes, list) or not all(s is None or whole(s) for s in sizes):
+                ok &= ~mine
+                continue
+            smallest = 4 + sum(4 if s is None else s for s in sizes)
+            limit = rest.get("size_limit")
+            good = 8 + np.minimum(samples, raw + 1) * smallest <= raw
+            if whole(limit) and limit:
+                good &= (samples <= 1) | (raw <= limit)
+            if config["zip"] == 2:
+                good &= (packed >= 0) & (packed <= MAX_SHARD_BYTES) & \
+                    (raw <= np.maximum(SMALL_SHARD_BYTES, packed * MAX_COMPRESSION_RATIO))
+            ok &= ~mine | good
+        return ok
+
     def check(self) -> None:
         """Raise :class:`StreamingError` naming ``source`` and the first shard that is not an MDS v2 shard, has
         a file name outside the dataset's folder or declares sizes no MDS shard can have: what
         :func:`smalti.streaming.mds.load_index` checks, with the same messages, over the columns at once."""
-        from smalti.streaming.mds import check_declared_sizes, declared_sizes_ok
-
         for c, config in enumerate(self.configs):
             rest = config["rest"]
             if rest.get("format") != "mds" or rest.get("version") != 2:
@@ -300,7 +328,7 @@ class ShardTable(Sequence[dict[str, Any]]):
             for i in suspicious_names(self._columns[f"{kind}_names"], self._columns[f"{kind}_name_offsets"]):
                 if kind == "raw" or self.configs[int(self.config[i])]["zip"] == _ZIP_FILE:
                     self._name(kind, int(i))
-        bad = ~declared_sizes_ok(self)
+        bad = ~self.declared_sizes_ok()
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             check_declared_sizes(self[i], self.source, i)
