@@ -3,7 +3,7 @@
 Measures the default ``shuffle_algo`` (``keyed``; ``--algo blocks`` for the other lazy order) over an index of
 virtual shards (16,384 samples each, no data files: the order needs only the shard sizes), 8 canonical nodes,
 64 data-parallel ranks of 32 samples. Every measurement runs in a fresh process, so its peak resident memory
-(``ru_maxrss``, Python and NumPy included) is that of the measurement alone; times are wall clock, with the
+(``VmHWM``, Python and NumPy included) is that of the measurement alone; times are wall clock, with the
 process's CPU time beside them (on a loaded machine only the CPU time is comparable between runs).
 
 - ``first_batch_s``: from the shard sizes to rank 0's first batch of ids (epoch 0), the order's tables built;
@@ -46,6 +46,15 @@ def virtual_sizes(samples: int) -> np.ndarray:
 
 
 def peak_mb() -> float:
+    """This process's peak resident memory. On Linux ``ru_maxrss`` survives ``execve`` (a child started after
+    the parent grew reports the parent's peak), so the new image's own high-water mark is read instead."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
