@@ -14,7 +14,6 @@ import transformers
 
 from smalti.llm.errors import LoRAError
 from smalti.llm.lora import LoRALinear, save_adapter
-from smalti.llm.lora.export import merged_model
 from smalti.testing.hf_models import write_tiny_hf_model  # noqa: E402
 
 FAMILIES = ["llama3", "mistral", "qwen2"]
@@ -65,7 +64,7 @@ def test_smalti_adapter_loads_in_peft_with_equal_logits(tmp_path, monkeypatch, f
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_peft_adapter_starts_a_smalti_model_and_merges_as_peft_does(tmp_path, monkeypatch, family):
+def test_peft_adapter_starts_a_smalti_model_and_merges_as_peft_does(tmp_path, monkeypatch, family, peft_parity):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     source = write_tiny_hf_model(tmp_path / family, family)
     theirs = peft.get_peft_model(_hf(source), peft.LoraConfig(
@@ -74,17 +73,7 @@ def test_peft_adapter_starts_a_smalti_model_and_merges_as_peft_does(tmp_path, mo
     _randomise_adapters(theirs, seed=2)
     theirs.save_pretrained(str(tmp_path / "peft"))
     ours = _import(source, targets=["q", "v", "down"], rslora=True, init_from=str(tmp_path / "peft"))
-    ids = _ids(3)
-    with torch.no_grad():
-        expected = theirs.eval()(ids).logits
-        torch.testing.assert_close(ours({"input_ids": ids})["logits"], expected, atol=1e-4, rtol=1e-4)
-        assert (expected - _hf(source)(ids).logits).abs().max() > 1e-2
-        # merged export: transformers alone loads it, equal to PEFT's merge_and_unload()
-        from smalti.llm.hf import export_hf
-
-        export_hf(merged_model(ours), tmp_path / "merged", dtype="float32")
-        merged = theirs.merge_and_unload().eval()
-        torch.testing.assert_close(_hf(tmp_path / "merged")(ids).logits, merged(ids).logits, atol=1e-5, rtol=1e-5)
+    peft_parity(ours, theirs, source, tmp_path, _ids(3))
 
 
 def test_fused_qkv_adapts_only_the_named_parts(tmp_path):

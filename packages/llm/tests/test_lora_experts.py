@@ -15,7 +15,6 @@ import transformers
 
 from smalti.llm.errors import LoRAError
 from smalti.llm.lora.experts import LoRAExperts
-from smalti.llm.lora.export import merged_model
 from smalti.testing.hf_models import write_tiny_hf_model  # noqa: E402
 
 LORA = {"r": 2, "alpha": 4, "dropout": 0.0, "base_dtype": "float32"}
@@ -73,9 +72,7 @@ def test_smalti_expert_adapter_loads_in_peft_with_equal_logits(source, tmp_path,
         assert (ours - _hf(source)(ids).logits).abs().max() > 1e-2  # the expert adapters change the model
 
 
-def test_peft_expert_adapter_starts_smalti_and_merges_as_peft_does(source, tmp_path, monkeypatch):
-    from smalti.llm.hf import export_hf
-
+def test_peft_expert_adapter_starts_smalti_and_merges_as_peft_does(source, tmp_path, monkeypatch, peft_parity):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     theirs = peft.get_peft_model(_hf(source), peft.LoraConfig(
         r=2, lora_alpha=4, lora_dropout=0.0, use_rslora=True, target_modules=["k_proj"],
@@ -83,15 +80,7 @@ def test_peft_expert_adapter_starts_smalti_and_merges_as_peft_does(source, tmp_p
     _randomise_adapters(theirs, seed=2)
     theirs.save_pretrained(str(tmp_path / "peft"))
     ours = _import(source, targets=["k", "experts"], rslora=True, init_from=str(tmp_path / "peft"))
-    ids = _ids(3)
-    with torch.no_grad():
-        expected = theirs.eval()(ids).logits
-        torch.testing.assert_close(ours({"input_ids": ids})["logits"], expected, atol=1e-4, rtol=1e-4)
-        assert (expected - _hf(source)(ids).logits).abs().max() > 1e-2
-        # merged export: transformers alone loads it, equal to PEFT's merge_and_unload()
-        export_hf(merged_model(ours), tmp_path / "merged", dtype="float32")
-        merged = theirs.merge_and_unload().eval()
-        torch.testing.assert_close(_hf(tmp_path / "merged")(ids).logits, merged(ids).logits, atol=1e-5, rtol=1e-5)
+    peft_parity(ours, theirs, source, tmp_path, _ids(3))
 
 
 def test_adapter_of_other_targets_is_refused_naming_the_setting(source, tmp_path):

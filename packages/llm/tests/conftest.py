@@ -1,0 +1,37 @@
+"""Fixtures shared by smalti-llm's LoRA tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def peft_parity() -> Callable[..., None]:
+    """A check that a smalti model which imported a PEFT adapter behaves as PEFT's model does.
+
+    ``check(ours, theirs, source, out, ids)``: equal logits (1e-4) and different from the bare base at
+    ``source``, then smalti's merged export, loaded by transformers alone, equal to PEFT's
+    ``merge_and_unload()`` (1e-5). The export is written under ``out``.
+    """
+    import transformers
+
+    from smalti.llm.hf import export_hf
+    from smalti.llm.lora.export import merged_model
+
+    def load(folder: Path) -> torch.nn.Module:
+        return transformers.AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True).eval()
+
+    @torch.no_grad()
+    def check(ours: torch.nn.Module, theirs: torch.nn.Module, source: Path, out: Path, ids: torch.Tensor) -> None:
+        expected = theirs.eval()(ids).logits
+        torch.testing.assert_close(ours({"input_ids": ids})["logits"], expected, atol=1e-4, rtol=1e-4)
+        assert (expected - load(source)(ids).logits).abs().max() > 1e-2  # the adapters change the model
+        export_hf(merged_model(ours), out / "merged", dtype="float32")
+        merged = theirs.merge_and_unload().eval()
+        torch.testing.assert_close(load(out / "merged")(ids).logits, merged(ids).logits, atol=1e-5, rtol=1e-5)
+
+    return check
