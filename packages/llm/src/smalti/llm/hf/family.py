@@ -97,6 +97,9 @@ class Family:
     ffn: ClassVar[str] = "glu"
     #: A short human description for error messages (``"Llama 1/2/3/3.1"``).
     description: ClassVar[str] = ""
+    #: Why LoRA on this family's experts (``model.lora.targets`` with ``experts``) cannot give an adapter folder
+    #: PEFT loads onto the ``transformers`` model; None when PEFT's ``target_parameters`` can hold it.
+    expert_lora_refusal: ClassVar[str | None] = None
 
     def llm_kwargs(self, cfg: dict[str, Any], path: Path) -> dict[str, Any]:
         """The family mapping: :class:`~smalti.llm.model.config.LLMConfig` fields (by name) equal to the model

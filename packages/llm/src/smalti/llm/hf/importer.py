@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from smalti.llm.errors import ConversionError
+from smalti.llm.errors import ConversionError, LoRAError
 from smalti.llm.hf.context_length import warn_if_past_positions
+from smalti.llm.hf.family import Family
 from smalti.llm.hf.folder import read_config, resolve_folder, weight_files
 from smalti.llm.hf.registry import family_for_config, llm_config
 from smalti.llm.lora.naming import is_adapter_parameter
@@ -79,6 +80,20 @@ def load_hf_weights(model: LLM, folder: Path) -> None:
             buf.zero_()
 
 
+def _check_expert_lora(family: Family, lora: Any, folder: Path) -> None:
+    """Refuse LoRA on the experts of a family whose expert adapters PEFT cannot hold (see
+    :attr:`Family.expert_lora_refusal`), naming the family and why."""
+    if not lora or family.expert_lora_refusal is None:
+        return
+    from smalti.llm.lora.config import EXPERT_TARGETS, LoRAConfig
+
+    experts = [t for t in LoRAConfig.from_any(lora).targets if t in EXPERT_TARGETS]
+    if experts:
+        raise LoRAError(f"model.lora.targets has {experts} but LoRA on the experts of {family.description} "
+                        f"({folder}) is not supported: {family.expert_lora_refusal}; remove the expert targets "
+                        "or finetune the experts in full (experiment=finetune_hf)")
+
+
 class PretrainedLLM(LLM):
     """smalti's :class:`LLM` equal to a local Hugging Face folder of a registered family (``model=hf``).
 
@@ -113,6 +128,7 @@ class PretrainedLLM(LLM):
                 "(AutoTokenizer.from_pretrained(...).save_pretrained(folder)) so that training and the export use it"
             )
         weight_files(folder)  # fail now, not after the model is sharded, when the weights are missing
+        _check_expert_lora(family_for_config(source, folder / "config.json"), overrides.get("lora"), folder)
         config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
         warn_if_past_positions(config.max_seq_len, source, folder / "config.json")
         super().__init__(config, init_device="meta")

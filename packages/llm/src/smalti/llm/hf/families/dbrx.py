@@ -72,6 +72,11 @@ class Dbrx(Family):
     architecture = "DbrxForCausalLM"
     description = "DBRX (MoE)"
     ffn = "moe"
+    expert_lora_refusal = (
+        "transformers' DbrxExperts reads ffn.experts.mlp.w1/v1/w2 itself and passes slices to the expert module, so "
+        "PEFT 0.21's target_parameters wrapper on them fails in forward ('ParamWrapper' object has no attribute "
+        "'v1'), and it would see each stacked [experts * ffn, d] weight as one matrix with one lora_A shared by "
+        "every expert, not a rank-r update per expert")
 
     # ----------------------------------------------------------------- config.json -> smalti
 
