@@ -20,6 +20,7 @@ from torch import nn
 from smalti.core import distributed
 from smalti.core.batching import batch_size_of, move_to_device, num_tokens_of, split_batch
 from smalti.core.callbacks.progress_bar import ProgressBar
+from smalti.core.cpu_malloc import DEFAULT_MMAP_THRESHOLD, configure_cpu_malloc
 from smalti.core.data import no_batch_message, seed_data_loading
 from smalti.core.errors import ConfigError, TrainingError
 from smalti.core.evaluator import Evaluator
@@ -128,6 +129,10 @@ class Trainer:
             accumulation (more than one microbatch, ``"auto"``), ``amp_fp16``'s grad scaler, DDP, and plugins
             that read or change the gradients between backward and step (gradient clipping, SAM, the
             optimizer monitor, ``nan_guard`` skipping steps).
+        cpu_malloc_mmap_threshold: on a CPU device with glibc, blocks of this many bytes or more are mapped on
+            their own and returned to the OS when freed (:func:`smalti.core.cpu_malloc.configure_cpu_malloc`;
+            default 1 MiB): otherwise glibc keeps the memory of freed activations and gradients. ``None``
+            leaves the C library alone; glibc's ``MALLOC_MMAP_THRESHOLD_`` environment variable, when set, wins.
     """
 
     def __init__(
@@ -158,6 +163,7 @@ class Trainer:
         progress_bar: bool = True,
         output_dir: str | os.PathLike[str] | None = None,
         optimizer_in_backward: bool = False,
+        cpu_malloc_mmap_threshold: int | None = DEFAULT_MMAP_THRESHOLD,
     ) -> None:
         _check_model(model)
         check_precision(precision)
@@ -172,6 +178,7 @@ class Trainer:
         self.compile = compile
         self.pm = plugin_manager or new_plugin_manager()  # this trainer's own: no other run's plugins
         device = torch.device(device) if device is not None else distributed.default_device()
+        configure_cpu_malloc(cpu_malloc_mmap_threshold, device)
 
         micro, auto = self._parse_microbatch(device_train_microbatch_size)
         run_name = _given_run_name(run_name) if run_name else _default_run_name()

@@ -14,6 +14,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from smalti.core import distributed
 from smalti.core.config.validate import validate_config
+from smalti.core.cpu_malloc import DEFAULT_MMAP_THRESHOLD
 from smalti.core.data import build_dataloader, check_has_batches, per_rank_batch_size
 from smalti.core.errors import BuildError, ConfigError, SmaltiError
 from smalti.core.parallelism import Parallelism, SingleDevice
@@ -164,6 +165,7 @@ def _build(cfg: DictConfig, resolved: dict[Any, Any], parallelism: Parallelism, 
         deterministic=bool(t.get("deterministic", False)),
         log_interval=t.get("log_interval"),
         optimizer_in_backward=bool(t.get("optimizer_in_backward", False)),
+        cpu_malloc_mmap_threshold=t.get("cpu_malloc_mmap_threshold", DEFAULT_MMAP_THRESHOLD),
         run_name=cfg.run_name,
         config=resolved,
         output_dir=resolve_output_dir(_root_=cfg),  # hydra.run.dir when set: every file of the run goes there

@@ -27,6 +27,7 @@ class TrainerConfig:
     deterministic: bool = False
     log_interval: Any = None
     optimizer_in_backward: bool = False
+    cpu_malloc_mmap_threshold: Any = 1048576
 
 
 @dataclass
