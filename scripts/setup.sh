@@ -16,6 +16,8 @@ args=()
 for pkg in $("$VENV/bin/python" scripts/packages.py all); do
   case "$pkg" in
     core) args+=(-e "packages/core[mlflow,wandb,test]") ;;
+    # bench: TRL, so the tests of bench/sft_vs_trl.py and bench/lora.py's chat part run rather than skip
+    llm) args+=(-e "packages/llm[test,bench]") ;;
     *) if grep -q '^test *=' "packages/$pkg/pyproject.toml"; then args+=(-e "packages/$pkg[test]"); else args+=(-e "packages/$pkg"); fi ;;
   esac
 done
