@@ -1,4 +1,4 @@
-"""The ``mlflow_server`` fixture's server (its own session: the ``mlflow server`` command serving uvicorn) dies with the pytest that started it,
+"""The ``mlflow_server`` fixture's server (its own session: CLI, uvicorn) dies with the pytest that started it,
 even when that pytest is SIGKILLed and never runs the fixture's teardown (a CI time-out)."""
 
 import os
@@ -32,7 +32,7 @@ def test_mlflow_server_is_gone_soon_after_its_starter_is_sigkilled(tmp_path):
         line = starter.stdout.readline()
         assert line.strip().isdigit(), (tmp_path / "server.log").read_text()[-3000:]
         server = int(line)
-        assert group_members(server)  # the mlflow command serving uvicorn, or the command and its uvicorn child
+        assert len(group_members(server)) >= 2  # the mlflow CLI and the uvicorn it runs
         starter.kill()
         starter.wait(timeout=10)
         deadline = time.monotonic() + 30

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -110,44 +111,13 @@ class MlflowServer:
         self.process = None
 
 
-# ``mlflow server`` sets up the store, then starts uvicorn in a second interpreter that imports mlflow all over
-# again: of the ~18 s of CPU a start cost, that second process took 8. This runs the same command (mlflow's own
-# option handling, store set-up and environment for the app) but serves uvicorn from the command's process. An
-# mlflow whose server no longer starts uvicorn through ``mlflow.server._exec_cmd`` runs as the plain command.
-_MLFLOW_SERVER_IN_ONE_PROCESS = """
-import os, sys
-import mlflow.server
-from mlflow.cli import cli
-
-spawn = getattr(mlflow.server, "_exec_cmd", None)
-
-
-def serve_here(cmd, *args, extra_env=None, **kwargs):
-    if list(cmd[1:3]) != ["-m", "uvicorn"]:
-        return spawn(cmd, *args, extra_env=extra_env, **kwargs)
-    import uvicorn.main
-
-    os.environ.update(extra_env or {})
-    uvicorn.main.main(args=list(cmd[3:]))  # exits the process when the server stops
-
-
-if spawn is not None:
-    mlflow.server._exec_cmd = serve_here
-cli(["server", *sys.argv[1:]])
-"""
-
-
 def start_mlflow_server(root: Path, timeout: float = 90) -> MlflowServer:
-    """Start ``mlflow server`` with a sqlite store under ``root`` on a free loopback port; wait until it listens.
-
-    The server is one process (uvicorn served from the ``mlflow server`` command's interpreter), in a session of
-    its own that ends when the process that started it dies.
-    """
+    """Start ``mlflow server`` with a sqlite store under ``root`` on a free loopback port; wait until it listens."""
     port = free_port()
-    cmd = [
-        sys.executable,
-        "-c",
-        _MLFLOW_SERVER_IN_ONE_PROCESS,
+    exe = shutil.which("mlflow", path=os.path.dirname(sys.executable)) or shutil.which("mlflow")
+    cmd = [exe] if exe else [sys.executable, "-m", "mlflow"]
+    cmd += [
+        "server",
         "--backend-store-uri",
         f"sqlite:///{root / 'mlflow.db'}",
         "--default-artifact-root",
@@ -162,8 +132,7 @@ def start_mlflow_server(root: Path, timeout: float = 90) -> MlflowServer:
     log = open(root / "server.log", "wb")  # noqa: SIM115 - kept open for the server's lifetime
     # No background job runner (six huey consumers, each importing mlflow): tests log runs and register
     # models, which need none, and the consumers cost seconds of CPU at every start.
-    # Nor usage telemetry: the loopback server has nothing to report and no internet to report it over.
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env,
                             preexec_fn=die_with_parent())
     server = MlflowServer(tracking_uri=f"http://127.0.0.1:{port}", root=root, process=proc)
