@@ -39,6 +39,9 @@ _ROUNDS = 4
 _ROUND_KEYS = [np.uint64((i + 1) * 0x9E3779B97F4A7C15 % (1 << 64)) for i in range(_ROUNDS)]
 _M64 = (1 << 64) - 1
 _CHUNK = 1 << 16  # samples decoded per vectorised pass: small enough for the CPU cache
+_BUCKET_BITS = 12  # at most 4,096 buckets in a block's span lookup
+_SIGN = np.int64(63)
+_PLANS = 64  # blocks whose plans a BlockOrder keeps (a rank's next batches mostly fall in its last blocks)
 
 
 def splitmix(z: np.ndarray) -> np.ndarray:
@@ -92,22 +95,109 @@ def _feistel_scalar(v: np.ndarray, h: int, round_keys: list[np.uint64]) -> np.nd
     return left
 
 
-def _span_in_block(borders: np.ndarray, size: int, pos: np.ndarray) -> np.ndarray:
-    """For positions ``pos`` in ``[0, size)``, how many of the increasing ``borders`` each is at or past.
+_IOTA = np.arange(_CHUNK, dtype=np.int64)
+_IOTA.flags.writeable = False
 
-    Buckets no wider than the narrowest span hold at most one border, so a bucket table and one comparison
-    answer (a binary search per sample costs about five times as much); spans too narrow for a small table
-    fall back to the binary search.
+
+def _iota(n: int) -> np.ndarray:
+    """``np.arange(n)`` as a read-only view of a kept array while ``n`` is at most ``16 * _CHUNK``."""
+    global _IOTA
+    iota = _IOTA
+    if n > len(iota):
+        if n > 16 * _CHUNK:
+            return np.arange(n, dtype=np.int64)
+        iota = np.arange(max(n, 2 * len(iota)), dtype=np.int64)
+        iota.flags.writeable = False
+        _IOTA = iota
+    return iota[:n]
+
+
+def _feistel_into(v: np.ndarray, h: int, round_keys: list[np.uint64], left: np.ndarray, f: np.ndarray) -> None:
+    """:func:`_feistel_scalar` in place on ``v`` (uint64), with two scratch arrays of its length: no array is
+    allocated (each pass of NumPy costs about as much as a new array's page faults would)."""
+    hu = np.uint64(h)
+    shift = np.uint64(64 - h)
+    np.right_shift(v, hu, out=left)
+    np.bitwise_and(v, np.uint64((1 << h) - 1), out=v)
+    right = v
+    for round_key in round_keys:
+        np.bitwise_xor(right, round_key, out=f)
+        np.multiply(f, _GOLDEN, out=f)
+        np.right_shift(f, shift, out=f)
+        np.bitwise_xor(f, left, out=f)
+        left, right, f = right, f, left
+    np.left_shift(left, hu, out=left)
+    np.bitwise_or(left, right, out=v)
+
+
+class _SpanLookup:
+    """Which span each position of a block is in: for positions in ``[0, size)``, how many of the increasing
+    ``borders`` (the spans' starts inside the block, the first span's excluded) each is at or past.
+
+    Positions are put in buckets of ``2**shift``; a table gives the borders before each bucket, and one
+    step per border a bucket can hold adds those the position is past (a binary search per sample costs
+    about five times as much). Buckets no wider than the narrowest gap between borders hold one border at
+    most; a block with a very narrow span gets at most ``2**_BUCKET_BITS`` buckets and a few more steps.
     """
-    narrowest = int(np.diff(borders, prepend=0, append=size).min())
-    shift = max(narrowest.bit_length() - 1, 0)
-    if (size >> shift) > max(4 * len(pos), 4096):
-        return np.searchsorted(borders, pos, side="right")
-    table = np.searchsorted(borders, np.arange(0, size, 1 << shift, dtype=np.int64), side="right")
-    nxt = np.append(borders, np.iinfo(np.int64).max)
-    span = table[pos >> shift]
-    span += pos >= nxt[span]
-    return span
+
+    __slots__ = ("shift", "table", "last", "steps")
+
+    def __init__(self, borders: np.ndarray, size: int) -> None:
+        n = len(borders)
+        narrowest = int((borders[1:] - borders[:-1]).min()) if n > 1 else size
+        shift = max(narrowest.bit_length() - 1, (max(size, 1) - 1).bit_length() - _BUCKET_BITS, 0)
+        buckets = ((size - 1) >> shift) + 1
+        table = np.empty(buckets + 1, dtype=np.int64)  # and the borders' count, the last bucket's end
+        table[:-1] = borders.searchsorted(np.arange(0, size, 1 << shift, dtype=np.int64), side="right")
+        table[-1] = n
+        self.steps = int((table[1:] - table[:-1]).max())  # the most borders one bucket holds
+        self.shift, self.table = np.int64(shift), table
+        # the last position before each span's next border (past the last border: never reached)
+        self.last = np.empty(n + 1, dtype=np.int64)
+        np.subtract(borders, 1, out=self.last[:n])
+        self.last[n] = np.iinfo(np.int64).max - 1
+
+    def spans(self, pos: np.ndarray, out: np.ndarray, scratch: np.ndarray) -> np.ndarray:
+        """Each position's span into ``out`` (int64, the length of ``pos``; ``scratch`` likewise)."""
+        np.right_shift(pos, self.shift, out=scratch)
+        np.take(self.table, scratch, out=out, mode="clip")  # "clip": indices are in range, and "raise" copies
+        for _ in range(self.steps):
+            np.take(self.last, out, out=scratch, mode="clip")
+            np.subtract(scratch, pos, out=scratch)  # negative where pos is at or past the next border
+            np.right_shift(scratch, _SIGN, out=scratch)  # ... then -1, else 0
+            np.subtract(out, scratch, out=out)
+        return out
+
+
+class _BlockPlan:
+    """What computing canonical node rows inside one block needs, made once per block: its size, the
+    Feistel network's half width ``h`` and round keys, the id offset of each span it covers (a sample's id
+    is its position in the block plus its span's offset) and the lookup of those spans."""
+
+    __slots__ = ("size", "h", "keys", "walk", "offsets", "lookup")
+
+    def __init__(self, size: int, keys: list[np.uint64], offsets: np.ndarray, borders: np.ndarray) -> None:
+        self.size, self.keys, self.offsets = size, keys, offsets
+        self.h = max(((max(size, 2) - 1).bit_length() + 1) // 2, 1)  # 4**h >= size, as _half_bits
+        self.walk = size < 1 << (2 * self.h)  # cycle-walk back into a block shorter than 4**h
+        self.lookup = _SpanLookup(borders, size) if len(offsets) > 1 else None
+
+    def ids(self, dest: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+        """Offsets in the block (``dest``, int64) -> sample ids, in place; ``a``, ``b`` are int64 scratch."""
+        v = dest.view(np.uint64)
+        _feistel_into(v, self.h, self.keys, a.view(np.uint64), b.view(np.uint64))
+        if self.walk:
+            size = np.uint64(self.size)
+            outside = np.flatnonzero(v >= size)
+            while len(outside):
+                w = _feistel_scalar(v[outside], self.h, self.keys)
+                v[outside] = w
+                outside = outside[w >= size]
+        if self.lookup is None:
+            dest += self.offsets[0]
+        else:
+            np.take(self.offsets, self.lookup.spans(dest, a, b), out=b, mode="clip")
+            dest += b
 
 
 def permute_within(offsets: np.ndarray, sizes: np.ndarray | int, keys: np.ndarray) -> np.ndarray:
@@ -130,6 +220,21 @@ def permute_within(offsets: np.ndarray, sizes: np.ndarray | int, keys: np.ndarra
         v = _feistel(out[outside], hh, keys[outside])
         out[outside] = v
         outside = outside[v >= lim]
+    return out.view(np.int64)
+
+
+def permute_keyed(offsets: np.ndarray, size: int, key: int) -> np.ndarray:
+    """:func:`permute_within` with one ``size`` and one ``key`` for all ``offsets``: the same values, with the
+    round keys made once as scalars."""
+    h = max(((max(size, 2) - 1).bit_length() + 1) // 2, 1)
+    round_keys = [np.uint64((key + int(rk)) & _M64) for rk in _ROUND_KEYS]
+    out = _feistel_scalar(offsets.astype(np.uint64), h, round_keys)
+    if size < 1 << (2 * h):
+        outside = np.flatnonzero(out >= np.uint64(size))
+        while len(outside):
+            v = _feistel_scalar(out[outside], h, round_keys)
+            out[outside] = v
+            outside = outside[v >= np.uint64(size)]
     return out.view(np.int64)
 
 
@@ -231,6 +336,7 @@ class BlockOrder:
         self.num_samples = int(sizes.sum())
         self.num_batches = -(-self.num_samples // global_batch)
         self.padded_size = self.num_batches * global_batch
+        self._plans: dict[tuple[int, int], _BlockPlan] = {}
         return sizes
 
     def _block_spans(self, node: int, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
@@ -252,46 +358,50 @@ class BlockOrder:
         k ^= k >> 29
         return [np.uint64((k + int(rk)) & _M64) for rk in _ROUND_KEYS]
 
-    def _node_ids(self, node: int, rows: np.ndarray) -> np.ndarray:
-        """Sample ids at ``rows`` (nondecreasing) of canonical node ``node``'s shuffled sequence.
+    def _block_plan(self, node: int, block: int) -> _BlockPlan:
+        """Canonical node ``node``'s block ``block``: its keys and spans, from a small cache (a rank's next
+        batches mostly fall in the blocks of its last ones)."""
+        plans = self._plans
+        plan = plans.get((node, block))
+        if plan is None:
+            size = min(self.block, int(self._lengths[node]) - block * self.block)
+            start = int(self._node_start[node]) + block * self.block
+            span_pos, span_off = self._block_spans(node, start, start + size)
+            if len(plans) >= _PLANS:
+                del plans[next(iter(plans))]  # the oldest
+            plan = plans[node, block] = _BlockPlan(size, self._block_keys(node, block), span_off + start,
+                                                   span_pos[1:] - start)
+        return plan
+
+    def _node_ids(self, node: int, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Sample ids at ``rows`` (nondecreasing) of canonical node ``node``'s shuffled sequence (into
+        ``out`` when given).
 
         Rows are taken a block at a time: the block's keys are scalars and the spans it covers a short table
-        of borders, so a sample costs a few vectorised passes over small arrays.
+        of borders, so a sample costs a few vectorised passes over small arrays, written in place.
         """
-        out = np.empty(len(rows), dtype=np.int64)
-        if not len(rows):
+        n = len(rows)
+        out = np.empty(n, dtype=np.int64) if out is None else out
+        if not n:
             return out
-        B, length = self.block, int(self._lengths[node])
-        base = int(self._node_start[node])
+        B = self.block
         first_block, last_block = int(rows[0]) // B, int(rows[-1]) // B
-        if (last_block - first_block + 1) * 64 > len(rows):  # few rows per block: per-sample keys are cheaper
-            return self._node_ids_per_sample(node, rows)
-        cut = np.searchsorted(rows, np.arange(first_block + 1, last_block + 1, dtype=np.int64) * B)
-        lo = 0
-        for block, hi in zip(range(first_block, last_block + 1), [*cut.tolist(), len(rows)]):
+        if (last_block - first_block + 1) * 64 > n:  # few rows per block: per-sample keys are cheaper
+            out[:] = self._node_ids_per_sample(node, rows)
+            return out
+        if last_block == first_block:
+            bounds = [0, n]
+        else:
+            cut = np.searchsorted(rows, np.arange(first_block + 1, last_block + 1, dtype=np.int64) * B)
+            bounds = [0, *cut.tolist(), n]
+        scratch = np.empty((2, max(b - a for a, b in zip(bounds[:-1], bounds[1:]))), dtype=np.int64)
+        for block, lo, hi in zip(range(first_block, last_block + 1), bounds[:-1], bounds[1:]):
             if hi == lo:
                 continue
-            size = min(B, length - block * B)
-            h = max(((max(size, 2) - 1).bit_length() + 1) // 2, 1)  # 4**h >= size, as _half_bits
-            keys = self._block_keys(node, block)
-            v = rows[lo:hi] - block * B
-            perm = _feistel_scalar(v.view(np.uint64), h, keys)
-            if size < 1 << (2 * h):  # cycle-walk back into a block shorter than 4**h
-                outside = np.flatnonzero(perm >= np.uint64(size))
-                while len(outside):
-                    w = _feistel_scalar(perm[outside], h, keys)
-                    perm[outside] = w
-                    outside = outside[w >= np.uint64(size)]
-            pos = perm.view(np.int64)
-            start = base + block * B
-            span_pos, span_off = self._block_spans(node, start, start + size)
-            offs = span_off + start
-            if len(offs) == 1:
-                pos += offs[0]
-            else:
-                pos += offs[_span_in_block(span_pos[1:] - start, size, pos)]
-            out[lo:hi] = pos
-            lo = hi
+            plan = self._block_plan(node, block)
+            dest = out[lo:hi]
+            np.subtract(rows[lo:hi], block * B, out=dest)
+            plan.ids(dest, scratch[0, : hi - lo], scratch[1, : hi - lo])
         return out
 
     def _node_ids_per_sample(self, node: int, rows: np.ndarray) -> np.ndarray:
@@ -376,11 +486,11 @@ class BlockOrder:
             runs = piece[have, c]
             run_at = np.cumsum(runs) - runs
             rows = np.repeat(first_row[have, c] - run_at, runs)
-            rows += np.arange(len(rows), dtype=np.int64)
-            ids = self._node_ids(c, rows)
+            rows += _iota(len(rows))
             if len(nodes) == 1:  # one node's columns: its pieces are the output, in order
-                out[:] = ids
+                self._node_ids(c, rows, out)
             else:
+                ids = self._node_ids(c, rows)
                 dest = np.repeat(out_start[have, c] - run_at, runs)
                 dest += np.arange(len(dest), dtype=np.int64)
                 out[dest] = ids
@@ -413,7 +523,7 @@ class BlockOrder:
             parts.append(self._grid_ids(k0, full_end, c0, c1))
         if full_end < k1:
             parts.append(self._sample_ids(*self._last_rows(c0, c1)))
-        return np.concatenate(parts).reshape(k1 - k0, c1 - c0)
+        return (parts[0] if len(parts) == 1 else np.concatenate(parts)).reshape(k1 - k0, c1 - c0)
 
     def shifted_grid(self, start: int, k0: int, k1: int, c0: int, c1: int) -> np.ndarray:
         """Like :meth:`grid`, for global batches that begin ``start`` interleave positions into the epoch (a

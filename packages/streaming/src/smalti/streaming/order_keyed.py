@@ -30,13 +30,14 @@ from __future__ import annotations
 import numpy as np
 
 from smalti.streaming.errors import StreamingError
-from smalti.streaming.order_blocks import BlockOrder, permute_within, splitmix
+from smalti.streaming.order_blocks import BlockOrder, permute_keyed, permute_within, splitmix
 
 _RUN_SALT, _EPOCH_SALT, _BLOCK_SALT = 0x6B65796564, 0x65706F6368, 0x626C6F636B
 _NODE_MUL, _PART_MUL = 0xD6E8FEB86659FD93, 0xA0761D6478BD642F
 _M64 = (1 << 64) - 1
 _PARTS_PER_PASS = 1024  # parts whose shard tables are built in one vectorised pass (bounds the temporaries)
 _SPAN_CACHE = 4096  # parts whose span tables are kept (at most 65 spans each: about 4 MB)
+_FEW_PARTS = 8  # parts computed one at a time rather than in one vectorised pass
 
 
 def _hash(*values: int) -> int:
@@ -138,6 +139,11 @@ class KeyedOrder(BlockOrder):
         cache = self._spans
         if len(places) > _SPAN_CACHE // 4:
             return self._build_part_spans(node, places)
+        if len(places) <= _FEW_PARTS:  # a block's parts: one by one, with scalar keys
+            tables = [self._place_spans(node, j) for j in places.tolist()]
+            if len(tables) == 1:
+                return tables[0]
+            return np.concatenate([p for p, _ in tables]), np.concatenate([o for _, o in tables])
         missing = [j for j in places.tolist() if (node, j) not in cache]
         if missing:
             if len(cache) + len(missing) > _SPAN_CACHE:
@@ -183,14 +189,52 @@ class KeyedOrder(BlockOrder):
         span_pos = span_pos[keep]
         return span_pos, first[keep] - span_pos
 
+    def _place_spans(self, node: int, j: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`_part_spans` of the one part at epoch place ``j`` of ``node``, from the cache or computed
+        with scalar keys (the part's chunk is one number, its shard order one small bijection)."""
+        cached = self._spans.get((node, j))
+        if cached is not None:
+            return cached
+        parts = self._node(node)
+        k = int(parts.order[j])
+        chunk = int(self._run_chunk[parts.p0 + k])
+        lo = int(parts.lo[k])
+        hi = lo + int(parts.length[k])
+        g = self._g
+        size, first = np.zeros(g, dtype=np.int64), np.zeros(g, dtype=np.int64)
+        members = self._sizes[chunk :: self._q]  # the chunk's shards: chunk, chunk + Q, ... (at most g)
+        size[: len(members)] = members
+        first[: len(members)] = self._first[chunk :: self._q]
+        end = np.cumsum(size)
+        start = end - size  # each shard's place inside the chunk
+        a = np.clip(start, lo, hi)
+        length = np.clip(end, lo, hi) - a
+        first += a - start
+        if g > 1:  # this epoch's order of the part's shards
+            slot = permute_keyed(np.arange(g, dtype=np.int64), g, _hash(self._epoch_key ^ (((chunk + 1) * _PART_MUL) & _M64)))
+            length, first = length[slot], first[slot]
+        span_pos = np.cumsum(length)
+        span_pos -= length
+        span_pos += parts.pos[j]
+        keep = length > 0
+        span_pos = span_pos[keep]
+        table = span_pos, first[keep] - span_pos
+        if len(self._spans) >= _SPAN_CACHE:
+            self._spans.clear()
+        self._spans[node, j] = table
+        return table
+
     def _block_spans(self, node: int, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
         parts = self._node(node)
-        j0 = int(np.searchsorted(parts.pos, start, side="right")) - 1
-        j1 = int(np.searchsorted(parts.pos, end, side="left"))
-        span_pos, span_off = self._part_spans(node, np.arange(j0, j1, dtype=np.int64))
-        s0 = int(np.searchsorted(span_pos, start, side="right")) - 1
-        s1 = int(np.searchsorted(span_pos, end, side="left"))
-        return span_pos[s0:s1], span_off[s0:s1]
+        # places [j0, j1) hold positions [start, end); searching start + 1 finds the place after start's
+        j0, j1 = np.searchsorted(parts.pos, (start + 1, end)).tolist()
+        j0 -= 1
+        if j1 - j0 == 1:
+            span_pos, span_off = self._place_spans(node, j0)
+        else:
+            span_pos, span_off = self._part_spans(node, np.arange(j0, j1, dtype=np.int64))
+        s0, s1 = np.searchsorted(span_pos, (start + 1, end)).tolist()
+        return span_pos[s0 - 1 : s1], span_off[s0 - 1 : s1]
 
     def _offsets_at(self, node: int, pos: np.ndarray) -> np.ndarray:
         parts = self._node(node)
