@@ -27,6 +27,12 @@ vs_litdata_s3 X.XX of_limit X.XX`` (smalti's throughput over each).
 
 The issue's figure is 200k samples (~800 MB); ``--samples 20000`` runs in a few minutes on a small machine.
 
+``--shuffles py1e,keyed`` compares smalti's own epoch orders instead (no other library needed): one dataset,
+``--repeats`` rounds each reading one epoch per order in turn, each order's median samples/s and CPU
+microseconds per sample, and the last order over the first, whose last line is ``streaming_read_shuffles:
+keyed_vs_py1e X.XXX paired X.XXX min X.XXX max X.XXX cpu_per_sample X.XXX`` (samples/s ratio of the medians,
+the median, least and greatest of the rounds' ratios, and the ratio of CPU time per sample).
+
 ``--remote gs://...`` / ``az://...`` reads a cold epoch from the loopback GCS emulator / Azurite (started
 here, the dataset uploaded through smalti-storage) with smalti-streaming only (mosaicml-streaming cannot be
 pointed at these emulators), and prints its ratio against the same epoch from loopback S3 (moto) as the
@@ -79,8 +85,15 @@ if __name__ == "__main__":
 """
 
 READER = r"""
-import json, os, sys, time
+import json, multiprocessing, os, resource, sys, time
 from torch.utils.data import DataLoader
+
+
+def cpu_seconds():  # this process and its reaped children (the DataLoader workers, forked, joined at the end)
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 kind, remote, local = sys.argv[1], sys.argv[2], sys.argv[3]
 remote = None if remote == "-" else remote
 if kind == "mosaic":
@@ -91,7 +104,7 @@ elif kind == "smalti_plain":  # torch's DataLoader: samples one by one, collated
     from smalti.streaming import StreamingDataset
 else:
     from smalti.streaming import StreamingDataLoader as DataLoader, StreamingDataset
-start = time.perf_counter()  # the first batch's time includes building the dataset (index download, setup)
+start, cpu_start = time.perf_counter(), cpu_seconds()  # both include building the dataset (index, setup)
 if kind == "litdata":
     # local: the optimized folder itself (LitData reads local chunks in place); S3: a cold cache folder.
     # LitData's S3 clients (boto3 for the index, obstore for chunks) take the endpoint from storage_options;
@@ -114,7 +127,9 @@ for batch in loader:
         first = time.perf_counter() - start
     n += len(batch["tokens"])
 total = time.perf_counter() - start
-print(json.dumps({"samples": n, "seconds": total, "first_batch": first}))
+del loader
+multiprocessing.active_children()  # reaps any worker not joined yet, so its CPU time is counted
+print(json.dumps({"samples": n, "seconds": total, "first_batch": first, "cpu": cpu_seconds() - cpu_start}))
 """
 
 
@@ -314,25 +329,54 @@ def compare_remote(url: str, work: Path, data: Path, repeats: int, mb_per_sample
             server.stop()
 
 
-def compare_shuffles(algos: list[str], samples: int, repeats: int) -> None:
-    """One local epoch (batch 32, 2 workers) per shuffle algorithm, alternating ``repeats`` times; medians."""
+def spread(values: list[float]) -> str:
+    """``median [min-max]`` of ``values``, three decimals."""
+    return f"{np.median(values):.3f} [{min(values):.3f}-{max(values):.3f}]"
+
+
+def compare_shuffles(algos: list[str], samples: int, repeats: int) -> dict[str, float]:
+    """One local epoch (batch 32, 2 workers) per shuffle algorithm, interleaved (A B A B ...) ``repeats`` times.
+
+    Each epoch runs in a fresh process from a fresh copy of one dataset written once. Prints per algorithm the
+    median wall samples/s and CPU microseconds per sample (the reader and its workers, from the dataset's
+    construction to the end of the epoch: what a loaded machine inflates least), then the last algorithm over
+    the first: the ratio of the medians and, with its spread, the median of the ratios within each round (the
+    two runs of a round are seconds apart, so they share the machine's load). Returns the ratios.
+    """
+    if len(algos) < 2:
+        raise SystemExit(f"--shuffles {','.join(algos)}: give at least two algorithms to compare, e.g. py1e,keyed")
     work = Path(tempfile.mkdtemp(prefix="bench-streaming-"))
     try:
         data = work / "data"
         size = write_data(data, samples)
-        print(f"dataset: {samples} samples x {SEQ} uint16 tokens, {size / 1e6:.0f} MB zstd")
+        print(f"dataset: {samples} samples x {SEQ} uint16 tokens, {size / 1e6:.0f} MB zstd; {repeats} rounds of "
+              f"{' '.join(algos)}, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         rates: dict[str, list[float]] = {a: [] for a in algos}
+        cpus: dict[str, list[float]] = {a: [] for a in algos}
         firsts: dict[str, list[float]] = {a: [] for a in algos}
         for _ in range(repeats):
             for algo in algos:
                 res = run_once(sys.executable, "smalti", None, work / "copy", {"SMALTI_BENCH_SHUFFLE": algo}, data)
+                if res["samples"] < samples:
+                    raise RuntimeError(f"{algo}: an epoch read {res['samples']} samples, fewer than {samples}")
                 rates[algo].append(res["samples"] / res["seconds"])
+                cpus[algo].append(res["cpu"] / res["samples"] * 1e6)
                 firsts[algo].append(res["first_batch"])
+        print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         for algo in algos:
             print(f"{algo:7s} {np.median(rates[algo]):8.0f} samples/s (runs {', '.join(f'{r:.0f}' for r in rates[algo])}), "
+                  f"CPU {np.median(cpus[algo]):6.1f} us/sample (runs {', '.join(f'{c:.1f}' for c in cpus[algo])}), "
                   f"first batch {np.median(firsts[algo]):.2f} s")
-        ratio = np.median(rates[algos[-1]]) / np.median(rates[algos[0]])
-        print(f"streaming_read_shuffles: {algos[-1]}_vs_{algos[0]} {ratio:.3f}")
+        a, b = algos[0], algos[-1]
+        ratio = float(np.median(rates[b]) / np.median(rates[a]))
+        paired = [y / x for x, y in zip(rates[a], rates[b])]
+        cpu_ratio = float(np.median(cpus[b]) / np.median(cpus[a]))
+        cpu_paired = [y / x for x, y in zip(cpus[a], cpus[b])]
+        print(f"{b}/{a} samples/s: ratio of medians {ratio:.3f}, per round {spread(paired)}")
+        print(f"{b}/{a} CPU per sample: ratio of medians {cpu_ratio:.3f}, per round {spread(cpu_paired)}")
+        print(f"streaming_read_shuffles: {b}_vs_{a} {ratio:.3f} paired {np.median(paired):.3f} "
+              f"min {min(paired):.3f} max {max(paired):.3f} cpu_per_sample {cpu_ratio:.3f}")
+        return {"ratio": ratio, "paired": float(np.median(paired)), "cpu_ratio": cpu_ratio}
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -348,9 +392,9 @@ def main() -> None:
                         "shard, as mosaicml-streaming writes them); default: MDSWriter's")
     parser.add_argument("--remote", help="gs://bucket/ds, az://container/ds or s3://bucket/ds: a cold epoch from "
                         "that scheme's loopback server against loopback S3, smalti-streaming only")
-    parser.add_argument("--shuffles", help="e.g. py1e,blocks: a local epoch with each of smalti's shuffles, "
-                        "alternating, smalti-streaming only (no other library installed); prints each one's "
-                        "samples/s and the ratio of the last to the first")
+    parser.add_argument("--shuffles", help="e.g. py1e,keyed: a local epoch with each of smalti's shuffles, "
+                        "interleaved, smalti-streaming only (no other library installed); prints each one's "
+                        "samples/s and CPU us/sample and the ratio of the last to the first with its spread")
     args = parser.parse_args()
     if args.shuffles:
         compare_shuffles(args.shuffles.split(","), args.samples, args.repeats)
