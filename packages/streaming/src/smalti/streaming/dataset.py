@@ -21,7 +21,7 @@ from smalti.streaming.batch_reading import BatchReader, bypasses_batch_path, spl
 from smalti.streaming.bundles import BUNDLE_SAMPLES, Bundle, _bundles
 from smalti.streaming.cache import ShardCache
 from smalti.streaming.epoch_orders import BATCHING_METHODS, PARTITION_ALGOS, EpochOrders
-from smalti.streaming.epoch_plan import GridRemaining, Remaining
+from smalti.streaming.epoch_plan import GridRemaining, Remaining, RowsAhead
 from smalti.streaming.errors import StreamingError
 from smalti.streaming.fetch_plan import CacheNeeds, FetchPlan, node_cache_needs, report_cache_needs
 from smalti.streaming.index_trust import check_local_lengths, remote_table, secure_stream_folder, sync_index
@@ -271,10 +271,11 @@ class StreamingDataset(IterableDataset):
             self._consumed = 0
         else:
             self.warm.forget()  # the main process's rows read ahead, inherited by a forked worker
+        ahead = RowsAhead(remaining, c0, c1)
         try:
             for lo, hi in _bundles(len(remaining), worker_id, num_workers,
                                    max(1, BUNDLE_SAMPLES // self.batch_size) if bundled else 1):
-                batches = [row if row[-1] >= 0 else row[row >= 0] for row in remaining.rows(lo, hi, c0, c1)]
+                batches = [row if row[-1] >= 0 else row[row >= 0] for row in ahead.rows(lo, hi)]
                 if not bundled:
                     batches = [ids for ids in batches if len(ids)]
                     if not batches:

@@ -5,7 +5,8 @@ some global positions): :class:`ArrayOrder` holds the whole padded epoch as one 
 shuffles, curricula that change the mix mid-epoch, the non-random batching methods), :class:`LazyOrder`
 computes them from a :class:`~smalti.streaming.order_blocks.BlockOrder` (or its ``keyed`` kind), in memory that grows with shards,
 not samples. :class:`Remaining` is what is left of an epoch after a resume position (any global sample
-count, not only a whole number of global batches), cut again into global batches.
+count, not only a whole number of global batches), cut again into global batches; :class:`RowsAhead` reads
+one rank's columns of them a window of steps at a time, as the iteration asks for them.
 """
 
 from __future__ import annotations
@@ -130,3 +131,35 @@ class GridRemaining:
     def rows(self, k0: int, k1: int, c0: int = 0, c1: int | None = None) -> np.ndarray:
         """Ids of columns ``[c0, c1)`` of remaining global batches ``[k0, k1)``."""
         return self.grid[max(k0, 0) : max(k1, 0), c0:c1]
+
+
+ROWS_AHEAD_SAMPLES = 4096  # one rank's ids computed per call to the order while iterating (32 KB)
+
+
+class RowsAhead:
+    """One rank's columns ``[c0, c1)`` of ``remaining``'s global batches, asked for in increasing step ranges
+    (a DataLoader worker's batches or bundles) and computed a window of about ``samples`` ids at a time.
+
+    A lazy order pays a fixed cost per call (a block's keys, cycle walking, the interleave's tables: about a
+    millisecond for ``keyed``, whatever the number of ids), so asking for each batch of 32 alone made it cost
+    tens of microseconds a sample; a window spreads that over ``samples`` ids. A worker also computes its
+    peers' steps inside its window: a few nanoseconds a sample, and the rows are exactly those asked one by
+    one.
+    """
+
+    def __init__(self, remaining: Remaining | GridRemaining, c0: int, c1: int,
+                 samples: int = ROWS_AHEAD_SAMPLES) -> None:
+        self.remaining, self.c0, self.c1 = remaining, c0, c1
+        self.steps = max(1, samples // max(c1 - c0, 1))
+        self._lo = 0
+        self._rows = np.zeros((0, c1 - c0), dtype=np.int64)
+
+    def rows(self, k0: int, k1: int) -> np.ndarray:
+        """Columns ``[c0, c1)`` of remaining global batches ``[k0, k1)``, as ``remaining.rows`` gives them."""
+        k0, k1 = max(k0, 0), min(k1, len(self.remaining))
+        if k1 <= k0:
+            return np.zeros((0, self.c1 - self.c0), dtype=np.int64)
+        if k0 < self._lo or k1 > self._lo + len(self._rows):
+            self._lo = k0
+            self._rows = self.remaining.rows(k0, max(k1, k0 + self.steps), self.c0, self.c1)
+        return self._rows[k0 - self._lo : k1 - self._lo]
