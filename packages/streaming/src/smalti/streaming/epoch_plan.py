@@ -133,7 +133,7 @@ class GridRemaining:
         return self.grid[max(k0, 0) : max(k1, 0), c0:c1]
 
 
-ROWS_AHEAD_SAMPLES = 4096  # one rank's ids computed per call to the order while iterating (32 KB)
+ROWS_AHEAD_SAMPLES = 16384  # one rank's ids computed per call to the order while iterating (128 KB)
 
 
 class RowsAhead:
