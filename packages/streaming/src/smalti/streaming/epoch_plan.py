@@ -140,11 +140,10 @@ class RowsAhead:
     """One rank's columns ``[c0, c1)`` of ``remaining``'s global batches, asked for in increasing step ranges
     (a DataLoader worker's batches or bundles) and computed a window of about ``samples`` ids at a time.
 
-    A lazy order pays a fixed cost per call (a block's keys, cycle walking, the interleave's tables: about a
-    millisecond for ``keyed``, whatever the number of ids), so asking for each batch of 32 alone made it cost
-    tens of microseconds a sample; a window spreads that over ``samples`` ids. A worker also computes its
-    peers' steps inside its window: a few nanoseconds a sample, and the rows are exactly those asked one by
-    one.
+    A lazy order pays a fixed cost per call whatever the number of ids (a block's keys, cycle walking, the
+    interleave's tables), which asking for each batch alone paid for every few dozen samples; a window
+    spreads it over ``samples`` ids (figures in the streaming README). A worker also computes its peers'
+    steps inside its window, a cheap vectorised pass, and the rows are exactly those asked one by one.
     """
 
     def __init__(self, remaining: Remaining | GridRemaining, c0: int, c1: int,
