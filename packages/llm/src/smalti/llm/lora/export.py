@@ -41,8 +41,10 @@ def export_lora(raw_model: nn.Module, adapter_folder: str | os.PathLike, merged_
     """Write ``raw_model``'s adapters to ``adapter_folder`` (PEFT's format) and, unless ``merged_folder`` is None,
     the merged model there as a Hugging Face folder. Collective when ``shard_model`` is FSDP-sharded (rank 0
     writes). Returns both folders."""
-    sharded = shard_model is not None and shard_model is not raw_model
-    state = gathered_state(shard_model) if sharded else None
+    source = shard_model if shard_model is not None else raw_model
+    # FSDP2 shards the model in place (shard_model is raw_model): what tells is a DTensor among its tensors
+    sharded = any(hasattr(v, "full_tensor") for v in source.state_dict().values())
+    state = gathered_state(source) if sharded else None
     adapter, merged = Path(adapter_folder), Path(merged_folder) if merged_folder is not None else None
     if distributed.get_rank() != 0:
         return adapter, merged
