@@ -195,3 +195,34 @@ def test_remote_writer_uploads_the_columnar_index(tmp_path, s3_server, s3_bucket
     ds = StreamingDataset(remote=out, local=str(tmp_path / "cache"), batch_size=4)
     assert isinstance(ds._shards.tables[0], ShardTable)
     assert sorted(ids(ds)) == list(range(60))
+
+
+def test_columnar_size_check_agrees_with_the_entry_check():
+    """ShardTable.declared_sizes_ok and check_declared_sizes give one verdict per shard, over sizes at and past
+    every bound (32-bit raw sizes, size_limit, samples that cannot fit, zip ratios, bad column_sizes)."""
+    from itertools import product
+
+    from smalti.streaming.declared_sizes import MAX_SHARD_BYTES, check_declared_sizes, declared_sizes_ok
+
+    entries, expected = [], []
+    for samples, raw, packed, column_sizes, limit in product(
+            (0, 1, 2, 70, 10**6, 2**40), (0, 8, 300, 2000, 3000, (1 << 20) + 1, MAX_SHARD_BYTES, 2**50),
+            (None, 0, 1, 2**11, MAX_SHARD_BYTES + 1), ([4, None], [], [2**40], ["x"]), (None, 0, 2000)):
+        entry = {"format": "mds", "version": 2, "column_sizes": column_sizes, "size_limit": limit,
+                 "samples": samples, "raw_data": {"basename": f"s{len(entries)}.mds", "bytes": raw, "hashes": {}},
+                 "zip_data": None if packed is None else {"basename": f"s{len(entries)}.mds.zstd", "bytes": packed,
+                                                          "hashes": {}}}
+        try:
+            check_declared_sizes(entry, "index.json", len(entries))
+            expected.append(True)
+        except StreamingError:
+            expected.append(False)
+        entries.append(entry)
+    assert 0 < sum(expected) < len(expected)
+    table = ShardTable.from_entries(entries, "index.json")
+    assert len(table.configs) > 1
+    assert table.declared_sizes_ok().tolist() == expected
+    # hostile columns (an index.npz written by hand) may hold what no JSON entry passes through from_entries
+    samples = np.array([-1, 2**62, 3, 3])
+    raw = np.array([100, 100, -5, 2**62])
+    assert not declared_sizes_ok(samples, raw, np.array([1, 1, 1, 2**62]), [4], None).any()

@@ -31,13 +31,7 @@ from typing import Any
 import numpy as np
 
 from smalti.storage import atomic_write
-from smalti.streaming.declared_sizes import (
-    MAX_COMPRESSION_RATIO,
-    MAX_SHARD_BYTES,
-    SMALL_SHARD_BYTES,
-    check_declared_sizes,
-    whole,
-)
+from smalti.streaming.declared_sizes import check_declared_sizes, declared_sizes_ok
 from smalti.streaming.errors import StreamingError
 from smalti.streaming.paths import check_name
 
@@ -293,25 +287,14 @@ class ShardTable(Sequence[dict[str, Any]]):
 
     def declared_sizes_ok(self) -> np.ndarray:
         """Per shard, whether it passes :func:`~smalti.streaming.declared_sizes.check_declared_sizes` (the same
-        rules, over the columns at once)."""
-        samples, raw, packed = self.samples, self.raw_bytes, self.zip_bytes
-        ok = (samples >= 0) & (raw >= 0) & (raw <= MAX_SHARD_BYTES)
+        rules, :func:`~smalti.streaming.declared_sizes.declared_sizes_ok`, over each configuration's columns)."""
+        ok = np.ones(len(self), dtype=bool)
         for c, config in enumerate(self.configs):
-            mine = self.config == c
+            mine = slice(None) if len(self.configs) == 1 else np.flatnonzero(self.config == c)
             rest = config["rest"]
-            sizes = rest.get("column_sizes") or []
-            if not isinstance(sizes, list) or not all(s is None or whole(s) for s in sizes):
-                ok &= ~mine
-                continue
-            smallest = 4 + sum(4 if s is None else s for s in sizes)
-            limit = rest.get("size_limit")
-            good = 8 + np.minimum(samples, raw + 1) * smallest <= raw
-            if whole(limit) and limit:
-                good &= (samples <= 1) | (raw <= limit)
-            if config["zip"] == 2:
-                good &= (packed >= 0) & (packed <= MAX_SHARD_BYTES) & \
-                    (raw <= np.maximum(SMALL_SHARD_BYTES, packed * MAX_COMPRESSION_RATIO))
-            ok &= ~mine | good
+            ok[mine] = declared_sizes_ok(self.samples[mine], self.raw_bytes[mine],
+                                         self.zip_bytes[mine] if config["zip"] == _ZIP_FILE else None,
+                                         rest.get("column_sizes"), rest.get("size_limit"))
         return ok
 
     def check(self) -> None:
