@@ -11,7 +11,7 @@ import pytest
 
 from smalti.streaming.errors import StreamingError
 from smalti.streaming.order import SHUFFLES, group_by_node, interleave, pad_to_batches, shuffle_order
-from smalti.streaming.order_blocks import BlockOrder, permute_within
+from smalti.streaming.order_blocks import BlockOrder, _SpanLookup, permute_keyed, permute_within
 from smalti.streaming.order_keyed import KeyedOrder, default_chunk_shards
 
 SHARD = 16_384
@@ -167,6 +167,27 @@ def test_permute_within_is_a_bijection_for_every_size() -> None:
         keys = np.full(size, 123, dtype=np.uint64)
         assert np.array_equal(np.sort(permute_within(np.arange(size), size, keys)), np.arange(size))
         assert np.array_equal(np.sort(permute_within(np.arange(size), np.full(size, size), keys)), np.arange(size))
+
+
+def test_span_lookup_equals_a_binary_search_with_narrow_spans() -> None:
+    """A block's span lookup (buckets and steps) finds what searchsorted finds, also where borders are a sample
+    apart (buckets then hold several of them) and for blocks that are not powers of two."""
+    rng = np.random.default_rng(4)
+    for size, count in [(262_144, 17), (262_144, 300), (1000, 999), (5, 2), (70_000, 3)]:
+        borders = np.sort(rng.choice(np.arange(1, size), count, replace=False))
+        borders[: count // 3] = np.arange(1, count // 3 + 1)  # a run of one-sample spans
+        borders = np.unique(borders)
+        pos = rng.integers(0, size, 5000)
+        pos[:3] = [0, size - 1, int(borders[0])]
+        found = _SpanLookup(borders, size).spans(pos, np.empty(len(pos), np.int64), np.empty(len(pos), np.int64))
+        assert np.array_equal(found, np.searchsorted(borders, pos, side="right"))
+
+
+def test_permute_keyed_equals_permute_within_with_one_key() -> None:
+    for size in [1, 3, 17, 64, 5000]:
+        key = 0xFEDCBA9876543210 + size
+        assert np.array_equal(permute_keyed(np.arange(size), size, key),
+                              permute_within(np.arange(size), size, np.full(size, key, dtype=np.uint64)))
 
 
 def test_keyed_permutations_are_bijections() -> None:
