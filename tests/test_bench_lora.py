@@ -68,3 +68,36 @@ def test_lora_bench_refuses_ratios_across_precisions():
     mixed = {**same, "b": {"precision": "amp_bf16", "autocast": ["bfloat16"]}}
     with pytest.raises(SystemExit, match="same terms"):
         bench._same_terms(mixed, ("precision", "autocast"))
+
+
+@pytest.mark.timeout(900)
+def test_timed_saves_time_every_save_and_count_only_adapter_entries(tmp_path, monkeypatch):
+    """Both sides' saves go through ``timed_saves``: every save timed, and a LoRA model's checkpoint holds
+    entries for its adapters (and their AdamW state) only, never the frozen base's tensors."""
+    pytest.importorskip("smalti.checkpoint")
+    import torch
+
+    from smalti.core import Trainer
+    from smalti.llm import LLM
+
+    monkeypatch.chdir(tmp_path)
+    bench = _bench()
+    entries = {}
+    for side, lora in (("full", None), ("lora", {"r": 2, "targets": ["q", "v"], "base_dtype": "float32"})):
+        torch.manual_seed(0)
+        model = LLM(d_model=32, n_heads=4, n_layers=2, vocab_size=64, ffn_type="glu", max_seq_len=16, lora=lora)
+        batches = [{"input_ids": torch.randint(0, 64, (2, 16))}]
+        trainer = Trainer(model, batches, "1ba", eval_interval=None, precision="fp32",
+                          optimizers=lambda ps: torch.optim.AdamW([p for p in ps if p.requires_grad]))
+        trainer.fit()
+        out = bench.timed_saves(trainer, saves=2)
+        assert out["ckpt_s"] > 0 and len(out["ckpt_s_later"]) == 1 and out["ckpt_bytes"] > 0
+        tensors = {n for n, p in model.named_parameters() if p.requires_grad}
+        frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+        entries[side] = (out["ckpt_entries"], tensors, frozen)
+    count, adapters, frozen = entries["lora"]
+    assert adapters and all(".lora_A." in n or ".lora_B." in n for n in adapters) and frozen
+    # full finetuning: every parameter with its state; LoRA: fewer entries, by (at least) the frozen parameters
+    assert count < entries["full"][0] - len(frozen)
+    line = bench.save_time_line({"ckpt_s": 1.0, "ckpt_s_later": [0.5, 0.3]}, {"ckpt_s": 4.0, "ckpt_s_later": [2.0]})
+    assert line.endswith("= 0.250; later saves 0.400 s / 2.000 s = 0.200"), line
