@@ -344,6 +344,42 @@ def _lengths(rows_file: Path, folder: Path) -> str:
             f"longest {max(lengths)}; prompt share median {statistics.median(prompt_shares):.0%}")
 
 
+SIDES = ("smalti", "trl", "trl_packed")
+
+
+def _terms(args: argparse.Namespace, digest: str) -> dict:
+    """What two runs must share for their sides to be compared: model, data, precision and training settings."""
+    return {"shape": args.shape, "precision": args.precision, "max_len": args.max_len, "lr": args.lr,
+            "checkpointing": not args.no_checkpointing, "data": digest}
+
+
+def _joined(files: list[Path], terms: dict) -> dict[str, dict]:
+    """The sides earlier ``--json`` runs wrote, refused when they ran on other terms (model, data, precision)."""
+    sides: dict[str, dict] = {}
+    for file in files:
+        try:
+            earlier = json.loads(file.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise SystemExit(f"--from {file}: not a sft_vs_trl --json file ({exc})") from exc
+        if earlier.get("terms") != terms:
+            raise SystemExit(f"--from {file}: ran on {earlier.get('terms')}, this run is {terms}; pass the same "
+                             "--shape, --conversations, --eval-conversations, --max-len, --lr, --precision and "
+                             "checkpointing")
+        for name, res in earlier["sides"].items():
+            sides[name] = res
+            print(f"{name}: from {file}", flush=True)
+    return sides
+
+
+def _write(path: Path | None, result: dict) -> None:
+    """Write ``result`` to ``path`` whole: a reader never sees a half-written file."""
+    if path is None:
+        return
+    part = path.with_name(path.name + ".part")
+    part.write_text(json.dumps(result, indent=1))
+    part.replace(path)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=list(MODEL_SHAPES), default="llama1b_like")
@@ -352,12 +388,18 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=1024, help="TRL max_length and smalti model.max_seq_len")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--packed", action="store_true", help="also run TRL with packing=True")
+    p.add_argument("--sides", default=None,
+                   help="comma-separated sides to run in this process, of smalti,trl,trl_packed (default: all, "
+                   "trl_packed only with --packed); --json then holds them for a later --from")
+    p.add_argument("--from", dest="joined", nargs="+", type=Path, default=(),
+                   help="take the sides these --json files of earlier runs (same terms) hold instead of running them")
     p.add_argument("--no-checkpointing", action="store_true", help="neither side checkpoints activations")
     p.add_argument("--precision", choices=PRECISIONS, default=None,
                    help="both sides: fp32 (TRL bf16=False; smalti precision=fp32) or amp_bf16 (TRL bf16=True, "
                    "autocast; smalti precision=amp_bf16); fp32 weights either way. Default: amp_bf16 on a GPU "
                    "or a CPU with bf16 instructions, else fp32")
-    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=None,
+                   help="write every figure here, rewritten after each side so a finished side is kept")
     p.add_argument("--worker", choices=["trl", "trl_packed"], help=argparse.SUPPRESS)
     p.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--train", type=Path, help=argparse.SUPPRESS)
@@ -368,6 +410,12 @@ def main() -> None:
     if args.worker:
         print(json.dumps(run_trl(args)))
         return
+    wanted = ["smalti", "trl"] + (["trl_packed"] if args.packed else [])
+    if args.sides is not None:
+        wanted = [s.strip() for s in args.sides.split(",") if s.strip()]
+        unknown = sorted(set(wanted) - set(SIDES))
+        if unknown or not wanted:
+            p.error(f"--sides {args.sides!r}: unknown side(s) {unknown}; choose from {','.join(SIDES)}")
     import transformers
     import trl
 
@@ -380,8 +428,9 @@ def main() -> None:
         args.folder = work / "model"
         make_folder(shape, args.max_len, args.folder)
         args.train, args.eval = make_data(args.folder, args.conversations, args.eval_conversations, work / "data")
-        print(f"data (sha256 {_digest(args.train, args.eval)}): train {_lengths(args.train, args.folder)}",
-              flush=True)
+        digest = _digest(args.train, args.eval)
+        print(f"data (sha256 {digest}): train {_lengths(args.train, args.folder)}", flush=True)
+        terms = _terms(args, digest)
         rows = smalti_rows(args.folder, args.train, args.max_len)
         packed_tokens = sum(int((r["sequence_id"] >= 0).sum()) for r in rows)
         batch_rows = max(1, round(TRL_BATCH * packed_tokens / args.conversations / args.max_len))
@@ -397,34 +446,42 @@ def main() -> None:
         print(f"smalti: experiment=finetune_hf precision={args.precision}, {batch_rows} packed rows of {args.max_len} per batch "
               f"(about {TRL_BATCH} conversations), activation_checkpointing="
               f"{'null' if args.no_checkpointing else 'block'}", flush=True)
-        sm = side_smalti(args, batch_rows, rows, work)
-        sides = {"trl": side_trl(args, False, work)}
-        if args.packed:
-            sides["trl_packed"] = side_trl(args, True, work)
-        losses = {"smalti": eval_loss(sm["model"], args.eval, args.max_len)}
-        for name, res in sides.items():
-            losses[name] = eval_loss(res["model"], args.eval, args.max_len)
-            _report(name, res, losses[name])
-        _report("smalti", sm, losses["smalti"])
-        result: dict = {"baseline": baseline, "shape": args.shape, "precision": args.precision, "sides": {}, "ratios": {}}
-        for name, res in {**sides, "smalti": sm}.items():
-            result["sides"][name] = {k: v for k, v in res.items() if k != "model"} | {"eval_loss": losses[name]}
-        for name, res in sides.items():
-            _check_terms(res, sm, name)
-            gap = abs(losses["smalti"] - losses[name]) / losses[name]
-            speed = (sm["assistant_tokens"] / sm["cpu_s"]) / (res["assistant_tokens"] / res["cpu_s"])
-            memory = sm["rss_mb"] / res["rss_mb"]
-            result["ratios"][name] = {"speed": speed, "memory": memory, "eval_loss_gap": gap}
-            print(f"smalti vs {name}: speed {speed:.2f} (assistant tokens per CPU second), memory {memory:.2f} "
-                  f"(peak RSS), held-out loss {losses['smalti']:.4f} vs {losses[name]:.4f} ({gap:.1%} apart, "
-                  f"limit {TOLERANCE:.0%})", flush=True)
-            if gap > TOLERANCE:
-                raise SystemExit(f"held-out losses differ by {gap:.1%} (limit {TOLERANCE:.0%})")
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+        result: dict = {"baseline": baseline, "shape": args.shape, "precision": args.precision, "terms": terms,
+                        "sides": _joined(list(args.joined), terms), "ratios": {}}
+        for name in wanted:
+            if name in result["sides"]:
+                continue
+            res = (side_smalti(args, batch_rows, rows, work) if name == "smalti"
+                   else side_trl(args, name == "trl_packed", work))
+            loss = eval_loss(res["model"], args.eval, args.max_len)
+            result["sides"][name] = {k: v for k, v in res.items() if k != "model"} | {"eval_loss": loss}
+            _write(args.json, result)
+    for name in SIDES:
+        if name in result["sides"]:
+            _report(name, result["sides"][name], result["sides"][name]["eval_loss"])
+    sm = result["sides"].get("smalti")
+    if sm is None or "trl" not in result["sides"]:
+        print("sft_vs_trl: no ratio (smalti's side and TRL's default side are needed: run the missing ones with "
+              "--sides, then join the --json files with --from)")
+        return
+    for name in ("trl", "trl_packed"):
+        if name not in result["sides"]:
+            continue
+        res = result["sides"][name]
+        _check_terms(res, sm, name)
+        gap = abs(sm["eval_loss"] - res["eval_loss"]) / res["eval_loss"]
+        speed = (sm["assistant_tokens"] / sm["cpu_s"]) / (res["assistant_tokens"] / res["cpu_s"])
+        memory = sm["rss_mb"] / res["rss_mb"]
+        result["ratios"][name] = {"speed": speed, "memory": memory, "eval_loss_gap": gap}
+        print(f"smalti vs {name}: speed {speed:.2f} (assistant tokens per CPU second), memory {memory:.2f} "
+              f"(peak RSS), held-out loss {sm['eval_loss']:.4f} vs {res['eval_loss']:.4f} ({gap:.1%} apart, "
+              f"limit {TOLERANCE:.0%})", flush=True)
+        if gap > TOLERANCE:
+            raise SystemExit(f"held-out losses differ by {gap:.1%} (limit {TOLERANCE:.0%})")
+    _write(args.json, result)
     default = result["ratios"]["trl"]
     packed = result["ratios"].get("trl_packed")
-    print(f"baseline: {baseline}")
+    print(f"baseline: {result['baseline']}")
     print(f"sft_vs_trl: default speed {default['speed']:.2f} memory {default['memory']:.2f} packed "
           + (f"speed {packed['speed']:.2f} memory {packed['memory']:.2f}" if packed else "not run (--packed)"))
 
