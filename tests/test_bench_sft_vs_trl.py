@@ -3,7 +3,9 @@
 At a tiny shape, under ``--precision amp_bf16`` and ``--precision fp32``, both sides must have trained at that
 precision (bf16 autocast, or none at all) with fused AdamW, both checkpointing activations
 (TRL's default), on the same assistant tokens of the same shipped heavy-tailed chat data, and reach held-out losses
-within 2%; the last line is the one the README quotes.
+within 2%; the last line is the one the README quotes. The fp32 run takes its sides one process at a time
+(``--sides``) and joins their ``--json`` files (``--from``), as a run at a real shape does; a join of runs on
+other terms is refused.
 """
 
 from __future__ import annotations
@@ -21,16 +23,33 @@ pytest.importorskip("trl")
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "sft_vs_trl.py"
 
 
-@pytest.mark.timeout(900)  # three processes that each import torch, transformers and TRL: minutes on a loaded CPU
+def _bench(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(BENCH), "--shape", "tiny", "--conversations", "16", "--eval-conversations", "4",
+         "--max-len", "128", *args],
+        capture_output=True, text=True, timeout=1200, check=False, cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+    )
+
+
+@pytest.mark.timeout(1800)  # up to five processes that each import torch, transformers and TRL: minutes on a loaded CPU
 @pytest.mark.parametrize(("precision", "autocast", "bf16"), [("amp_bf16", "bfloat16", True), ("fp32", "off", False)])
 def test_both_sides_train_the_same_tokens_at_the_same_precision_and_optimizer(tmp_path, precision, autocast, bf16):
     out = tmp_path / "result.json"
-    done = subprocess.run(
-        [sys.executable, str(BENCH), "--shape", "tiny", "--conversations", "16", "--eval-conversations", "4",
-         "--max-len", "128", "--precision", precision, "--json", str(out)],
-        capture_output=True, text=True, timeout=900, check=False, cwd=tmp_path,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
-    )
+    if precision == "amp_bf16":
+        done = _bench(tmp_path, "--precision", precision, "--json", str(out))
+    else:  # each side in its own run, then joined
+        for side in ("trl", "smalti"):
+            alone = _bench(tmp_path, "--precision", precision, "--sides", side, "--json", str(tmp_path / f"{side}.json"))
+            assert alone.returncode == 0, alone.stdout[-2000:] + alone.stderr[-3000:]
+            assert list(json.loads((tmp_path / f"{side}.json").read_text())["sides"]) == [side]
+            assert alone.stdout.strip().splitlines()[-1].startswith("sft_vs_trl: no ratio")
+        files = [str(tmp_path / "trl.json"), str(tmp_path / "smalti.json")]
+        refused = _bench(tmp_path, "--precision", precision, "--lr", "2e-4", "--from", *files)
+        assert refused.returncode != 0 and "--from" in refused.stderr and "trl.json" in refused.stderr, refused.stderr
+        done = _bench(tmp_path, "--precision", precision, "--from", *files, "--json", str(out))
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        assert "trl: from" in done.stdout and "smalti: from" in done.stdout
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
     trl, sm = result["sides"]["trl"], result["sides"]["smalti"]
