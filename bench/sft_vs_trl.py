@@ -16,7 +16,7 @@ sides), in its own process:
       then (``--packed``) again with ``packing=True`` (TRL's best-fit-decreasing packing, padding-free);
   (b) ``smalti-train experiment=finetune_hf`` (packed rows with sequence ids, the fused linear + cross-entropy,
       ``precision=--precision``, fused AdamW) with ``model.activation_checkpointing=block`` as TRL checkpoints,
-      and as many packed rows per batch as hold about the tokens of TRL's 8 conversations.
+      and as many packed rows per batch as give it the optimizer steps of TRL's default run.
 
 Both use the same learning rate (``--lr``, linear decay to 0, no warm-up), AdamW betas (0.9, 0.999), eps 1e-8,
 no weight decay and gradient clipping at norm 1.0. Every process's whole-command CPU time (user + system, model
@@ -32,6 +32,8 @@ tokens. The last line:
     OMP_NUM_THREADS=2 python bench/sft_vs_trl.py [--shape llama1b_like] [--conversations 400] [--packed]
         [--precision fp32|amp_bf16]   (default amp_bf16 on a GPU or a CPU with bf16 instructions, else fp32)
     (needs trl==1.16.0: pip install 'smalti-llm[bench]'); --json PATH writes every figure.
+    --sides smalti,trl,trl_packed runs some sides only (--json keeps each as soon as it is scored); --from
+    A.json B.json ... joins sides of earlier runs on the same terms and prints the ratios.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ other terms is refused.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -60,9 +61,21 @@ def test_both_sides_train_the_same_tokens_at_the_same_precision_and_optimizer(tm
     assert trl["checkpointing"] is sm["checkpointing"] is True
     assert trl["collator"] == "DataCollatorForLanguageModeling" and not trl["padding_free"]
     assert trl["assistant_tokens"] == sm["assistant_tokens"] > 0
+    assert sm["steps"] == trl["steps"]  # the same learning-rate schedule
     # one conversation per row (TRL leaves out those whose assistant turns the truncation cut): no packing
     assert trl["rows"] <= 16 and trl["steps"] == -(-trl["rows"] // 8)
     assert abs(sm["eval_loss"] - trl["eval_loss"]) / trl["eval_loss"] < 0.02
     assert "trl 1.16.0" in result["baseline"] and "adamw_torch_fused" in result["baseline"]
     last = done.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"sft_vs_trl: default speed \d+\.\d\d memory \d+\.\d\d packed not run \(--packed\)", last), last
+
+
+def test_smalti_takes_as_many_optimizer_steps_as_trls_default_collator():
+    sys.path.insert(0, str(BENCH.parent))
+    spec = importlib.util.spec_from_file_location("sft_vs_trl_bench", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    # (packed rows, conversations): the 1B-like run's 7 rows of 16 conversations, and others
+    for rows, conversations in [(7, 16), (2, 16), (30, 16), (9, 40), (5, 5), (150, 400)]:
+        per_batch = bench.smalti_batch_rows(rows, conversations)
+        assert -(-rows // per_batch) == -(-conversations // bench.TRL_BATCH), (rows, conversations, per_batch)
