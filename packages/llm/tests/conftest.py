@@ -1,4 +1,4 @@
-"""Fixtures shared by smalti-llm's LoRA tests."""
+"""Fixtures shared by smalti-llm's LoRA and two-rank tests."""
 
 from __future__ import annotations
 
@@ -35,3 +35,27 @@ def peft_parity() -> Callable[..., None]:
         torch.testing.assert_close(load(out / "merged")(ids).logits, merged(ids).logits, atol=1e-5, rtol=1e-5)
 
     return check
+
+
+@pytest.fixture
+def one_process_losses() -> Callable[..., list[float]]:
+    """The one-process side of a two-rank data-parallel test.
+
+    ``train(model, optimizer, samples, steps, batch)``: ``steps`` steps of ``optimizer`` on ``model``, each on the
+    global batch the two ranks' sampler deals out (``batch`` samples a rank, rank 0's first); returns the losses.
+    """
+
+    def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samples: list[dict[str, torch.Tensor]],
+              steps: int, batch: int) -> list[float]:
+        losses = []
+        for step in range(steps):
+            rows = [samples[2 * (step * batch + i) + r] for r in range(2) for i in range(batch)]
+            ids = {"input_ids": torch.stack([s["input_ids"] for s in rows])}
+            loss = model.loss(model(ids), ids)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        return losses
+
+    return train

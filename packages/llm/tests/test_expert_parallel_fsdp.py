@@ -18,7 +18,7 @@ def _samples(vocab: int) -> list[dict[str, torch.Tensor]]:
 
 
 @pytest.mark.world_size(2, timeout=600)  # two ranks import transformers and train on a loaded 2-core CI
-def test_ep2_with_fsdp_gives_one_process_losses(shared_tmp_path):
+def test_ep2_with_fsdp_gives_one_process_losses(shared_tmp_path, one_process_losses):
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
@@ -66,17 +66,7 @@ def test_ep2_with_fsdp_gives_one_process_losses(shared_tmp_path):
         assert ours.expert_group is not None and dist.get_world_size(ours.expert_group) == 2
     trainer.fit()
 
-    opt = optimizer(reference.parameters())
-    expected = []
-    for step in range(STEPS):
-        # the global batch of this step: rank 0's samples then rank 1's (the sampler deals them out in turn)
-        rows = [samples[2 * (step * BATCH + i) + r] for r in range(2) for i in range(BATCH)]
-        batch = {"input_ids": torch.stack([s["input_ids"] for s in rows])}
-        loss = reference.loss(reference(batch), batch)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        expected.append(loss.item())
+    expected = one_process_losses(reference, optimizer(reference.parameters()), samples, STEPS, BATCH)
     gathered = [None, None]
     dist.all_gather_object(gathered, record.losses)
     mean = [(a + b) / 2 for a, b in zip(*gathered, strict=True)]

@@ -40,7 +40,7 @@ def _write_model_and_start_adapter(folder, start) -> None:
 
 @pytest.mark.timeout(1200)
 @pytest.mark.world_size(2, timeout=1100)  # two ranks import transformers and train on a loaded 2-core CI
-def test_expert_lora_at_ep2_trains_and_saves_as_one_process(shared_tmp_path):
+def test_expert_lora_at_ep2_trains_and_saves_as_one_process(shared_tmp_path, one_process_losses):
     import torch.distributed as dist
     from safetensors.torch import load_file
     from torch.distributed.tensor import DTensor
@@ -99,16 +99,7 @@ def test_expert_lora_at_ep2_trains_and_saves_as_one_process(shared_tmp_path):
 
     reference = import_hf(folder, lora=lora)
     opt = optimizer([p for p in reference.parameters() if p.requires_grad])
-    expected = []
-    for step in range(STEPS):
-        # the global batch of this step: rank 0's samples then rank 1's (the sampler deals them out in turn)
-        rows = [samples[2 * (step * BATCH + i) + r] for r in range(2) for i in range(BATCH)]
-        batch = {"input_ids": torch.stack([s["input_ids"] for s in rows])}
-        loss = reference.loss(reference(batch), batch)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        expected.append(loss.item())
+    expected = one_process_losses(reference, opt, samples, STEPS, BATCH)
     mean = [(a + b) / 2 for a, b in zip(*gathered, strict=True)]
     assert mean == pytest.approx(expected, rel=1e-4)
     assert expected[-1] < expected[0] - 1e-3  # the adapters learned something
