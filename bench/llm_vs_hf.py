@@ -41,7 +41,8 @@ The last line is the worst speed and the worst memory ratio over the shapes:
 ``--optimizer-in-backward`` runs smalti's side with ``Trainer(optimizer_in_backward=True)`` (each parameter's
 AdamW step inside backward, its gradient freed at once): a setting transformers' ``Trainer`` lacks, so every
 ratio line and the last line say so (``... (same precision; smalti optimizer_in_backward, a setting
-transformers' Trainer lacks)``).
+transformers' Trainer lacks)``). ``--libc-malloc`` makes smalti's Trainer leave glibc's allocator alone
+(``cpu_malloc_mmap_threshold=None``; by default it fixes the mmap threshold at 1 MiB on CPU), to measure that setting.
 
     OMP_NUM_THREADS=2 python bench/llm_vs_hf.py [--shapes head_heavy,llama1b_like,long --steps 3 --rounds 1]
     Levers on smalti's side: --ac block|attention|ffn (transformers then checkpoints too), --no-fused-loss,
@@ -153,6 +154,7 @@ def run_smalti(
 ) -> dict:
     """smalti's import of the same folder, trained by smalti's Trainer with its defaults."""
     from smalti.core import Callback, Trainer
+    from smalti.core.cpu_malloc import DEFAULT_MMAP_THRESHOLD
     from smalti.llm.hf import import_hf
 
     data = torch.load(folder / "tokens.pt")
@@ -197,6 +199,7 @@ def run_smalti(
         callbacks={"record": record},
         optimizers=make_optimizer,
         optimizer_in_backward=args.optimizer_in_backward,
+        cpu_malloc_mmap_threshold=None if args.libc_malloc else DEFAULT_MMAP_THRESHOLD,
     )
     setup = time.perf_counter() - start
     trainer.fit()
@@ -267,6 +270,7 @@ def _child(side: str, precision: str, folder: Path, steps: int, args: argparse.N
     cmd += (["--compile"] if args.compile else []) + (["--ac", args.ac] if args.ac else [])
     cmd += ["--no-fused-loss"] if args.no_fused_loss else []
     cmd += ["--optimizer-in-backward"] if args.optimizer_in_backward else []
+    cmd += ["--libc-malloc"] if args.libc_malloc else []
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode:
         raise SystemExit(f"{side} {precision} worker failed ({done.returncode}):\n{done.stderr[-4000:]}")
@@ -434,6 +438,11 @@ def main() -> None:
                    help="the transformers family both sides train (smalti imports it through smalti.llm.hf)")
     p.add_argument("--json", type=Path, default=None, help="write every shape's ratios and terms here")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--libc-malloc", action="store_true",
+        help="smalti's Trainer leaves glibc's allocator alone (trainer.cpu_malloc_mmap_threshold=null), "
+        "to measure what its default mmap threshold changes",
+    )
     p.add_argument("--worker", choices=["hf", "smalti"], help=argparse.SUPPRESS)
     p.add_argument("--worker-precision", choices=PRECISIONS, default="fp32", help=argparse.SUPPRESS)
     p.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
