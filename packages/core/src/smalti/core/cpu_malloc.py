@@ -5,10 +5,8 @@ block stays in the process (only the heap's top can shrink). The threshold start
 *dynamic*: each time a block that came from ``mmap`` is freed, glibc raises the threshold to that block's
 size (up to 32 MiB on 64-bit). A training step frees many activation and gradient tensors of a few MB, so after
 the first step every tensor below ~32 MB comes from the heap, and what the step frees is kept, pinned by the
-small long-lived allocations between those blocks. Measured on smalti's 1B-like bench shape (fp32, CPU):
-about 800 MB of the process's peak was such retained memory; with ``MALLOC_MMAP_THRESHOLD_=1048576`` the peak fell
-from 7,247 MB to 6,780 MB at no measured CPU cost (PyTorch's own CPU allocator has no cache: every tensor is a
-``malloc``/``free``).
+small long-lived allocations between those blocks. PyTorch's own CPU allocator has no cache (every tensor is a
+``malloc``/``free``), so this retained memory adds to the process's peak; the core README has the figures.
 
 :func:`configure_cpu_malloc` sets the threshold with ``mallopt(M_MMAP_THRESHOLD, n)``, which also fixes it
 (glibc stops raising it dynamically): every block of ``n`` bytes or more is its own mapping, returned to the OS
