@@ -14,7 +14,7 @@ from smalti.core import distributed
 from smalti.llm.lora.apply import merged_state_dict
 from smalti.llm.lora.naming import clean_name
 from smalti.llm.lora.peft_format import save_adapter
-from smalti.llm.model.copies import build_with_weights, full_state_dict
+from smalti.llm.model.copies import build_with_weights, full_state_dict, is_sharded
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +42,7 @@ def export_lora(raw_model: nn.Module, adapter_folder: str | os.PathLike, merged_
     the merged model there as a Hugging Face folder. Collective when ``shard_model`` is FSDP-sharded (rank 0
     writes). Returns both folders."""
     source = shard_model if shard_model is not None else raw_model
-    # FSDP2 shards the model in place (shard_model is raw_model): what tells is a DTensor among its tensors
-    sharded = any(hasattr(v, "full_tensor") for v in source.state_dict().values())
-    state = gathered_state(source) if sharded else None
+    state = gathered_state(source) if is_sharded(source) else None  # FSDP2 shards in place: shard_model is raw_model
     adapter, merged = Path(adapter_folder), Path(merged_folder) if merged_folder is not None else None
     if distributed.get_rank() != 0:
         return adapter, merged

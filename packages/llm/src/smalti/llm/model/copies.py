@@ -17,12 +17,17 @@ from smalti.llm.model.config import LLMConfig
 from smalti.llm.model.transformer import LLM
 
 
+def is_sharded(model: nn.Module) -> bool:
+    """Whether FSDP2 shards any of ``model``'s tensors (a DTensor among them; FSDP2 shards a model in place)."""
+    return any(hasattr(t, "full_tensor") for t in model.state_dict().values())
+
+
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and buffer of ``model`` as whole CPU tensors, also when FSDP2 shards them.
 
     Collective under FSDP: every rank must call it (only rank 0 gets the tensors; the others get ``{}``).
     """
-    if not any(hasattr(t, "full_tensor") for t in model.state_dict().values()):
+    if not is_sharded(model):
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
