@@ -11,6 +11,9 @@ formulas are exercised (and gradchecked in float64) on the ``torch`` backend on 
   views, never copies;
 * ``scatter_rows`` (weighted combine) and ``gather_rows``;
 * ``glu``: fused ``act(gate) * up`` with the activation recomputed in backward.
+
+On CPU the ``torch`` backend's expert products (forward, input and weight gradients of every op above) can
+run through a caller's 2-D product: ``set_cpu_matmul(fn)`` (see :mod:`smalti.moe.cpu_matmul`).
 """
 
 from __future__ import annotations
@@ -23,9 +26,13 @@ from typing import Any
 import torch
 
 from smalti.moe import reference
+from smalti.moe.cpu_matmul import cpu_matmul, get_cpu_matmul, set_cpu_matmul
 from smalti.moe.errors import MoEError
 
 BACKENDS = ("torch", "triton")
+__all__ = ["BACKENDS", "check_triton_input", "combine", "cpu_matmul", "gather_mm", "gather_rows", "get_cpu_matmul",
+           "glu", "glu_mm_scatter", "grouped_mm", "kernels", "mm_scatter", "scatter_rows", "set_cpu_matmul",
+           "sort_by_expert", "triton_unavailable_reason"]
 
 
 def triton_unavailable_reason(device: torch.device | None = None) -> str | None:

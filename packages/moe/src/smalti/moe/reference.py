@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from smalti.moe import cpu_matmul
+
 
 def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stable sort of the flat expert ids (``[T, k]`` or ``[N]``) and their histogram.
@@ -71,28 +73,36 @@ def _fused_grouped(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> t
         return None
 
 
+def _mm_per_expert(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``out[rows of e] = a[rows of e] @ b[e]``, one 2-D product per expert slice (views, no copies), through the
+    installed CPU product (:mod:`smalti.moe.cpu_matmul`) when there is one, else ``torch.mm``."""
+    fn = cpu_matmul.for_operands(out, a, b)
+    for e, s, t in _expert_slices(offsets):
+        if fn is not None:
+            fn(out[s:t], a[s:t], b[e])
+        else:
+            torch.mm(a[s:t], b[e], out=out[s:t])
+    return out
+
+
 def _grouped_sorted(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``a[rows of e] @ b[e]`` for the first ``offsets[-1]`` (sorted) rows of ``a``."""
     rows = int(offsets[-1]) if offsets.numel() else 0
-    out = a.new_empty(rows, b.shape[-1])
-    for e, s, t in _expert_slices(offsets):
-        torch.mm(a[s:t], b[e], out=out[s:t])
-    return out
+    return _mm_per_expert(a.new_empty(rows, b.shape[-1]), a, b, offsets)
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """``c[rows of e] = a[rows of e] @ b[e]`` for rows sorted by expert: ``a [N, K]``, ``b [E, K, M]`` -> ``[N, M]``.
 
     ``b`` may be a strided view (e.g. ``w.transpose(1, 2)`` for the input gradient). Rows past
-    ``offsets[-1]`` are left unwritten.
+    ``offsets[-1]`` are left unwritten. With a CPU product installed (:mod:`smalti.moe.cpu_matmul`) each
+    expert's rows go through it; otherwise one ``F.grouped_mm`` where it takes the operands.
     """
-    fused = _fused_grouped(a, b, offsets)
-    if fused is not None:
-        return fused
-    out = a.new_empty(a.shape[0], b.shape[-1])
-    for e, s, t in _expert_slices(offsets):
-        torch.mm(a[s:t], b[e], out=out[s:t])
-    return out
+    if cpu_matmul.for_operands(a, b) is None:
+        fused = _fused_grouped(a, b, offsets)
+        if fused is not None:
+            return fused
+    return _mm_per_expert(a.new_empty(a.shape[0], b.shape[-1]), a, b, offsets)
 
 
 def gather_mm(x: torch.Tensor, w: torch.Tensor, perm: torch.Tensor, offsets: torch.Tensor, k: int) -> torch.Tensor:
@@ -108,7 +118,9 @@ def mm_scatter(h: torch.Tensor, w: torch.Tensor, perm: torch.Tensor, offsets: to
     """
     if h.shape[0] == perm.numel():  # every entry has a sorted row: sizes known without reading offsets
         c = grouped_mm(h, w, offsets)
-        if offsets.numel():  # rows past offsets[-1] (dropped entries) are zero
+        # rows past offsets[-1] (dropped entries) are zero; on CPU reading offsets[-1] costs no device sync, and
+        # dropless routing (every entry kept) then skips a full copy of c
+        if offsets.numel() and (c.device.type != "cpu" or int(offsets[-1]) < c.shape[0]):
             kept = (torch.arange(c.shape[0], device=c.device) < offsets[-1]).unsqueeze(1)
             c = torch.where(kept, c, c.new_zeros(()))
         return c.index_select(0, inverse_permutation(perm))
@@ -129,12 +141,21 @@ def grouped_mm_wgrad(a: torch.Tensor, dc: torch.Tensor, offsets: torch.Tensor, a
         a = a.index_select(0, a_index)
     if dc_index is not None:
         dc = dc.index_select(0, dc_index)
-    fused = _fused_grouped(a.t(), dc, offsets) if offsets.numel() else None
+    fn = cpu_matmul.for_operands(a, dc)
+    fused = _fused_grouped(a.t(), dc, offsets) if offsets.numel() and fn is None else None
     if fused is not None:
         return fused
-    out = a.new_zeros(offsets.numel(), a.shape[1], dc.shape[1])
-    for e, s, t in _expert_slices(offsets):
-        torch.mm(a[s:t].t(), dc[s:t], out=out[e])
+    out = a.new_empty(offsets.numel(), a.shape[1], dc.shape[1])
+    slices = _expert_slices(offsets)
+    for e, s, t in slices:
+        if fn is not None:
+            fn(out[e], a[s:t].t(), dc[s:t])
+        else:
+            torch.mm(a[s:t].t(), dc[s:t], out=out[e])
+    used = {e for e, _, _ in slices}
+    for e in range(offsets.numel()):
+        if e not in used:  # an expert no row reached has a zero gradient
+            out[e].zero_()
     return out
 
 
