@@ -6,7 +6,9 @@ again. :func:`fused_linear_cross_entropy` computes, for one chunk of rows at a t
 log-sum-exp, the loss, and (when gradients are wanted) the softmax gradient, which it turns at once into the
 gradient of the hidden states (``dlogits @ W``) and adds into the gradient of the weight (``dlogits^T @ h``).
 Only those two gradients (the sizes of ``hidden`` and ``weight``) wait for backward, which scales them by the
-incoming gradient. The matrix products are the three of the plain path, none repeated.
+incoming gradient. The matrix products are the three of the plain path, none repeated; they go through
+:func:`smalti.core.cpu_gemm.matmul_into`, which on CPUs where numpy's OpenBLAS beats torch's MKL (AMD) writes
+them straight into their buffers with OpenBLAS, and elsewhere is ``torch.mm``/``addmm_``.
 
 Rows whose target is ``ignore_index`` are masked (they count for nothing): dropping them before the projection
 would need their number on the host, a wait for the device every step on a GPU.
@@ -17,6 +19,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from smalti.core.cpu_gemm import matmul_into
 
 #: Elements of one chunk's fp32 logits: 64M (256 MB; 523 rows of a 128K vocabulary). Smaller chunks cost time
 #: (each adds a pass over the weight gradient): 128 rows took 23% more CPU time than 512 at vocab 128,256.
@@ -31,22 +35,22 @@ CAST_ROWS = 8192
 
 def _logits(h: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``h @ weight.T`` in ``dtype``, converting ``weight`` :data:`CAST_ROWS` rows at a time when it is not."""
-    if weight.dtype == dtype:
-        return torch.mm(h, weight.t())
     out = torch.empty(h.shape[0], weight.shape[0], dtype=dtype, device=h.device)
+    if weight.dtype == dtype:
+        return matmul_into(out, h, weight.t())
     for v in range(0, weight.shape[0], CAST_ROWS):
-        out[:, v : v + CAST_ROWS] = torch.mm(h, weight[v : v + CAST_ROWS].to(dtype).t())
+        matmul_into(out[:, v : v + CAST_ROWS], h, weight[v : v + CAST_ROWS].to(dtype).t())
     return out
 
 
 def _grad_hidden(dlogits: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
     """``out = dlogits @ weight`` in ``out``'s dtype, converting ``weight`` block by block as :func:`_logits`."""
     if weight.dtype == out.dtype:
-        torch.mm(dlogits, weight, out=out)
+        matmul_into(out, dlogits, weight)
         return
-    out.zero_()
     for v in range(0, weight.shape[0], CAST_ROWS):
-        out.addmm_(dlogits[:, v : v + CAST_ROWS], weight[v : v + CAST_ROWS].to(out.dtype))
+        block = weight[v : v + CAST_ROWS].to(out.dtype)
+        matmul_into(out, dlogits[:, v : v + CAST_ROWS], block, accumulate=v > 0)
 
 
 def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
@@ -105,7 +109,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                     _grad_hidden(dlogits, w, grad_h[start:stop])
                 if grad_w is not None:
                     if dtype == torch.float32:
-                        grad_w.addmm_(dlogits.t(), hc)
+                        matmul_into(grad_w, dlogits.t(), hc, accumulate=True)
                     else:
                         grad_w += torch.mm(dlogits.t(), hc).float()
             if reduction == "mean":
