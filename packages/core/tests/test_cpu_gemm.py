@@ -253,3 +253,41 @@ def test_openblas_threads_follow_torch(openblas):
     finally:
         torch.set_num_threads(before)
         cpu_gemm.configure_cpu_gemm("openblas", "cpu", cpu_vendor="AuthenticAMD")
+
+
+# --- the Trainer and the config key -----------------------------------------------------------------------------
+
+
+def _trainer_with(tmp_path, **kwargs):
+    from smalti.core.examples.model import MLPRegressor
+    from smalti.core.trainer import Trainer
+
+    batches = [(torch.zeros(2, 4), torch.zeros(2, 2))]
+    return Trainer(MLPRegressor(4, 8, 2, 1), batches, "1ba", eval_interval=None, loggers=[], progress_bar=False,
+                   output_dir=tmp_path, **kwargs)
+
+
+def test_trainer_applies_cpu_gemm(sgemm_calls, tmp_path, monkeypatch):
+    monkeypatch.setattr(cpu_gemm, "_backend", "openblas")
+    _trainer_with(tmp_path, cpu_gemm="torch").close()
+    assert cpu_gemm.backend() == "torch"
+    with pytest.raises(ConfigError, match="trainer.cpu_gemm='fast'"):
+        _trainer_with(tmp_path, cpu_gemm="fast")
+
+
+@needs_openblas
+def test_config_key_reaches_the_trainer(sgemm_calls, tmp_path, monkeypatch):
+    from hydra import compose, initialize_config_module
+
+    import smalti.core.cli.train  # noqa: F401 - registers the config schema
+    from smalti.core.config.build import build_trainer
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cpu_gemm, "_torch_blas_is_mkl", lambda: True)
+    monkeypatch.setattr(cpu_gemm, "_cpu_vendor", lambda: "AuthenticAMD")
+    for setting, resolved in (("openblas", "openblas"), ("torch", "torch"), ("auto", "openblas")):
+        with initialize_config_module(version_base="1.3", config_module="smalti.core.conf"):
+            cfg = compose("train", overrides=["model=tiny_lm", "data=synthetic", "callbacks=[]", "logger=[]",
+                                              "trainer.eval_interval=null", f"trainer.cpu_gemm={setting}"])
+        build_trainer(cfg).close()
+        assert cpu_gemm.backend() == resolved

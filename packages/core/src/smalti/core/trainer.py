@@ -20,6 +20,7 @@ from torch import nn
 from smalti.core import distributed
 from smalti.core.batching import batch_size_of, move_to_device, num_tokens_of, split_batch
 from smalti.core.callbacks.progress_bar import ProgressBar
+from smalti.core.cpu_gemm import configure_cpu_gemm
 from smalti.core.cpu_malloc import DEFAULT_MMAP_THRESHOLD, configure_cpu_malloc
 from smalti.core.data import no_batch_message, seed_data_loading
 from smalti.core.errors import ConfigError, TrainingError
@@ -133,6 +134,10 @@ class Trainer:
             their own and returned to the OS when freed (:func:`smalti.core.cpu_malloc.configure_cpu_malloc`;
             default 1 MiB): otherwise glibc keeps the memory of freed activations and gradients. ``None``
             leaves the C library alone; glibc's ``MALLOC_MMAP_THRESHOLD_`` environment variable, when set, wins.
+        cpu_gemm: the backend of the fp32 CPU matrix products of smalti's layers
+            (:func:`smalti.core.cpu_gemm.configure_cpu_gemm`): ``auto`` (default) uses numpy's OpenBLAS on a CPU
+            device when the CPU is not Intel's and torch's BLAS is MKL (MKL's slow path there), else torch;
+            ``openblas`` insists (an error when it cannot apply); ``torch`` keeps torch's own BLAS.
     """
 
     def __init__(
@@ -164,6 +169,7 @@ class Trainer:
         output_dir: str | os.PathLike[str] | None = None,
         optimizer_in_backward: bool = False,
         cpu_malloc_mmap_threshold: int | None = DEFAULT_MMAP_THRESHOLD,
+        cpu_gemm: str = "auto",
     ) -> None:
         _check_model(model)
         check_precision(precision)
@@ -179,6 +185,7 @@ class Trainer:
         self.pm = plugin_manager or new_plugin_manager()  # this trainer's own: no other run's plugins
         device = torch.device(device) if device is not None else distributed.default_device()
         configure_cpu_malloc(cpu_malloc_mmap_threshold, device)
+        configure_cpu_gemm(cpu_gemm, device)
 
         micro, auto = self._parse_microbatch(device_train_microbatch_size)
         run_name = _given_run_name(run_name) if run_name else _default_run_name()

@@ -166,6 +166,7 @@ def _build(cfg: DictConfig, resolved: dict[Any, Any], parallelism: Parallelism, 
         log_interval=t.get("log_interval"),
         optimizer_in_backward=bool(t.get("optimizer_in_backward", False)),
         cpu_malloc_mmap_threshold=t.get("cpu_malloc_mmap_threshold", DEFAULT_MMAP_THRESHOLD),
+        cpu_gemm=t.get("cpu_gemm", "auto"),
         run_name=cfg.run_name,
         config=resolved,
         output_dir=resolve_output_dir(_root_=cfg),  # hydra.run.dir when set: every file of the run goes there

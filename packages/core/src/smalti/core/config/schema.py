@@ -28,6 +28,7 @@ class TrainerConfig:
     log_interval: Any = None
     optimizer_in_backward: bool = False
     cpu_malloc_mmap_threshold: Any = 1048576
+    cpu_gemm: str = "auto"
 
 
 @dataclass
