@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from smalti.core.cpu_gemm import Linear
 from smalti.llm.model.attention_mask import AttentionMask, attend
 from smalti.llm.model.norms import make_norm
 from smalti.llm.model.position import Rotary, alibi_bias, apply_rotary
@@ -83,8 +84,8 @@ class Attention(nn.Module):
         self.rotary = rotary
         # ``qkv_bias`` (default ``bias``) for the query/key/value projection alone: Qwen2 has it, no output bias.
         qkv_bias = bias if qkv_bias is None else qkv_bias
-        self.wqkv = nn.Linear(d_model, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=qkv_bias, device=device)
-        self.out_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias, device=device)
+        self.wqkv = Linear(d_model, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=qkv_bias, device=device)
+        self.out_proj = Linear(n_heads * self.head_dim, d_model, bias=bias, device=device)
         self.out_proj._is_residual = True  # type: ignore[attr-defined]
         # QK-norm per head (Qwen3) or over the whole query / key projection (OLMo, OLMoE: ``qk_norm_scope='all'``)
         self.qk_norm_scope = qk_norm_scope

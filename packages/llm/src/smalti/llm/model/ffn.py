@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from smalti.core.cpu_gemm import Linear
 from smalti.llm.choices import ACTIVATIONS, FFN_TYPES
 from smalti.llm.errors import ModelConfigError
 
@@ -27,9 +28,9 @@ class MLP(nn.Module):
 
     def __init__(self, d_model: int, hidden: int, activation: str = "gelu", bias: bool = False, device: Any = None) -> None:
         super().__init__()
-        self.up_proj = nn.Linear(d_model, hidden, bias=bias, device=device)
+        self.up_proj = Linear(d_model, hidden, bias=bias, device=device)
         self.act = make_activation(activation)
-        self.down_proj = nn.Linear(hidden, d_model, bias=bias, device=device)
+        self.down_proj = Linear(hidden, d_model, bias=bias, device=device)
         self.down_proj._is_residual = True  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -41,10 +42,10 @@ class GLU(nn.Module):
 
     def __init__(self, d_model: int, hidden: int, activation: str = "silu", bias: bool = False, device: Any = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(d_model, hidden, bias=bias, device=device)
-        self.up_proj = nn.Linear(d_model, hidden, bias=bias, device=device)
+        self.gate_proj = Linear(d_model, hidden, bias=bias, device=device)
+        self.up_proj = Linear(d_model, hidden, bias=bias, device=device)
         self.act = make_activation(activation)
-        self.down_proj = nn.Linear(hidden, d_model, bias=bias, device=device)
+        self.down_proj = Linear(hidden, d_model, bias=bias, device=device)
         self.down_proj._is_residual = True  # type: ignore[attr-defined]
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

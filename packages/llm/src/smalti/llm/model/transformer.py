@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from smalti.core.activation_compression import ActivationCompression
+from smalti.core.cpu_gemm import Linear, linear
 from smalti.llm.errors import ModelConfigError
 from smalti.llm.model.attention import Attention
 from smalti.llm.model.attention_mask import AttentionMask
@@ -57,7 +58,7 @@ def _project(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     head outside autocast) is used in the hidden states' dtype."""
     if weight.dtype != hidden.dtype and not torch.is_autocast_enabled(hidden.device.type):
         weight = weight.to(hidden.dtype)
-    return F.linear(hidden, weight)
+    return linear(hidden, weight)  # fp32 CPU: through smalti.core.cpu_gemm's backend
 
 
 #: ``torch.compile(Block._forward, **kwargs)`` per set of kwargs, shared by every block that compiles.
@@ -203,7 +204,7 @@ class LLM(nn.Module):
                 for i in range(n_layers)
             )
             self.norm_f = norm()
-            self.lm_head = None if c.tie_embeddings else nn.Linear(d_model, c.vocab_size, bias=False)
+            self.lm_head = None if c.tie_embeddings else Linear(d_model, c.vocab_size, bias=False)
         self.set_activation_checkpointing(c.activation_checkpointing)
         self.set_activation_compression(c.activation_compression)
         self.sp: SequenceParallelGroup | None = None
