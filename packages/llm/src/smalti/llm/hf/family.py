@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from smalti.llm.errors import ConversionError
+
 
 @dataclass(frozen=True)
 class Part:
@@ -81,6 +83,20 @@ class Part:
 WeightParts = dict[str, list[Part]]
 
 
+@dataclass(frozen=True)
+class AdapterSite:
+    """The ``transformers`` linear module a smalti LoRA part (rows ``start:stop`` of a smalti weight) maps onto,
+    as PEFT names it: ``module`` (its path in the ``transformers`` model), the part's output rows ``start:stop``
+    inside it, its output size ``rows`` (more than the part's when the module fuses several smalti parts, as
+    DBRX's and MPT's ``Wqkv``), and ``fan_in_fan_out`` (its weight is stored ``[in, out]``: GPT-2's ``Conv1D``)."""
+
+    module: str
+    start: int
+    stop: int
+    rows: int
+    fan_in_fan_out: bool = False
+
+
 class Family:
     """Base class of a Hugging Face family module's family (one instance per ``model_type``).
 
@@ -124,6 +140,26 @@ class Family:
         several layouts, such as per-expert or fused expert tensors, picks by them); None when writing, which
         uses the layout ``transformers`` itself writes."""
         raise NotImplementedError
+
+    def adapter_site(self, parts: WeightParts, weight: str, start: int, stop: int) -> AdapterSite:
+        """Where the LoRA part on rows ``start:stop`` of the smalti linear ``weight`` (``blocks.0.attn.wqkv.weight``)
+        sits in this family's ``transformers`` model, read from its weight names (``parts``: :meth:`weight_parts`
+        as written); raises :class:`~smalti.llm.errors.ConversionError` when no single linear module holds it."""
+        for part in parts.get(weight, []):
+            plain = not (part.stacked or part.merged or part.cols) and part.hf_name.endswith(".weight")
+            if plain and part.start <= start and stop <= part.stop:
+                return AdapterSite(part.hf_name.removesuffix(".weight"), start - part.start, stop - part.start,
+                                   part.stop - part.start, part.transposed)
+        raise ConversionError(f"{weight} rows {start}:{stop} are no single linear module of {self.model_type}'s "
+                              "transformers model, so PEFT cannot hold an adapter on them")
+
+    def expert_adapter_module(self, layer: int) -> str:
+        """The ``transformers`` module holding layer ``layer``'s fused experts, whose ``gate_up_proj`` and
+        ``down_proj`` parameters PEFT's ``target_parameters`` adapt (see :attr:`expert_lora_refusal`)."""
+        if self.expert_lora_refusal is not None:
+            raise ConversionError(f"LoRA on {self.model_type}'s experts cannot be written for PEFT: "
+                                  f"{self.expert_lora_refusal}")
+        return f"model.layers.{layer}.mlp.experts"
 
     def zero_tensors(self, config: dict[str, Any]) -> dict[str, list[int]]:
         """Tensors the Hugging Face class always has but this smalti model does not (written as zeros), by shape."""
