@@ -82,6 +82,15 @@ MOE_CONFIGS = [
     ["experiment=moe_dbrx_like", "plan.micro_batch_size=8", "data.global_train_batch_size=16", "plan.gpu=cpu",
      "callbacks=[]", "model.max_seq_len=128", "model.d_model=128", "model.ffn_hidden_size=224", "model.n_heads=4",
      "model.n_layers=2", "trainer.precision=amp_bf16"],
+    # LoRA on attention and on each expert (the merged experts kept for backward): fp32, and a bf16 base under
+    # bf16 autocast
+    ["experiment=moe_tiny", "plan.micro_batch_size=16", "data.global_train_batch_size=16", "plan.gpu=cpu",
+     "callbacks=[]", "+model.lora.r=8", "+model.lora.targets=[q,k,v,o,experts]", "+model.lora.dropout=0.0",
+     "+model.lora.base_dtype=float32"],
+    ["experiment=moe_dbrx_like", "plan.micro_batch_size=8", "data.global_train_batch_size=16", "plan.gpu=cpu",
+     "callbacks=[]", "model.max_seq_len=128", "model.d_model=128", "model.ffn_hidden_size=224", "model.n_heads=4",
+     "model.n_layers=2", "trainer.precision=amp_bf16", "+model.lora.r=8", "+model.lora.targets=[q,k,v,o,experts]",
+     "+model.lora.dropout=0.0"],
 ]
 
 
@@ -127,6 +136,28 @@ def test_llama_8b_lora_fits_one_80gb_gpu_and_qlora_one_24gb_gpu_at_8k_tokens() -
     # adapters: fp32 gradients and two AdamW moments
     assert lora.memory["gradients"] == trainable * 4 and lora.memory["optimizer state"] == 2 * trainable * 4
     assert lora.peak < 77 * 2**30 and qlora.peak < 22 * 2**30
+
+
+def test_moe_lora_plan_counts_each_experts_adapters_as_the_real_model_trains_them() -> None:
+    from smalti.llm.lora.apply import trainable_parameters
+
+    run = ["experiment=moe_tiny", "callbacks=[]", "+model.lora.r=4", "+model.lora.targets=[q,v,experts]",
+           "+model.lora.dropout=0.0", "plan.gpu=h100", "plan.gpus=2", "parallelism=fsdp_ep", "parallelism.ep=2",
+           "plan.micro_batch_size=2", "data.global_train_batch_size=4"]
+    plan = make_plan(run)
+    cfg = compose([o for o in run if not o.startswith("plan.")])
+    real = LLM(**{k: v for k, v in cfg.model.items() if k != "_target_"}, init_device="cpu")
+    trainable = sum(p.numel() for p in trainable_parameters(real).values())
+    d, ffn, experts, r, layers = 128, 256, 8, 4, 4
+    on_experts = layers * experts * r * ((d + ffn) + (ffn + d))  # A and B of w1 [d, ffn] and w2 [ffn, d]
+    assert sum(p.numel() for n, p in real.named_parameters() if ".adapters." in n) == on_experts
+    assert plan.counts.trainable == trainable > on_experts
+    # fp32 adapters, their gradients and two AdamW moments, sharded over both ranks of the ep=2 run
+    assert plan.memory["gradients"] == trainable * 4 / 2
+    assert plan.memory["optimizer state"] == 2 * trainable * 4 / 2
+    # each rank folds the updates into its 4 of 8 experts, kept for backward in every block (fp32 here)
+    assert plan.memory["activations: lora merged experts kept"] == layers * experts // 2 * 2 * d * ffn * 4
+    assert any("on the experts" in note for note in plan.notes)
 
 
 def test_meta_parameter_count_equals_the_real_model_and_the_closed_form() -> None:

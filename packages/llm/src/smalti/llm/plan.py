@@ -208,6 +208,7 @@ def activation_bytes(
            "inputs": float(inputs)}
     if lora:
         out.update(lora_weight_bytes(model, compute_bytes, autocast_bytes))
+        out.update(lora_expert_bytes(model, residual_bytes, autocast_bytes, ep, chosen))
     return out
 
 
@@ -255,6 +256,30 @@ def lora_weight_bytes(model: Any, compute: int, autocast: int | None) -> dict[st
         out["nf4 dequantised weight"] = float(max((layer.weight.numel() for layer in layers), default=0)
                                               * (autocast or 2))
     return out
+
+
+def lora_expert_bytes(model: Any, residual: int, autocast: int | None, ep: int,
+                      checkpointing: dict[int, str | None]) -> dict[str, float]:
+    """What LoRA on experts adds per rank: each adapted MoE layer folds its updates into the ``1 / ep`` of its
+    experts the rank holds (``W + scaling * A^T B^T`` in the tokens' dtype, ``residual`` bytes, and under autocast
+    a half copy for the grouped GEMM), kept for backward by every block that is not recomputed (one recomputed
+    block's otherwise), plus one fp32 merged weight alive while it is formed (or its gradient in backward).
+    The adapters themselves are trainable parameters: the plan counts them with their fp32 gradients and AdamW
+    moments, sharded as FSDP2 shards them (over every rank, gathered whole for each layer)."""
+    from smalti.llm.lora.experts import expert_lora_layers
+
+    per_layer: dict[int, float] = {}
+    for path, layer in expert_lora_layers(model).items():
+        weights = sum(getattr(layer, name).numel() for name in layer.adapters.lora_A)
+        per_layer[int(path.split(".")[1])] = weights / max(ep, 1)
+    if not per_layer:
+        return {}
+    kept_bytes = residual + (autocast if autocast is not None and autocast < residual else 0)
+    kept = sum(n for i, n in per_layer.items() if checkpointing.get(i) in (None, "attention"))
+    if kept == 0:  # every adapted block is recomputed: one holds its merged experts in backward
+        kept = max(per_layer.values())
+    return {"lora merged experts kept": kept * kept_bytes,
+            "lora merged experts transient": max(per_layer.values()) * 4.0}
 
 
 def frozen_bytes(model: Any) -> float | None:
@@ -317,6 +342,18 @@ def published(experiment: str | None, gpu: str, gpus: int) -> list[str]:
     ]
 
 
+def _expert_adapter_note(model: Any) -> str:
+    """How many of the adapter parameters sit on experts (empty without expert adapters)."""
+    from smalti.llm.lora.experts import expert_lora_layers
+
+    on_experts = sum(p.numel() for layer in expert_lora_layers(model).values() for p in layer.adapters.parameters())
+    if not on_experts:
+        return ""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return (f" ({trainable / 1e6:,.1f} M, {on_experts / 1e6:,.1f} M of them on the experts: a rank-r update per "
+            "expert, sharded over every rank and gathered whole per layer)")
+
+
 def _seq_len(cfg: Any, model: Any) -> int:
     train = (cfg.get("data") or {}).get("train") or {}
     value = train.get("max_seq_len") if hasattr(train, "get") else None
@@ -355,7 +392,7 @@ def plan_model(model: Any, setup: Any) -> Any:
         lora = model.lora_config
         notes.append(f"LoRA r={lora.r} on {','.join(lora.targets)}, base held in {lora.base_dtype}"
                      + (" (NF4: 4 bits + block scales, ~0.52 B/param)" if lora.base_dtype == "nf4" else "")
-                     + "; adapters fp32 with gradients and optimizer state")
+                     + "; adapters fp32 with gradients and optimizer state" + _expert_adapter_note(model))
     notes.extend(published(setup.experiment, setup.gpu, setup.world_size))
     return ModelEstimate(activations=acts, flops=flops, hardware_flops=hardware, tokens=m * seq_len, notes=notes,
                          frozen_bytes=frozen_bytes(model), all_to_all_bytes=a2a)
