@@ -7,6 +7,7 @@ Llama, Mistral and Qwen2: test_lora.py; expert adapters: test_lora_experts.py.""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import peft
@@ -125,3 +126,16 @@ def test_dbrx_expert_adapters_refuse_the_export_naming_why(tmp_path):
     with pytest.raises(LoRAError, match="dbrx's experts cannot be written for PEFT: transformers' DbrxExperts"):
         save_adapter(model, tmp_path / "adapter")
     assert not (tmp_path / "adapter").exists()
+
+
+def test_peft_target_modules_read_as_the_family_names_them(source, tmp_path):
+    """What ``smalti-llm generate --adapter`` reads: PEFT's ``target_modules`` on the base's family -> targets."""
+    from smalti.llm.hf.importer import PretrainedLLM
+    from smalti.llm.lora.peft_format import lora_settings
+
+    family, source = source
+    _, modules, targets = CASES[family]
+    (tmp_path / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": modules}))
+    base = PretrainedLLM(source, require_tokenizer=False)
+    assert lora_settings(tmp_path, base)["targets"] == sorted(targets)

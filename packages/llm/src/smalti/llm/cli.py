@@ -123,10 +123,11 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _with_adapter(folder: Any, adapter: str) -> Any:
     """The Hugging Face model in ``folder`` with a PEFT LoRA adapter folder on it (fp32 base, no dropout)."""
-    from smalti.llm.hf.importer import import_hf
+    from smalti.llm.hf.importer import PretrainedLLM, import_hf
     from smalti.llm.lora.peft_format import lora_settings
 
-    settings = {**lora_settings(adapter), "dropout": 0.0, "base_dtype": "float32", "init_from": str(adapter)}
+    base = PretrainedLLM(folder, require_tokenizer=False)  # on meta: its family names the adapter's modules
+    settings = {**lora_settings(adapter, base), "dropout": 0.0, "base_dtype": "float32", "init_from": str(adapter)}
     return import_hf(folder, lora=settings).eval()
 
 

@@ -286,7 +286,10 @@ def _targets_of(base: nn.Module, names: list[str]) -> list[str]:
     out = set()
     for path, linears in _block_linears(base.blocks[0]).items():
         for name, a, b in linears:
-            module = family.adapter_site(parts, f"blocks.0.{path}.weight", a, b).module
+            try:
+                module = family.adapter_site(parts, f"blocks.0.{path}.weight", a, b).module
+            except ConversionError:
+                continue
             if any(re.fullmatch(rf"(.*\.)?(?:{re.escape(n)})", module) for n in names):
                 out.add(name)
     return sorted(out)
