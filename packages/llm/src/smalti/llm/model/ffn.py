@@ -63,8 +63,9 @@ class MoEFFN(nn.Module):
             raise ModelConfigError(
                 "model.ffn_type='moe' needs smalti-moe; install it (pip install smalti-moe) or choose ffn_type mlp/glu"
             ) from exc
-        from smalti.llm.model.moe_adapter import moe_kwargs
+        from smalti.llm.model.moe_adapter import install_cpu_matmul, moe_kwargs
 
+        install_cpu_matmul()
         with torch.device(device) if device is not None else contextlib.nullcontext():
             self.moe = MoE(**moe_kwargs(d_model, hidden, activation, bias, moe))
 

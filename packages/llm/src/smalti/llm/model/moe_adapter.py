@@ -1,4 +1,5 @@
-"""Maps smalti-llm's ``model.moe`` options onto the keyword arguments of :class:`smalti.moe.MoE`."""
+"""Maps smalti-llm's ``model.moe`` options onto the keyword arguments of :class:`smalti.moe.MoE`, and gives
+smalti-moe's CPU expert GEMMs smalti-core's CPU product (:func:`install_cpu_matmul`)."""
 
 from __future__ import annotations
 
@@ -47,3 +48,24 @@ def moe_kwargs(d_model: int, hidden: int, activation: str, bias: bool, moe: dict
             f"model.moe has keys smalti.moe.MoE does not accept: {', '.join(unknown)}; accepted: {', '.join(sorted(accepted))}"
         )
     return args
+
+
+def install_cpu_matmul() -> str:
+    """Route smalti-moe's CPU expert GEMMs through ``smalti.core.cpu_gemm.matmul_into`` when smalti-core's CPU GEMM
+    backend is ``openblas`` (``trainer.cpu_gemm``; ``auto`` on non-Intel CPUs where torch uses MKL), and back to
+    torch's own path when it is ``torch``; returns the backend. A product some other code installed is left alone.
+
+    smalti-moe depends on no sibling package, so it takes the product as a plug
+    (:func:`smalti.moe.ops.set_cpu_matmul`); this package depends on both and connects them when it builds an MoE
+    layer. ``matmul_into`` checks the backend on every call too, so a later ``trainer.cpu_gemm=torch`` is honoured.
+    """
+    from smalti.core import cpu_gemm
+    from smalti.moe import ops
+
+    backend = cpu_gemm.backend()
+    current = ops.get_cpu_matmul()
+    if backend == "openblas" and current is None:
+        ops.set_cpu_matmul(cpu_gemm.matmul_into)
+    elif backend != "openblas" and current is cpu_gemm.matmul_into:
+        ops.set_cpu_matmul(None)
+    return backend
