@@ -14,8 +14,9 @@ DBRX-like shapes (16 experts, top-4).
 random, the GLU experts' two projections), for the forward product, the input gradient (``w`` transposed, a
 strided view) and the weight gradient, by each way of computing it: smalti-moe's torch backend
 (``reference.grouped_mm`` / ``grouped_mm_wgrad``, what the layer runs), a Python loop of ``torch.mm`` per
-expert, ``torch.nn.functional.grouped_mm``, ``torch._grouped_mm``, and a ``bmm`` over the experts' rows padded
-to the largest expert (the padded rows are computed and thrown away). Process CPU ms per call (best of
+expert, ``torch.nn.functional.grouped_mm``, ``torch._grouped_mm``, a ``bmm`` over the experts' rows padded
+to the largest expert (the padded rows are computed and thrown away), and, where smalti-core's ``cpu_gemm`` can use
+numpy's OpenBLAS, smalti-moe's torch backend with that product installed (``smalti (openblas)``). Process CPU ms per call (best of
 ``--repeats``) and GFLOP/s of the useful work; a dense ``mm`` of the same rows is the yardstick:
 
     python bench/moe_layer.py --gemm --tokens 2048 --ffn 3584      # bench/moe_vs_hf.py's Mixtral-like shape
@@ -100,7 +101,7 @@ def grouped_gemm_ways(offsets: torch.Tensor) -> dict:
     def unpad(c):
         return torch.cat([c[e, : t - s] for e, (s, t) in enumerate(zip(bounds, bounds[1:]))])
 
-    return {
+    ways = {
         "smalti (torch backend)": (lambda a, b: reference.grouped_mm(a, b, offsets),
                                    lambda a, dc: reference.grouped_mm_wgrad(a, dc, offsets)),
         "loop of torch.mm": (loop, loop_wgrad),
@@ -111,6 +112,35 @@ def grouped_gemm_ways(offsets: torch.Tensor) -> dict:
         "padded bmm": (lambda a, b: unpad(torch.bmm(padded(a), b)),
                        lambda a, dc: torch.bmm(padded(a).transpose(1, 2), padded(dc))),
     }
+    matmul_into = _openblas_matmul_into()
+    if matmul_into is not None:  # what smalti-llm installs on CPUs where smalti-core's cpu_gemm picks OpenBLAS
+        from smalti.moe.cpu_matmul import cpu_matmul
+
+        def through(fn):
+            def run(*operands):
+                with cpu_matmul(matmul_into):
+                    return fn(*operands)
+            return run
+
+        ways["smalti (openblas)"] = (through(ways["smalti (torch backend)"][0]),
+                                     through(ways["smalti (torch backend)"][1]))
+    return ways
+
+
+def _openblas_matmul_into():
+    """smalti-core's ``cpu_gemm.matmul_into`` with its OpenBLAS backend on, or ``None`` (said why) where it cannot be."""
+    try:
+        from smalti.core import cpu_gemm
+        from smalti.core.errors import ConfigError
+    except ImportError as exc:
+        print(f"no openblas column: {exc}")
+        return None
+    try:
+        cpu_gemm.configure_cpu_gemm("openblas", "cpu")
+    except ConfigError as exc:
+        print(f"no openblas column: {exc}")
+        return None
+    return cpu_gemm.matmul_into
 
 
 # (case, grouped call given a way's (product, weight gradient) and the operands, the dense yardstick)

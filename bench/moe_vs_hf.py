@@ -64,11 +64,20 @@ def write_model(folder: Path, s: dict[str, int]) -> None:
     torch.save(ids, folder / "ids.pt")
 
 
+def _smalti_terms() -> tuple[str, str]:
+    """What smalti's experts ran on (the kernels and their CPU product) and smalti-core's CPU GEMM backend."""
+    from smalti.core import cpu_gemm
+    from smalti.moe import ops
+
+    product = "openblas (smalti.core.cpu_gemm.matmul_into)" if ops.get_cpu_matmul() is not None else "torch"
+    return f"smalti-moe dropless grouped GEMMs (torch backend), expert products on {product}", cpu_gemm.backend()
+
+
 def worker(side: str, folder: Path, steps: int, precision: str, hf_experts: str = "default") -> dict:
     """Train ``side`` for ``steps`` steps; returns per-step times, losses, peak RSS, the terms it ran on and
     (transformers) the experts implementation ``from_pretrained`` chose."""
     ids = torch.load(folder / "ids.pt")
-    experts = "smalti-moe dropless grouped GEMMs (torch backend)"
+    gemm = "torch"  # transformers runs torch's own products
     if side == "hf":
         import transformers
 
@@ -84,6 +93,7 @@ def worker(side: str, folder: Path, steps: int, precision: str, hf_experts: str 
 
         model = import_hf(folder).train()
         batch = {"input_ids": ids}
+        experts, gemm = _smalti_terms()
 
         def loss_fn() -> torch.Tensor:
             return model.loss(model(batch), batch)
@@ -103,6 +113,7 @@ def worker(side: str, folder: Path, steps: int, precision: str, hf_experts: str 
         losses.append(float(loss))
     return {"losses": losses, "cpu_s": cpu, "wall_s": wall, "tokens_per_step": ids.numel(),
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "experts": experts,
+            "cpu_gemm": gemm,
             "terms": {"precision": precision, "adamw": "fused" if opt.defaults.get("fused") else "other"}}
 
 
@@ -155,7 +166,8 @@ def main() -> None:
     tokens = sm["tokens_per_step"]
     print(f"tokens per CPU second: transformers {tokens / per_step(hf):.0f}, smalti {tokens / per_step(sm):.0f}; "
           f"first losses {hf['losses'][0]:.6f} / {sm['losses'][0]:.6f} ({rel:.1e} relative); shape {shape}, "
-          f"{args.precision}, fused AdamW both")
+          f"{args.precision}, fused AdamW both; smalti's CPU GEMM backend: {sm['cpu_gemm']} "
+          f"(transformers: torch's own)")
     if args.json:
         args.json.write_text(json.dumps({"shape": shape, "precision": args.precision, "results": results,
                                          "speed": speed, "memory": memory}, indent=2))

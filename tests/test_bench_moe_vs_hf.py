@@ -30,5 +30,9 @@ def test_tiny_run_compares_on_equal_terms_and_ends_with_the_ratios(tmp_path):
     assert hf["experts"] == "experts_implementation=grouped_mm"  # transformers 5.24 default
     assert abs(sm["losses"][0] - hf["losses"][0]) <= 1e-4 * abs(hf["losses"][0])
     assert sm["losses"][1] < sm["losses"][0] + 1.0 and len(sm["losses"]) == 2
+    # the product smalti's experts ran on is named, and it is smalti-core's CPU GEMM backend
+    assert sm["cpu_gemm"] in ("openblas", "torch") and f"expert products on {sm['cpu_gemm']}" in sm["experts"]
+    ratio = done.stdout.strip().splitlines()[-2]
+    assert ratio.startswith("tokens per CPU second") and f"smalti's CPU GEMM backend: {sm['cpu_gemm']}" in ratio
     last = done.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"moe_vs_hf: speed \d+\.\d\d memory \d+\.\d\d", last), last
