@@ -118,9 +118,9 @@ def mm_scatter(h: torch.Tensor, w: torch.Tensor, perm: torch.Tensor, offsets: to
     """
     if h.shape[0] == perm.numel():  # every entry has a sorted row: sizes known without reading offsets
         c = grouped_mm(h, w, offsets)
-        # rows past offsets[-1] (dropped entries) are zero; on CPU reading offsets[-1] costs no device sync, and
-        # dropless routing (every entry kept) then skips a full copy of c
-        if offsets.numel() and (c.device.type != "cpu" or int(offsets[-1]) < c.shape[0]):
+        # rows past offsets[-1] (dropped entries) are zero; the CPU product's loop read the offsets on the host
+        # already, so there dropless routing (every entry kept) skips a full copy of c
+        if offsets.numel() and (cpu_matmul.for_operands(c) is None or int(offsets[-1]) < c.shape[0]):
             kept = (torch.arange(c.shape[0], device=c.device) < offsets[-1]).unsqueeze(1)
             c = torch.where(kept, c, c.new_zeros(()))
         return c.index_select(0, inverse_permutation(perm))
