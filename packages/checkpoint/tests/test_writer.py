@@ -146,3 +146,42 @@ def test_the_data_files_are_byte_for_byte_those_of_dcps_own_writer(tmp_path, dir
     assert torch.equal(loaded["small"], state["small"]) and loaded["n"] == 3
     for name, record in writer.fs.records.items():
         assert record["hash"] == f"xxh3_128:{reference_digest('xxh3_128', (ours / name).read_bytes())}"
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct-io", "buffered"])
+def test_each_small_entry_reaches_the_file_in_one_write(tmp_path, monkeypatch, direct):
+    """A checkpoint of many small tensors (LoRA adapters and their AdamW state) costs per entry, not per byte:
+    ``torch.save`` makes ~39 small writes per tensor, which the writer gathers into one write per entry; the
+    large tensor's record is not gathered (no copy of its data). Plain DCP reads the result, no transform is
+    recorded, and the digests are those of the files."""
+    from smalti.checkpoint import hashing_file
+
+    writes = []
+    for cls in (hashing_file.BufferedHashingFile, hashing_file.DirectHashingFile):
+        real = cls.write
+
+        def counted(self, data, real=real):
+            writes.append(memoryview(data).nbytes)
+            return real(self, data)
+
+        monkeypatch.setattr(cls, "write", counted)
+    torch.manual_seed(0)
+    small = {f"layer{i}": {"A": torch.randn(16, 8), "B": torch.randn(8, 16), "step": torch.tensor(3.0)}
+             for i in range(100)}
+    state = {"model": small, "big": torch.randn(300_000), "n": 5}
+    writer = HashingFileSystemWriter(tmp_path, direct_io=direct)
+    dcp.save(state, storage_writer=writer)
+    entries = 3 * len(small)
+    big_writes = [n for n in writes if n >= 300_000 * 4]
+    assert big_writes == [300_000 * 4], "the large tensor's data was copied into a gathered record"
+    # one write per small entry, ~39 for the large tensor, a few for the byte entry and the metadata file
+    assert len(writes) <= entries + 60, f"{len(writes)} writes for {entries} small entries"
+    loaded = {"model": {k: {n: torch.zeros_like(t) for n, t in v.items()} for k, v in small.items()},
+              "big": torch.zeros(300_000), "n": 0}
+    dcp.load(loaded, storage_reader=dcp.FileSystemReader(str(tmp_path)))
+    assert all(torch.equal(loaded["model"][k][n], t) for k, v in small.items() for n, t in v.items())
+    assert torch.equal(loaded["big"], state["big"]) and loaded["n"] == 5
+    metadata = dcp.FileSystemReader(str(tmp_path)).read_metadata()
+    assert all(info.transform_descriptors is None for info in metadata.storage_data.values())
+    for name, record in writer.fs.records.items():
+        assert record["hash"] == f"xxh3_128:{reference_digest('xxh3_128', (tmp_path / name).read_bytes())}"

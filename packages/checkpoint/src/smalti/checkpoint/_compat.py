@@ -41,6 +41,8 @@ PyTorchFileReader = private_name("torch._C", "PyTorchFileReader")
 get_layout = private_name("torch.serialization", "_get_layout")
 MEM_FORMAT_ENCODING = private_name("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING")
 StorageInfo = private_name("torch.distributed.checkpoint.filesystem", "_StorageInfo")
+#: How DCP's file writer wraps the file stream around each entry it writes (the writer gathers small entries).
+StorageWriterTransforms = private_name("torch.distributed.checkpoint.filesystem", "_StorageWriterTransforms")
 
 PRIVATE_NAMES: dict[str, Any] = {
     "torch.distributed._shard._utils.narrow_tensor_by_index": narrow_tensor_by_index,
@@ -52,4 +54,5 @@ PRIVATE_NAMES: dict[str, Any] = {
     "torch.serialization._get_layout": get_layout,
     "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING": MEM_FORMAT_ENCODING,
     "torch.distributed.checkpoint.filesystem._StorageInfo": StorageInfo,
+    "torch.distributed.checkpoint.filesystem._StorageWriterTransforms": StorageWriterTransforms,
 }
