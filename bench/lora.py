@@ -25,7 +25,9 @@ Part 2, against PEFT on the chat finetune workload (bench/sft_vs_trl.py's data a
 of the same shape with a Llama-3 chat tokenizer, ``--conversations`` heavy-tailed chat conversations
 (``smalti.llm.data.make_long_tail_chat``), one epoch on each side, each in its own process:
 
-  smalti  ``smalti-train experiment=finetune_hf_lora`` (packed rows with sequence ids, the fused loss)
+  smalti  ``smalti-train experiment=finetune_hf_lora`` (packed rows with sequence ids, the fused loss), as many
+          packed rows per batch as give it PEFT's optimizer steps (``ceil(rows / ceil(conversations / 8))``, as
+          bench/sft_vs_trl.py sizes them)
   peft    TRL's ``SFTTrainer(peft_config=LoraConfig(...))`` with the same LoRA settings
           (``target_modules="all-linear"``), its default collator (one conversation per row, padded per batch),
           8 conversations per batch, ``assistant_only_loss=True``, ``optim="adamw_torch_fused"``
@@ -221,7 +223,15 @@ def chat_part(args: argparse.Namespace, shape: dict[str, int]) -> dict[str, dict
     """Part 2: smalti's LoRA run and TRL + PEFT's over the same chat conversations, each in its own process."""
     import os
 
-    from sft_vs_trl import TRL_BATCH, _check_terms, _lengths, _measured, make_data, side_smalti, smalti_rows
+    from sft_vs_trl import (
+        _check_terms,
+        _lengths,
+        _measured,
+        make_data,
+        side_smalti,
+        smalti_batch_rows,
+        smalti_rows,
+    )
     from sft_vs_trl import make_folder as make_chat_folder
 
     with tempfile.TemporaryDirectory(prefix="lora_chat.") as tmp:
@@ -232,8 +242,7 @@ def chat_part(args: argparse.Namespace, shape: dict[str, int]) -> dict[str, dict
         args.no_checkpointing = False
         print(f"chat data: {_lengths(args.train, args.folder)}", flush=True)
         rows = smalti_rows(args.folder, args.train, args.max_len)
-        packed_tokens = sum(int((r["sequence_id"] >= 0).sum()) for r in rows)
-        batch_rows = max(1, round(TRL_BATCH * packed_tokens / args.conversations / args.max_len))
+        batch_rows = smalti_batch_rows(len(rows), args.conversations)  # PEFT's optimizer steps, not its tokens
         overrides = (f"precision={args.precision}", f"model.lora.base_dtype={BASE_DTYPE[args.precision]}",
                      "callbacks.hf_export.merge=false")
         sm = side_smalti(args, batch_rows, rows, work, lora=overrides)

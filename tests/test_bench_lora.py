@@ -57,6 +57,7 @@ def test_lora_bench_runs_every_side_in_fp32_on_the_same_terms(tmp_path):
     # the chat workload: the same adapters on the same assistant tokens, PEFT padding per batch, smalti packing
     assert chat["smalti"]["trainable"] == chat["peft"]["trainable"] == runs["lora"]["trainable"]
     assert chat["smalti"]["assistant_tokens"] == chat["peft"]["assistant_tokens"] > 0
+    assert chat["smalti"]["steps"] == chat["peft"]["steps"], "smalti's batches give another number of optimizer steps"
     assert chat["peft"]["collator"] == "DataCollatorForLanguageModeling"
     assert chat["smalti"]["checkpointing"] is chat["peft"]["checkpointing"] is True
 

@@ -41,8 +41,12 @@ PyTorchFileReader = private_name("torch._C", "PyTorchFileReader")
 get_layout = private_name("torch.serialization", "_get_layout")
 MEM_FORMAT_ENCODING = private_name("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING")
 StorageInfo = private_name("torch.distributed.checkpoint.filesystem", "_StorageInfo")
-#: How DCP's file writer wraps the file stream around each entry it writes (the writer gathers small entries).
-StorageWriterTransforms = private_name("torch.distributed.checkpoint.filesystem", "_StorageWriterTransforms")
+#: The zip writer behind ``torch.save`` (writing a saved tensor's records without torch.save's per-call cost).
+PyTorchFileWriter = private_name("torch._C", "PyTorchFileWriter")
+#: The extra tensor state ``torch.save`` pickles beside shape and strides (part of a saved tensor's layout).
+get_tensor_metadata = private_name("torch._utils", "get_tensor_metadata")
+#: How DCP's file writer shares a rank's entries among its files (one per writer thread), by type and size.
+split_by_size_and_type = private_name("torch.distributed.checkpoint.filesystem", "_split_by_size_and_type")
 
 PRIVATE_NAMES: dict[str, Any] = {
     "torch.distributed._shard._utils.narrow_tensor_by_index": narrow_tensor_by_index,
@@ -54,5 +58,7 @@ PRIVATE_NAMES: dict[str, Any] = {
     "torch.serialization._get_layout": get_layout,
     "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING": MEM_FORMAT_ENCODING,
     "torch.distributed.checkpoint.filesystem._StorageInfo": StorageInfo,
-    "torch.distributed.checkpoint.filesystem._StorageWriterTransforms": StorageWriterTransforms,
+    "torch._C.PyTorchFileWriter": PyTorchFileWriter,
+    "torch._utils.get_tensor_metadata": get_tensor_metadata,
+    "torch.distributed.checkpoint.filesystem._split_by_size_and_type": split_by_size_and_type,
 }
