@@ -11,11 +11,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.utils.serialization import config
 
+from smalti.checkpoint import writer as writer_module
 from smalti.checkpoint.hashes import ALGORITHMS
 from smalti.checkpoint.hashing_file import BufferedHashingFile, open_hashing_file
 from smalti.checkpoint.io import CHUNK_BYTES
 from smalti.checkpoint.manifest import hash_file
-from smalti.checkpoint import writer as writer_module
 from smalti.checkpoint.writer import HashingFileSystemWriter
 
 
