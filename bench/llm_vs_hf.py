@@ -43,10 +43,13 @@ AdamW step inside backward, its gradient freed at once): a setting transformers'
 ratio line and the last line say so (``... (same precision; smalti optimizer_in_backward, a setting
 transformers' Trainer lacks)``). ``--libc-malloc`` makes smalti's Trainer leave glibc's allocator alone
 (``cpu_malloc_mmap_threshold=None``; by default it fixes the mmap threshold at 1 MiB on CPU), to measure that setting.
+``--cpu-gemm auto|openblas|torch`` is smalti's ``trainer.cpu_gemm`` (default ``auto``: its fp32 CPU matrix products
+through numpy's OpenBLAS where torch's MKL is slower, as on AMD CPUs); every shape's ratio line names the backend
+smalti used (transformers' side always multiplies with torch.mm).
 
     OMP_NUM_THREADS=2 python bench/llm_vs_hf.py [--shapes head_heavy,llama1b_like,long --steps 3 --rounds 1]
     Levers on smalti's side: --ac block|attention|ffn (transformers then checkpoints too), --no-fused-loss,
-    --compile, --optimizer-in-backward; on both: --precision fp32|amp_bf16, --adamw fused|foreach|loop; --json PATH writes the results.
+    --compile, --optimizer-in-backward, --cpu-gemm torch; on both: --precision fp32|amp_bf16, --adamw fused|foreach|loop; --json PATH writes the results.
 """
 
 from __future__ import annotations
@@ -153,7 +156,7 @@ def run_smalti(
     folder: Path, steps: int, device: torch.device, args: argparse.Namespace, precision: str
 ) -> dict:
     """smalti's import of the same folder, trained by smalti's Trainer with its defaults."""
-    from smalti.core import Callback, Trainer
+    from smalti.core import Callback, Trainer, cpu_gemm
     from smalti.core.cpu_malloc import DEFAULT_MMAP_THRESHOLD
     from smalti.llm.hf import import_hf
 
@@ -200,6 +203,7 @@ def run_smalti(
         optimizers=make_optimizer,
         optimizer_in_backward=args.optimizer_in_backward,
         cpu_malloc_mmap_threshold=None if args.libc_malloc else DEFAULT_MMAP_THRESHOLD,
+        cpu_gemm=args.cpu_gemm,
     )
     setup = time.perf_counter() - start
     trainer.fit()
@@ -212,6 +216,7 @@ def run_smalti(
         "attention": "sdpa",
         "checkpointing": bool(args.ac),
         "setup_s": setup,
+        "cpu_gemm": cpu_gemm.backend(),
         **_peak_memory_mb(device),
     }
 
@@ -271,6 +276,7 @@ def _child(side: str, precision: str, folder: Path, steps: int, args: argparse.N
     cmd += ["--no-fused-loss"] if args.no_fused_loss else []
     cmd += ["--optimizer-in-backward"] if args.optimizer_in_backward else []
     cmd += ["--libc-malloc"] if args.libc_malloc else []
+    cmd += ["--cpu-gemm", args.cpu_gemm]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode:
         raise SystemExit(f"{side} {precision} worker failed ({done.returncode}):\n{done.stderr[-4000:]}")
@@ -324,7 +330,8 @@ def bench_shape(name: str, shape: dict[str, int], args: argparse.Namespace, devi
                     + f" s); peak RSS "
                     f"{res['rss_mb']:.0f} MB; autocast {','.join(res['autocast'])}, AdamW {res['optimizer']}, "
                     f"attention {res['attention']}, checkpointing {res['checkpointing']}"
-                    + (f"; setup {res['setup_s']:.1f} s" if "setup_s" in res else ""),
+                    + (f"; setup {res['setup_s']:.1f} s" if "setup_s" in res else "")
+                    + (f"; CPU GEMM {res['cpu_gemm']}" if "cpu_gemm" in res else ""),
                     flush=True,
                 )
         _check_same_terms(runs, pair)
@@ -371,10 +378,12 @@ def bench_shape(name: str, shape: dict[str, int], args: argparse.Namespace, devi
             side: {k: runs[c][0][k] for k in ("autocast", "optimizer", "attention", "checkpointing")}
             for side, c in (("hf", hf), ("smalti", sm))
         },
+        "cpu_gemm": runs[sm][0]["cpu_gemm"],
     }
     print(
         f"{name}: same precision ({args.precision}) speed smalti/hf {out['speed']:.2f} (CPU time; wall "
-        f"{out['wall_speed']:.2f}), memory smalti/hf {out['memory']:.2f}{_bought_by_setting(args)}"
+        f"{out['wall_speed']:.2f}), memory smalti/hf {out['memory']:.2f}{_bought_by_setting(args)}; "
+        f"smalti CPU GEMM: {_gemm_label(out['cpu_gemm'])}"
     )
     if len(configs) > 2:
         bought = configs[2]
@@ -388,6 +397,13 @@ def bench_shape(name: str, shape: dict[str, int], args: argparse.Namespace, devi
             f"{out['bought']['speed']:.2f}, memory {out['bought']['memory']:.2f}"
         )
     return out
+
+
+def _gemm_label(backend: str) -> str:
+    """Which library did smalti's fp32 CPU matrix products, so a reader sees where a gain comes from."""
+    if backend == "openblas":
+        return "openblas (numpy's OpenBLAS; torch's MKL on this AMD CPU is slower)"
+    return "torch (torch.mm, as transformers)"
 
 
 def _bought_by_setting(args: argparse.Namespace) -> str:
@@ -443,6 +459,11 @@ def main() -> None:
         help="smalti's Trainer leaves glibc's allocator alone (trainer.cpu_malloc_mmap_threshold=null), "
         "to measure what its default mmap threshold changes",
     )
+    p.add_argument(
+        "--cpu-gemm", choices=["auto", "openblas", "torch"], default="auto",
+        help="smalti's trainer.cpu_gemm (its fp32 CPU matrix products through numpy's OpenBLAS or torch.mm); "
+        "transformers' side always uses torch.mm",
+    )
     p.add_argument("--worker", choices=["hf", "smalti"], help=argparse.SUPPRESS)
     p.add_argument("--worker-precision", choices=PRECISIONS, default="fp32", help=argparse.SUPPRESS)
     p.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
@@ -466,7 +487,8 @@ def main() -> None:
     print(
         f"{device.type} threads={os.environ.get('OMP_NUM_THREADS', torch.get_num_threads())} torch="
         f"{torch.__version__} steps={args.steps}x{args.rounds} (first {args.warmup} not timed); smalti: "
-        f"compile={args.compile} activation_checkpointing={args.ac} fused_loss={not args.no_fused_loss}"
+        f"compile={args.compile} activation_checkpointing={args.ac} fused_loss={not args.no_fused_loss} "
+        f"cpu_gemm={args.cpu_gemm}"
         + (" optimizer_in_backward=True (a setting transformers' Trainer lacks)" if args.optimizer_in_backward else ""),
         flush=True,
     )
