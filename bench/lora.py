@@ -1,9 +1,11 @@
 """LoRA and QLoRA against full finetuning and against transformers + PEFT (through TRL), at the same precision.
 
-``--precision fp32`` (the default: this AVX2 CPU emulates bf16 products ~40x slower than fp32) runs every side
-in fp32: the frozen base and the adapters are fp32 on smalti's and on PEFT's side (QLoRA's base is NF4,
-dequantised to fp32 for each product); ``--precision amp_bf16`` runs every side under bf16 autocast with the
-base held in bf16 on smalti's side (PEFT's: TRL's ``bf16=True``). Every worker reports the precision
+``--precision fp32`` (the default: this AVX2 CPU emulates bf16 products ~40x slower than fp32) runs every side's
+products in fp32; ``--precision amp_bf16`` runs every side under bf16 autocast (PEFT's: TRL's ``bf16=True``).
+The frozen base is held as the LoRA recipe holds it in the memory part (``model.lora.base_dtype`` default
+``bfloat16``: 2 bytes a parameter, upcast for each product under fp32; QLoRA's NF4), against full finetuning's
+fp32 weights; in the chat part smalti's base has PEFT's dtype (fp32 under fp32), so both sides compute the same
+numbers. Every worker reports the precision
 and autocast its forward ran under and its AdamW implementation (fused everywhere); the bench refuses to print a
 ratio when they differ.
 
@@ -14,7 +16,7 @@ with the same ``--checkpointing`` (``block``, as the chat part, or ``none``):
 
   full    smalti's ``import_hf``, every weight trained (fp32 weights)
   lora    the same with ``model.lora`` r 16, alpha 32, dropout 0.05, all linear layers: PEFT's usual settings,
-          as ``experiment=finetune_hf_lora``
+          as ``experiment=finetune_hf_lora``, the base in bf16 (the recipe's ``base_dtype``)
   qlora   ``lora`` with ``base_dtype=nf4`` (torchao's NF4Tensor)
 
 Memory is the peak RSS of the steps after the first (``/proc/self/clear_refs`` then ``VmHWM``: weights,
@@ -64,7 +66,10 @@ from llm_vs_hf import PRECISIONS, SHAPE_KEYS, SHAPES, _adamw, _optimizer_impl, _
 
 LORA = {"r": 16, "alpha": 32, "dropout": 0.05, "targets": "all_linear"}
 SIDES = ("full", "lora", "qlora")
-BASE_DTYPE = {"fp32": "float32", "amp_bf16": "bfloat16"}
+#: The chat part's base dtype: PEFT's (TRL loads the model in the run's precision), so both sides compute alike.
+PEFT_BASE_DTYPE = {"fp32": "float32", "amp_bf16": "bfloat16"}
+#: The memory part's LoRA base dtype: the recipe's default (``model.lora.base_dtype``) at every precision.
+LORA_BASE_DTYPE = "bfloat16"
 
 
 def _status(key: str) -> int:
@@ -128,7 +133,7 @@ def run_smalti(side: str, folder: Path, steps: int, precision: str, checkpointin
     from smalti.llm.hf import import_hf
 
     data = torch.load(folder / "tokens.pt")
-    lora = None if side == "full" else {**LORA, "base_dtype": "nf4" if side == "qlora" else BASE_DTYPE[precision]}
+    lora = None if side == "full" else {**LORA, "base_dtype": "nf4" if side == "qlora" else LORA_BASE_DTYPE}
     model = import_hf(folder, max_seq_len=data.shape[-1], lora=lora,
                       activation_checkpointing=None if checkpointing == "none" else checkpointing)
     autocast: list[str] = []
@@ -243,7 +248,7 @@ def chat_part(args: argparse.Namespace, shape: dict[str, int]) -> dict[str, dict
         print(f"chat data: {_lengths(args.train, args.folder)}", flush=True)
         rows = smalti_rows(args.folder, args.train, args.max_len)
         batch_rows = smalti_batch_rows(len(rows), args.conversations)  # PEFT's optimizer steps, not its tokens
-        overrides = (f"precision={args.precision}", f"model.lora.base_dtype={BASE_DTYPE[args.precision]}",
+        overrides = (f"precision={args.precision}", f"model.lora.base_dtype={PEFT_BASE_DTYPE[args.precision]}",
                      "callbacks.hf_export.merge=false")
         sm = side_smalti(args, batch_rows, rows, work, lora=overrides)
         sm["precision"] = args.precision

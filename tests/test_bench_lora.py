@@ -1,6 +1,6 @@
 """``bench/lora.py`` at a tiny shape: full finetuning, LoRA and QLoRA on token batches, then smalti's LoRA run
-against TRL + PEFT on heavy-tailed chat data, every side at the precision asked for (fp32: fp32 base and
-adapters, no autocast) with fused AdamW, LoRA training as many adapter parameters as PEFT on the same assistant
+against TRL + PEFT on heavy-tailed chat data, every side at the precision asked for (fp32: fp32 products and
+adapters, no autocast; LoRA's base in the recipe's bf16 against full finetuning, fp32 as PEFT's in the chat part) with fused AdamW, LoRA training as many adapter parameters as PEFT on the same assistant
 tokens; the last line carries every ratio; workers that ran on different terms get no ratio."""
 
 from __future__ import annotations
@@ -48,11 +48,12 @@ def test_lora_bench_runs_every_side_in_fp32_on_the_same_terms(tmp_path):
     for name, run in {**runs, **chat}.items():
         assert run["precision"] == "fp32" and run["autocast"] == ["off"], name
         assert run["optimizer"] == "fused", name
-    assert runs["lora"]["base_dtypes"] == ["torch.float32"]  # fp32 base, not bf16, under an fp32 run
+    assert runs["lora"]["base_dtypes"] == ["torch.bfloat16"]  # the recipe's bf16 base, upcast under fp32
     assert "NF4Tensor" in runs["qlora"]["base_dtypes"]
     assert runs["lora"]["trainable"] == runs["qlora"]["trainable"]
     assert runs["full"]["trainable"] > 3 * runs["lora"]["trainable"]
-    assert runs["lora"]["losses"][0] == pytest.approx(runs["full"]["losses"][0], rel=1e-4)  # adapters start at 0
+    # adapters start at 0: the base's loss, with the base rounded to bf16
+    assert runs["lora"]["losses"][0] == pytest.approx(runs["full"]["losses"][0], rel=1e-2)
     assert runs["lora"]["ckpt_bytes"] < runs["full"]["ckpt_bytes"]
     # the chat workload: the same adapters on the same assistant tokens, PEFT padding per batch, smalti packing
     assert chat["smalti"]["trainable"] == chat["peft"]["trainable"] == runs["lora"]["trainable"]

@@ -213,3 +213,32 @@ def test_a_frozen_bf16_head_converted_by_blocks_feeds_openblas(gemm_backend, mon
     (want,) = torch.autograd.grad(plain, hidden)
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("frozen", [True, False])
+def test_a_frozen_head_keeps_at_most_its_budget_of_logits(monkeypatch, frozen):
+    """Against a head that gets no gradient (LoRA, QLoRA) the default chunk holds at most
+    ``FROZEN_CHUNK_ELEMENTS`` logits (64 MB in fp32); a trained head keeps the larger ``CHUNK_ELEMENTS`` chunk
+    (smaller ones add passes over its gradient). The loss and gradients are the plain path's either way."""
+    import smalti.llm.model.fused_loss as fused_loss
+
+    monkeypatch.setattr(fused_loss, "FROZEN_CHUNK_ELEMENTS", 101 * 4)
+    monkeypatch.setattr(fused_loss, "CHUNK_ELEMENTS", 101 * 16)
+    sizes: list[int] = []
+    _logits = fused_loss._logits
+
+    def tracked(h, weight, dtype):
+        out = _logits(h, weight, dtype)
+        sizes.append(out.numel())
+        return out
+
+    monkeypatch.setattr(fused_loss, "_logits", tracked)
+    hidden, weight, targets = _inputs()
+    weight.requires_grad_(not frozen)
+    loss = fused_linear_cross_entropy(hidden, weight, targets)
+    got = torch.autograd.grad(loss, (hidden, weight) if not frozen else (hidden,))
+    assert max(sizes) == 101 * (4 if frozen else 16) and sum(sizes) == 37 * 101
+    plain = F.cross_entropy(hidden @ weight.T, targets, ignore_index=-100)
+    torch.testing.assert_close(loss, plain, rtol=1e-5, atol=1e-5)
+    for g, w in zip(got, torch.autograd.grad(plain, (hidden, weight) if not frozen else (hidden,)), strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

@@ -182,3 +182,47 @@ def test_generate_with_an_adapter_gives_peft_greedy_tokens(tmp_path, monkeypatch
     assert capsys.readouterr().out == tok.decode(expected) + "\n"
     assert main([*argv, "--adapter", str(tmp_path)]) == 2
     assert "has no adapter_config.json" in capsys.readouterr().err
+
+
+def _saved_bytes_and_grads(layer: LoRALinear, x: torch.Tensor) -> tuple[list[tuple], tuple[torch.Tensor, ...]]:
+    """What autograd saves for backward in ``layer``'s forward (dtype, shape), and the gradients of ``x`` and the
+    adapters."""
+    saved: list[tuple] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append((t.dtype, tuple(t.shape)))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = layer(x)
+    params = (x, *layer.lora_A.values(), *layer.lora_B.values())
+    return saved, torch.autograd.grad((y * torch.linspace(-1, 1, y.shape[-1])).sum(), params)
+
+
+def test_a_bf16_base_under_fp32_saves_its_bf16_weight_not_an_fp32_copy():
+    """A frozen bf16 base in an fp32 run keeps for backward the bf16 weight it already holds, not the fp32 copy
+    ``F.linear(x, w.float())`` would keep (twice the stored bytes, for each layer not checkpointed); the
+    gradients are those of the fp32 products."""
+    torch.manual_seed(0)
+    base = torch.nn.Linear(48, 40, bias=True)
+    base.weight.requires_grad_(False)
+    base.bias.requires_grad_(False)
+    fp32 = LoRALinear(base, [("q", 0, 16), ("k", 16, 40)], ["q", "k"], r=4, scaling=2.0)
+    with torch.no_grad():
+        for b in fp32.lora_B.values():
+            b.normal_()
+    bf16 = LoRALinear(torch.nn.Linear(48, 40), [("q", 0, 16), ("k", 16, 40)], ["q", "k"], r=4, scaling=2.0)
+    bf16.weight = torch.nn.Parameter(base.weight.detach().bfloat16(), requires_grad=False)
+    bf16.bias = torch.nn.Parameter(base.bias.detach().bfloat16(), requires_grad=False)
+    bf16.load_state_dict({k: v for k, v in fp32.state_dict().items() if "lora_" in k}, strict=False)
+    x = torch.randn(3, 5, 48, requires_grad=True)
+    saved, got = _saved_bytes_and_grads(bf16, x)
+    fp32_weights = [s for d, s in saved if d == torch.float32 and sorted(s) == [40, 48]]  # the weight or its .T
+    assert not fp32_weights and (torch.bfloat16, (40, 48)) in saved, saved
+    # the reference: the same bf16-rounded base as fp32 weights
+    with torch.no_grad():
+        fp32.weight.copy_(bf16.weight.float())
+        fp32.bias.copy_(bf16.bias.float())
+    _, want = _saved_bytes_and_grads(fp32, x)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)

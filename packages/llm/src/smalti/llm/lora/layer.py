@@ -20,6 +20,25 @@ from torch import nn
 from smalti.llm.lora.naming import clean_name
 
 
+class _FrozenLowPrecisionLinear(torch.autograd.Function):
+    """``x W^T + b`` in ``x``'s dtype for a frozen ``W`` (and ``b``) held in a lower precision (a bf16 base under an
+    fp32 run). ``F.linear(x, W.to(x.dtype))`` would make autograd keep the upcast copy of ``W`` for backward (twice
+    the bytes of the stored weight, for every layer whose forward is not checkpointed); this keeps the stored
+    ``W`` and upcasts it again in backward. Neither ``W`` nor ``b`` gets a gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(weight)
+        return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:  # type: ignore[override]
+        (weight,) = ctx.saved_tensors
+        grad_x = grad_out @ weight.to(grad_out.dtype) if ctx.needs_input_grad[0] else None
+        return grad_x, None, None
+
+
 def is_nf4(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is torchao's 4-bit NormalFloat tensor (checked by name: torchao is optional)."""
     return type(tensor).__name__ == "NF4Tensor"
@@ -96,8 +115,10 @@ class LoRALinear(nn.Linear):
                 y = y + self.bias.to(y.dtype)
         elif autocast or w.dtype == x.dtype:
             y = F.linear(x, w, self.bias)
-        else:  # a bf16 base under an fp32 run: compute in the run's precision
+        elif w.requires_grad or (self.bias is not None and self.bias.requires_grad):
             y = F.linear(x, w.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        else:  # a frozen bf16 base under an fp32 run: compute in the run's precision, keep the bf16 weight
+            y = _FrozenLowPrecisionLinear.apply(x, w, self.bias)
         if not len(self.lora_A):
             return y
         h = self.lora_dropout(x)

@@ -26,6 +26,11 @@ from smalti.core.cpu_gemm import matmul_into
 #: (each adds a pass over the weight gradient): 128 rows took 23% more CPU time than 512 at vocab 128,256.
 CHUNK_ELEMENTS = 1 << 26
 
+#: Elements of one chunk's fp32 logits when the weight gets no gradient (a frozen head: LoRA, QLoRA, eval): 16M
+#: (64 MB; 130 rows of a 128K vocabulary). Without a weight gradient there is no per-chunk pass over it, so
+#: small chunks cost little time, and the chunk's logits are the loss's whole transient.
+FROZEN_CHUNK_ELEMENTS = 1 << 24
+
 
 #: Rows of the output weight converted at a time when it is held in another dtype than the products' (a frozen
 #: bf16 head under an fp32 run, QLoRA's): converting the whole table at once would be the step's largest
@@ -145,6 +150,13 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None
 
 
+def default_chunk_rows(weight: torch.Tensor) -> int:
+    """Rows per chunk of :func:`fused_linear_cross_entropy` against ``weight`` ``[V, d]``: a memory budget of fp32
+    logits, the smaller :data:`FROZEN_CHUNK_ELEMENTS` when ``weight`` will get no gradient."""
+    frozen = not (weight.requires_grad and torch.is_grad_enabled())
+    return max(1, (FROZEN_CHUNK_ELEMENTS if frozen else CHUNK_ELEMENTS) // weight.shape[0])
+
+
 # Left to eager under torch.compile: the chunk loop is matrix products and data-dependent row selection, which
 # Inductor would not speed up and dynamo would break the graph on anyway.
 @torch.compiler.disable
@@ -164,7 +176,8 @@ def fused_linear_cross_entropy(
         targets: ``[N]`` (or matching ``hidden``'s leading shape) class indices; ``ignore_index`` rows count
             for nothing.
         reduction: ``mean`` (over valid rows; 0 when there are none) or ``sum``.
-        chunk_rows: rows per chunk; default so that one chunk's fp32 logits hold :data:`CHUNK_ELEMENTS`.
+        chunk_rows: rows per chunk; default so that one chunk's fp32 logits hold :data:`CHUNK_ELEMENTS`, or
+            :data:`FROZEN_CHUNK_ELEMENTS` when ``weight`` gets no gradient.
 
     Logits are computed in the autocast dtype when autocast is on (else ``hidden``'s dtype), softmax in fp32.
     Gradients are computed during the forward when ``hidden`` or ``weight`` requires them, so backward may run
@@ -176,5 +189,5 @@ def fused_linear_cross_entropy(
     targets = targets.reshape(-1)
     if targets.shape[0] != hidden.shape[0]:
         raise ValueError(f"targets has {targets.shape[0]} rows, hidden has {hidden.shape[0]}")
-    rows = chunk_rows or max(1, CHUNK_ELEMENTS // weight.shape[0])
+    rows = chunk_rows or default_chunk_rows(weight)
     return _FusedLinearCrossEntropy.apply(hidden, weight, targets, ignore_index, reduction, int(rows))
