@@ -31,7 +31,6 @@ from smalti.llm.model.checkpointing import parse_activation_checkpointing, parse
 from smalti.llm.model.config import LLMConfig, options_signature
 from smalti.llm.model.ffn import MoEFFN, make_ffn
 from smalti.llm.model.fused_loss import fused_linear_cross_entropy
-from smalti.llm.model.metrics import LanguageCrossEntropy, LanguagePerplexity, TokenAccuracy
 from smalti.llm.model.norms import make_norm
 from smalti.llm.model.position import Rotary, alibi_slopes
 from smalti.llm.model.sequence_parallel import SequenceParallelGroup
@@ -471,6 +470,10 @@ class LLM(nn.Module):
 
     def metrics(self, train: bool = False) -> dict[str, Any]:
         """Cross-entropy, perplexity and token accuracy."""
+        # Imported here: torchmetrics imports transformers when it is installed (~270 MB of RSS), which a training
+        # run without evaluation never needs.
+        from smalti.llm.model.metrics import LanguageCrossEntropy, LanguagePerplexity, TokenAccuracy
+
         return {
             "LanguageCrossEntropy": LanguageCrossEntropy(),
             "LanguagePerplexity": LanguagePerplexity(),
@@ -485,6 +488,8 @@ class LLM(nn.Module):
         if count == 0:
             return
         logits = outputs["logits"]
+        from smalti.llm.model.metrics import TokenAccuracy
+
         if isinstance(metric, TokenAccuracy):
             hits = (logits.argmax(-1) == targets) & valid
             metric.update(hits.sum().float() / count, weight=count)
