@@ -48,7 +48,8 @@ def test_lora_bench_runs_every_side_in_fp32_on_the_same_terms(tmp_path):
     for name, run in {**runs, **chat}.items():
         assert run["precision"] == "fp32" and run["autocast"] == ["off"], name
         assert run["optimizer"] == "fused", name
-    assert runs["lora"]["base_dtypes"] == ["torch.bfloat16"]  # the recipe's bf16 base, upcast under fp32
+    # the recipe's bf16 base (its matrices; the 1-D norm scales stay fp32), upcast for each product under fp32
+    assert runs["lora"]["base_dtypes"] == ["torch.bfloat16", "torch.float32"]
     assert "NF4Tensor" in runs["qlora"]["base_dtypes"]
     assert runs["lora"]["trainable"] == runs["qlora"]["trainable"]
     assert runs["full"]["trainable"] > 3 * runs["lora"]["trainable"]
