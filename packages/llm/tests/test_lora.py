@@ -10,6 +10,7 @@ from pathlib import Path
 import peft
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 
 from smalti.llm.errors import LoRAError
@@ -226,3 +227,41 @@ def test_a_bf16_base_under_fp32_saves_its_bf16_weight_not_an_fp32_copy():
     _, want = _saved_bytes_and_grads(fp32, x)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("base_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("setting", "products"), [("openblas", 2), ("torch", 0)])
+def test_the_base_products_go_to_openblas_only_when_it_is_the_backend(monkeypatch, base_dtype, setting, products):
+    """A frozen base's forward and grad-input products (fp32, or a bf16 base upcast under fp32) are OpenBLAS sgemm
+    calls with smalti.core.cpu_gemm's openblas backend, none with torch's; the gradients are F.linear's."""
+    from smalti.core import cpu_gemm
+    from smalti.core.errors import ConfigError
+
+    monkeypatch.setattr(cpu_gemm, "_backend", cpu_gemm._backend)
+    try:
+        cpu_gemm.configure_cpu_gemm(setting, "cpu", cpu_vendor="AuthenticAMD")
+    except ConfigError as err:
+        pytest.skip(str(err))
+    calls: list[tuple[int, ...]] = []
+    sgemm = cpu_gemm._openblas_sgemm
+
+    def counted(out, a, b, beta):
+        calls.append((*a.shape, b.shape[1]))
+        return sgemm(out, a, b, beta)
+
+    monkeypatch.setattr(cpu_gemm, "_openblas_sgemm", counted)
+    torch.manual_seed(0)
+    base = torch.nn.Linear(256, 512)  # 2 * 256 * 256 * 512 = cpu_gemm.MIN_FLOPS
+    base.weight = torch.nn.Parameter(base.weight.detach().to(base_dtype), requires_grad=False)
+    base.bias = torch.nn.Parameter(base.bias.detach().to(base_dtype), requires_grad=False)
+    layer = LoRALinear(base, [("q", 0, 512)], ["q"], r=4, scaling=2.0)
+    x = torch.randn(256, 256, requires_grad=True)
+    y = layer(x)
+    (grad,) = torch.autograd.grad(y.square().sum(), x)
+    assert len(calls) == products, calls
+    x2 = x.detach().requires_grad_(True)
+    want_y = F.linear(x2, layer.weight.float(), layer.bias.float()) + F.linear(
+        F.linear(x2, layer.lora_A["q"]), layer.lora_B["q"]) * 2.0
+    (want,) = torch.autograd.grad(want_y.square().sum(), x2)
+    torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(grad, want, rtol=1e-4, atol=1e-3)

@@ -14,9 +14,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from smalti.core import cpu_gemm
 from smalti.llm.lora.naming import clean_name
 
 
@@ -29,13 +29,14 @@ class _FrozenLowPrecisionLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(weight)
-        return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+        return cpu_gemm.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:  # type: ignore[override]
         (weight,) = ctx.saved_tensors
-        grad_x = grad_out @ weight.to(grad_out.dtype) if ctx.needs_input_grad[0] else None
+        # grad_out @ W, as a linear against W^T (a view: no copy)
+        grad_x = cpu_gemm.linear(grad_out, weight.to(grad_out.dtype).t()) if ctx.needs_input_grad[0] else None
         return grad_x, None, None
 
 
@@ -114,9 +115,9 @@ class LoRALinear(nn.Linear):
             if self.bias is not None:
                 y = y + self.bias.to(y.dtype)
         elif autocast or w.dtype == x.dtype:
-            y = F.linear(x, w, self.bias)
+            y = cpu_gemm.linear(x, w, self.bias)
         elif w.requires_grad or (self.bias is not None and self.bias.requires_grad):
-            y = F.linear(x, w.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+            y = cpu_gemm.linear(x, w.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         else:  # a frozen bf16 base under an fp32 run: compute in the run's precision, keep the bf16 weight
             y = _FrozenLowPrecisionLinear.apply(x, w, self.bias)
         if not len(self.lora_A):
@@ -124,13 +125,13 @@ class LoRALinear(nn.Linear):
         h = self.lora_dropout(x)
         names = list(self.lora_A)
         if len(names) == 1 and len(self.parts) == 1:
-            return y + F.linear(F.linear(h, self.lora_A[names[0]]), self.lora_B[names[0]]) * self.scaling
+            return y + cpu_gemm.linear(cpu_gemm.linear(h, self.lora_A[names[0]]), self.lora_B[names[0]]) * self.scaling
         # one product for every part's A, then each part's B on its slice of the rank dimension
-        low = F.linear(h, torch.cat([self.lora_A[n] for n in names]))
+        low = cpu_gemm.linear(h, torch.cat([self.lora_A[n] for n in names]))
         pieces, i = [], 0
         for name, a, b in self.parts:
             if name in self.lora_A:
-                pieces.append(F.linear(low[..., i * self.r:(i + 1) * self.r], self.lora_B[name]))
+                pieces.append(cpu_gemm.linear(low[..., i * self.r:(i + 1) * self.r], self.lora_B[name]))
                 i += 1
             else:
                 pieces.append(low.new_zeros(*low.shape[:-1], b - a))
