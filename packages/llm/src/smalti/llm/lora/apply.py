@@ -22,27 +22,13 @@ from smalti.llm.lora.experts import LoRAExperts, expert_lora_layers
 from smalti.llm.lora.fingerprint import BaseFingerprint
 from smalti.llm.lora.layer import LoRALinear, is_nf4, lora_layers
 from smalti.llm.lora.naming import clean_name, is_adapter_parameter
+from smalti.llm.lora.sites import block_linears
 
 log = logging.getLogger(__name__)
 
 #: QLoRA's NF4 layout: 64 weights share an absmax scale; 256 scales share one double-quantisation constant.
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "nf4": torch.bfloat16}
-
-
-def _block_linears(block: nn.Module) -> dict[str, list[tuple[str, int, int]]]:
-    """A block's linear layers (by path inside the block) and their parts, named as in :data:`TARGETS`."""
-    out: dict[str, list[tuple[str, int, int]]] = {}
-    attn = block.attn
-    q = attn.n_heads * attn.head_dim
-    kv = attn.n_kv_heads * attn.head_dim
-    out["attn.wqkv"] = [("q", 0, q), ("k", q, q + kv), ("v", q + kv, q + 2 * kv)]
-    out["attn.out_proj"] = [("o", 0, attn.out_proj.out_features)]
-    for name in ("gate", "up", "down"):
-        layer = getattr(block.ffn, f"{name}_proj", None)
-        if isinstance(layer, nn.Linear):
-            out[f"ffn.{name}_proj"] = [(name, 0, layer.out_features)]
-    return out
 
 
 def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -86,7 +72,7 @@ def apply_lora(model: nn.Module, lora: Any) -> LoRAConfig:
     wanted = set(config.targets)
     found: set[str] = set()
     for block in model.blocks:
-        for path, parts in _block_linears(block).items():
+        for path, parts in block_linears(block).items():
             adapted = [name for name, _, _ in parts if name in wanted]
             found.update(adapted)
             base = block.get_submodule(path)

@@ -40,6 +40,7 @@ from smalti.llm.lora.config import EXPERT_TARGETS, LoRAConfig
 from smalti.llm.lora.experts import LoRAExperts, expert_lora_layers
 from smalti.llm.lora.layer import lora_layers
 from smalti.llm.lora.naming import clean_name
+from smalti.llm.lora.sites import block_linears
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
@@ -279,12 +280,10 @@ def lora_settings(folder: str | os.PathLike, base: nn.Module | None = None) -> d
 def _targets_of(base: nn.Module, names: list[str]) -> list[str]:
     """The smalti targets (``q``, ``o``...) whose parts sit in the ``transformers`` modules PEFT's
     ``target_modules`` ``names`` match on ``base``'s family."""
-    from smalti.llm.lora.apply import _block_linears
-
     family = _family(base)
     parts = family.weight_parts(base.config)
     out = set()
-    for path, linears in _block_linears(base.blocks[0]).items():
+    for path, linears in block_linears(base.blocks[0]).items():
         for name, a, b in linears:
             try:
                 module = family.adapter_site(parts, f"blocks.0.{path}.weight", a, b).module
