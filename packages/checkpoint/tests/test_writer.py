@@ -185,3 +185,21 @@ def test_each_small_entry_reaches_the_file_in_one_write(tmp_path, monkeypatch, d
     assert all(info.transform_descriptors is None for info in metadata.storage_data.values())
     for name, record in writer.fs.records.items():
         assert record["hash"] == f"xxh3_128:{reference_digest('xxh3_128', (tmp_path / name).read_bytes())}"
+
+
+def test_tensors_held_on_a_device_take_dcps_own_write_loop(tmp_path, monkeypatch):
+    """A synchronous save from a GPU keeps DCP's loop, which copies the next tensor to the host while it writes
+    the current one; the per-entry loop above would copy them one at a time. (The meta device stands in for a
+    GPU: any tensor not on the CPU counts.)"""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+
+    monkeypatch.setattr(dcp.FileSystemWriter, "write_data", lambda self, plan, planner: ("dcp's loop", plan))
+    tensors = {"w": torch.zeros(4), "v": torch.empty(4, device="meta")}
+
+    class Planner:
+        def resolve_data(self, item):
+            return tensors[item.index.fqn]
+
+    plan = SavePlan([WriteItem(index=MetadataIndex(name), type=WriteItemType.TENSOR) for name in tensors])
+    assert HashingFileSystemWriter(tmp_path).write_data(plan, Planner()) == ("dcp's loop", plan)

@@ -74,6 +74,11 @@ def _entry_bytes(item: WriteItem) -> int:
     return math.prod(item.tensor_data.size) * item.tensor_data.properties.dtype.itemsize
 
 
+def _on_a_device(planner: SavePlanner, item: WriteItem) -> bool:
+    """Whether entry ``item`` is a tensor held off the host (a GPU's), without copying it."""
+    return item.type != WriteItemType.BYTE_IO and planner.resolve_data(item).device.type != "cpu"
+
+
 def _host_tensor(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
     """Entry ``item``'s tensor on the host with a storage of its own size, as DCP's writer serialises it."""
     tensor = planner.resolve_data(item).detach().cpu()
@@ -135,6 +140,10 @@ class HashingFileSystemWriter(FileSystemWriter):
         """Write this rank's entries as DCP's ``FileSystemWriter`` does (the same files, one per thread, the
         same archives at the same offsets, byte entries first), with each tensor's archive written by
         :func:`~smalti.checkpoint.tensor_records.save_tensor` and each small one in a single write."""
+        if any(_on_a_device(planner, item) for item in plan.items):
+            # DCP's own loop copies the next device tensor to the host while it writes this one; this loop would
+            # copy them one at a time. Host tensors (CPU training, async saves' staged copies) take this loop.
+            return super().write_data(plan, planner)
         prefix = plan.storage_data.prefix
         files = [(f"{prefix}{i}{DATA_SUFFIX}", bucket)
                  for i, bucket in enumerate(split_by_size_and_type(self.thread_count, plan.items))]
