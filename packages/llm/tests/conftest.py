@@ -59,3 +59,36 @@ def one_process_losses() -> Callable[..., list[float]]:
         return losses
 
     return train
+
+
+@pytest.fixture
+def gemm_backend(monkeypatch):
+    """Sets smalti.core.cpu_gemm's backend for one test (restored after); skips where OpenBLAS cannot apply."""
+    from smalti.core import cpu_gemm
+    from smalti.core.errors import ConfigError
+
+    monkeypatch.setattr(cpu_gemm, "_backend", cpu_gemm._backend)
+
+    def use(setting: str) -> None:
+        try:
+            cpu_gemm.configure_cpu_gemm(setting, "cpu", cpu_vendor="AuthenticAMD")
+        except ConfigError as err:
+            pytest.skip(str(err))
+
+    return use
+
+
+@pytest.fixture
+def openblas_products(monkeypatch) -> list[tuple[int, int, int, float]]:
+    """Every OpenBLAS sgemm smalti.core.cpu_gemm makes during the test, as ``(m, k, n, beta)``."""
+    from smalti.core import cpu_gemm
+
+    calls: list[tuple[int, int, int, float]] = []
+    sgemm = cpu_gemm._openblas_sgemm
+
+    def counted(out, a, b, beta):
+        calls.append((a.shape[0], a.shape[1], b.shape[1], beta))
+        return sgemm(out, a, b, beta)
+
+    monkeypatch.setattr(cpu_gemm, "_openblas_sgemm", counted)
+    return calls

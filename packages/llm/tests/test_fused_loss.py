@@ -145,23 +145,6 @@ def test_one_chunk_of_logits_is_alive_at_a_time(monkeypatch):
 _ROWS, _D, _VOCAB, _CHUNK = 200, 64, 8192, 128
 
 
-@pytest.fixture
-def gemm_backend(monkeypatch):
-    """Sets smalti.core.cpu_gemm's backend for one test (restored after); skips where OpenBLAS cannot apply."""
-    from smalti.core import cpu_gemm
-    from smalti.core.errors import ConfigError
-
-    monkeypatch.setattr(cpu_gemm, "_backend", cpu_gemm._backend)
-
-    def use(setting: str) -> None:
-        try:
-            cpu_gemm.configure_cpu_gemm(setting, "cpu", cpu_vendor="AuthenticAMD")
-        except ConfigError as err:
-            pytest.skip(str(err))
-
-    return use
-
-
 def test_equals_plain_cross_entropy_through_openblas(gemm_backend):
     gemm_backend("openblas")
     hidden, weight, targets = _inputs(n=_ROWS, d=_D, v=_VOCAB)
@@ -175,40 +158,28 @@ def test_equals_plain_cross_entropy_through_openblas(gemm_backend):
 
 
 @pytest.mark.parametrize(("setting", "products"), [("openblas", 6), ("torch", 0)])
-def test_the_head_products_go_to_openblas_only_when_it_is_the_backend(gemm_backend, monkeypatch, setting, products):
+def test_the_head_products_go_to_openblas_only_when_it_is_the_backend(gemm_backend, openblas_products, setting,
+                                                                     products):
     """The optimisation is on: each chunk's three products (logits, grad of hidden, grad of weight) are OpenBLAS
     sgemm calls with the openblas backend, and none are with torch's."""
-    from smalti.core import cpu_gemm
-
     gemm_backend(setting)
-    calls: list[tuple[int, ...]] = []
-    sgemm = cpu_gemm._openblas_sgemm
-
-    def counted(out, a, b, beta):
-        calls.append((*a.shape, b.shape[1]))
-        return sgemm(out, a, b, beta)
-
-    monkeypatch.setattr(cpu_gemm, "_openblas_sgemm", counted)
+    calls = openblas_products
     hidden, weight, targets = _inputs(n=_ROWS, d=_D, v=_VOCAB)
     fused_linear_cross_entropy(hidden, weight, targets, chunk_rows=_CHUNK).backward()
     assert len(calls) == products, calls
 
 
-def test_a_frozen_bf16_head_converted_by_blocks_feeds_openblas(gemm_backend, monkeypatch):
+def test_a_frozen_bf16_head_converted_by_blocks_feeds_openblas(gemm_backend, openblas_products, monkeypatch):
     """The bf16 head of an fp32 run is converted block by block and each fp32 block's products go to OpenBLAS."""
     import smalti.llm.model.fused_loss as fused_loss
-    from smalti.core import cpu_gemm
 
     gemm_backend("openblas")
     monkeypatch.setattr(fused_loss, "CAST_ROWS", _VOCAB // 2)
-    calls = []
-    sgemm = cpu_gemm._openblas_sgemm
-    monkeypatch.setattr(cpu_gemm, "_openblas_sgemm", lambda *args: calls.append(args[3]) or sgemm(*args))
     hidden, weight, targets = _inputs(n=_CHUNK, d=_D, v=_VOCAB)
     head = weight.detach().to(torch.bfloat16)
     fused = fused_linear_cross_entropy(hidden, head, targets)
     (grad,) = torch.autograd.grad(fused, hidden)
-    assert calls == [0.0, 0.0, 0.0, 1.0]  # logits by 2 blocks, then grad of hidden by 2 blocks, accumulated
+    assert [beta for *_, beta in openblas_products] == [0.0, 0.0, 0.0, 1.0]  # logits by 2 blocks, then grad of hidden by 2 blocks, accumulated
     plain = F.cross_entropy(hidden @ head.float().T, targets, ignore_index=-100)
     (want,) = torch.autograd.grad(plain, hidden)
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)

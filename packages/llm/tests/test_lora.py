@@ -231,25 +231,12 @@ def test_a_bf16_base_under_fp32_saves_its_bf16_weight_not_an_fp32_copy():
 
 @pytest.mark.parametrize("base_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("setting", "products"), [("openblas", 2), ("torch", 0)])
-def test_the_base_products_go_to_openblas_only_when_it_is_the_backend(monkeypatch, base_dtype, setting, products):
+def test_the_base_products_go_to_openblas_only_when_it_is_the_backend(gemm_backend, openblas_products, base_dtype,
+                                                                     setting, products):
     """A frozen base's forward and grad-input products (fp32, or a bf16 base upcast under fp32) are OpenBLAS sgemm
     calls with smalti.core.cpu_gemm's openblas backend, none with torch's; the gradients are F.linear's."""
-    from smalti.core import cpu_gemm
-    from smalti.core.errors import ConfigError
-
-    monkeypatch.setattr(cpu_gemm, "_backend", cpu_gemm._backend)
-    try:
-        cpu_gemm.configure_cpu_gemm(setting, "cpu", cpu_vendor="AuthenticAMD")
-    except ConfigError as err:
-        pytest.skip(str(err))
-    calls: list[tuple[int, ...]] = []
-    sgemm = cpu_gemm._openblas_sgemm
-
-    def counted(out, a, b, beta):
-        calls.append((*a.shape, b.shape[1]))
-        return sgemm(out, a, b, beta)
-
-    monkeypatch.setattr(cpu_gemm, "_openblas_sgemm", counted)
+    gemm_backend(setting)
+    calls = openblas_products
     torch.manual_seed(0)
     base = torch.nn.Linear(256, 512)  # 2 * 256 * 256 * 512 = cpu_gemm.MIN_FLOPS
     base.weight = torch.nn.Parameter(base.weight.detach().to(base_dtype), requires_grad=False)
