@@ -130,8 +130,10 @@ def timed_saves(trainer, saves: int = 2) -> dict:
 def run_smalti(side: str, folder: Path, steps: int, precision: str, checkpointing: str) -> dict:
     """smalti's Trainer on the imported model: every weight (``full``), or LoRA / QLoRA adapters."""
     from smalti.core import Callback, Trainer
+    from smalti.core.cpu_malloc import DEFAULT_MMAP_THRESHOLD, configure_cpu_malloc
     from smalti.llm.hf import import_hf
 
+    configure_cpu_malloc(DEFAULT_MMAP_THRESHOLD, "cpu")  # before the import, as smalti-train sets it
     data = torch.load(folder / "tokens.pt")
     lora = None if side == "full" else {**LORA, "base_dtype": "nf4" if side == "qlora" else LORA_BASE_DTYPE}
     model = import_hf(folder, max_seq_len=data.shape[-1], lora=lora,

@@ -91,3 +91,24 @@ def test_null_and_other_devices_leave_libc_alone():
 def test_bad_threshold_names_the_key(bad):
     with pytest.raises(ConfigError, match=r"trainer\.cpu_malloc_mmap_threshold"):
         configure_cpu_malloc(bad, "cpu")
+
+
+def test_the_cli_sets_the_threshold_before_it_builds_the_model(tmp_path, monkeypatch):
+    """smalti-train applies ``trainer.cpu_malloc_mmap_threshold`` before the model is built, so what the build
+    frees (an fp32 checkpoint read and then quantised, say) leaves the process instead of staying in the heap."""
+    from hydra import compose, initialize_config_module
+
+    import smalti.core.cli.train  # noqa: F401 - registers the config schema
+    from smalti.core.config import build as build_module
+
+    monkeypatch.chdir(tmp_path)
+    events = []
+    real_build = build_module.build
+    monkeypatch.setattr(build_module, "configure_cpu_malloc",
+                        lambda threshold, device: events.append(("malloc", threshold)) or "recorded")
+    monkeypatch.setattr(build_module, "build", lambda node, what: events.append(("build", what)) or real_build(node, what))
+    with initialize_config_module(version_base="1.3", config_module="smalti.core.conf"):
+        cfg = compose("train", overrides=["model=tiny_lm", "data=synthetic", "callbacks=[]", "logger=[]",
+                                          "trainer.eval_interval=null", "trainer.cpu_malloc_mmap_threshold=2097152"])
+    build_module.build_trainer(cfg).close()
+    assert events.index(("malloc", 2097152)) < events.index(("build", "model")), events

@@ -14,7 +14,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from smalti.core import distributed
 from smalti.core.config.validate import validate_config
-from smalti.core.cpu_malloc import DEFAULT_MMAP_THRESHOLD
+from smalti.core.cpu_malloc import DEFAULT_MMAP_THRESHOLD, configure_cpu_malloc
 from smalti.core.data import build_dataloader, check_has_batches, per_rank_batch_size
 from smalti.core.errors import BuildError, ConfigError, SmaltiError
 from smalti.core.parallelism import Parallelism, SingleDevice
@@ -109,6 +109,11 @@ def _build_data(cfg: DictConfig) -> tuple[Parallelism, Any, Any]:
     if cfg.trainer.get("deterministic"):
         configure_determinism()  # before anything runs a kernel (oneMKL reads its settings once)
     seed_all(cfg.trainer.seed)  # before the model is built: same initial weights on every rank and run
+    # Before the data and the model are built (the Trainer applies it again): what building frees - a checkpoint
+    # read in fp32 and quantised, say - goes back to the OS instead of staying in glibc's heap under the run.
+    device = cfg.trainer.device
+    configure_cpu_malloc(cfg.trainer.get("cpu_malloc_mmap_threshold", DEFAULT_MMAP_THRESHOLD),
+                         distributed.default_device() if device is None else device)
 
     data = cfg.data
     batch_size = per_rank_batch_size(data.global_train_batch_size, parallelism.dp_world_size)
