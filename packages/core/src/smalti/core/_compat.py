@@ -22,6 +22,9 @@ foreach_add_ = private_name("torch", "_foreach_add_")
 #: The base class of every batch-norm layer (SWA recomputes their running statistics).
 BatchNorm = private_name("torch.nn.modules.batchnorm", "_BatchNorm")
 
+#: Whether a tensor is a functorch (vmap/grad) wrapper, whose data pointer is not its own (cpu_gemm refuses them).
+is_functorch_wrapped_tensor = private_name("torch._C._functorch", "is_functorch_wrapped_tensor")
+
 # --- Hydra: the modules whose functions smalti wraps to word config errors (hydra_errors, cli.report) ---
 hydra_defaults_list = private_name("hydra._internal.defaults_list", distribution="hydra-core")
 hydra_internal_utils = private_name("hydra._internal.utils", distribution="hydra-core")
@@ -90,6 +93,7 @@ PRIVATE_NAMES: dict[str, Any] = {
     "torch._foreach_mul": foreach_mul,
     "torch._foreach_add_": foreach_add_,
     "torch.nn.modules.batchnorm._BatchNorm": BatchNorm,
+    "torch._C._functorch.is_functorch_wrapped_tensor": is_functorch_wrapped_tensor,
     "hydra._internal.defaults_list": hydra_defaults_list,
     "hydra._internal.utils": hydra_internal_utils,
     "pluggy.PluginManager._inner_hookexec": PLAIN_HOOKEXEC,

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from smalti.core._compat import is_functorch_wrapped_tensor
 from smalti.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,7 @@ _PLAIN = (torch.Tensor, nn.Parameter)  # exactly these: subclasses (DTensor, NF4
 def _plain_fp32_cpu(t: Tensor) -> bool:
     return (type(t) in _PLAIN and t.dtype == torch.float32 and t.device.type == "cpu"
             and t.layout == torch.strided and t.dim() == 2 and not t.is_neg()
-            and not torch._C._functorch.is_functorch_wrapped_tensor(t))
+            and not is_functorch_wrapped_tensor(t))
 
 
 def _span(t: Tensor) -> tuple[int, int]:
