@@ -241,7 +241,9 @@ def test_backend_resolves_auto_when_not_configured(sgemm_calls, monkeypatch):
 
 
 @needs_openblas
-def test_openblas_threads_follow_torch(openblas):
+def test_openblas_runs_on_one_thread_whatever_torchs_count(openblas):
+    """OpenBLAS's threaded sgemm splits some products differently by thread count: one thread keeps smalti's
+    default-mode losses the same bit for bit with 1 or 2 intra-op threads."""
     from threadpoolctl import threadpool_info
 
     before = torch.get_num_threads()
@@ -249,7 +251,7 @@ def test_openblas_threads_follow_torch(openblas):
         torch.set_num_threads(2)
         cpu_gemm.configure_cpu_gemm("openblas", "cpu", cpu_vendor="AuthenticAMD")
         info = [i for i in threadpool_info() if i["filepath"] == cpu_gemm._openblas.filepath]
-        assert info[0]["num_threads"] == 2
+        assert info[0]["num_threads"] == 1
     finally:
         torch.set_num_threads(before)
         cpu_gemm.configure_cpu_gemm("openblas", "cpu", cpu_vendor="AuthenticAMD")

@@ -118,10 +118,14 @@ def _why_not_openblas(device: torch.device, cpu_vendor: str | None) -> str | Non
 
 
 def _use_openblas_threads() -> None:
+    """One OpenBLAS thread, whatever torch's count: OpenBLAS's threaded sgemm splits some products differently by
+    thread count, and smalti's default mode promises the same losses bit for bit with 1 or 2 intra-op threads
+    (tests/test_llm_e2e.py). Products then run on one core; on many-core CPUs ``trainer.cpu_gemm=torch`` keeps
+    MKL's threads."""
     from threadpoolctl import ThreadpoolController
 
     assert isinstance(_openblas, _OpenBLAS)
-    ThreadpoolController().select(filepath=_openblas.filepath).limit(limits=torch.get_num_threads())
+    ThreadpoolController().select(filepath=_openblas.filepath).limit(limits=1)
 
 
 def configure_cpu_gemm(setting: str, device: torch.device | str = "cpu", *, cpu_vendor: str | None = None) -> str:
@@ -130,7 +134,7 @@ def configure_cpu_gemm(setting: str, device: torch.device | str = "cpu", *, cpu_
     ``auto`` picks ``openblas`` when the device is the CPU, torch's BLAS is MKL, the CPU is not Intel's
     (``cpu_vendor``, default /proc/cpuinfo's ``vendor_id``) and numpy's BLAS is OpenBLAS; else ``torch``.
     ``openblas`` insists (a :class:`ConfigError` saying why when it cannot apply); ``torch`` switches it off.
-    With ``openblas`` chosen, OpenBLAS's thread count is set to ``torch.get_num_threads()``. The choice is logged
+    With ``openblas`` chosen, OpenBLAS runs on one thread (results independent of torch's thread count). The choice is logged
     at INFO when it changes. Raises :class:`ConfigError` naming ``trainer.cpu_gemm`` for an unknown setting.
     """
     global _backend
@@ -145,7 +149,7 @@ def configure_cpu_gemm(setting: str, device: torch.device | str = "cpu", *, cpu_
     if chosen == "openblas":
         _use_openblas_threads()
         message = (f"{_KEY}={setting}: fp32 CPU matrix products through numpy's OpenBLAS "
-                   f"{_openblas.version} with {torch.get_num_threads()} thread(s) (torch: torch's own BLAS)")
+                   f"{_openblas.version} on one thread (torch: torch's own BLAS)")
     elif setting == "torch":
         message = f"{_KEY}=torch: fp32 CPU matrix products through torch's own BLAS"
     else:
