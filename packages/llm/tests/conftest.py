@@ -92,3 +92,18 @@ def openblas_products(monkeypatch) -> list[tuple[int, int, int, float]]:
 
     monkeypatch.setattr(cpu_gemm, "_openblas_sgemm", counted)
     return calls
+
+
+@pytest.fixture
+def randomise_adapters() -> Callable[..., None]:
+    """Sets every LoRA tensor of a model to seeded random values: fresh adapters start as the base (B = 0), which
+    would hide a wrong mapping, and each expert's and rank's values differ, so a swapped axis shows."""
+
+    @torch.no_grad()
+    def randomise(model: torch.nn.Module, seed: int = 1) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+
+    return randomise

@@ -35,21 +35,12 @@ def _hf(folder: Path) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True).eval()
 
 
-@torch.no_grad()
-def _randomise_adapters(model: torch.nn.Module, seed: int = 1) -> None:
-    """Non-zero B (fresh adapters start as the base, which would hide a wrong mapping)."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        if "lora_" in name:
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-
-
 @pytest.mark.parametrize("family", FAMILIES)
-def test_smalti_adapter_loads_in_peft_with_equal_logits(tmp_path, monkeypatch, family):
+def test_smalti_adapter_loads_in_peft_with_equal_logits(randomise_adapters, tmp_path, monkeypatch, family):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     source = write_tiny_hf_model(tmp_path / family, family)
     model = _import(source, modules_to_save=["lm_head"])
-    _randomise_adapters(model)
+    randomise_adapters(model)
     with torch.no_grad():
         model.lm_head.weight.add_(0.05)
     folder = save_adapter(model, tmp_path / "adapter")
@@ -65,24 +56,25 @@ def test_smalti_adapter_loads_in_peft_with_equal_logits(tmp_path, monkeypatch, f
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_peft_adapter_starts_a_smalti_model_and_merges_as_peft_does(tmp_path, monkeypatch, family, peft_parity):
+def test_peft_adapter_starts_a_smalti_model_and_merges_as_peft_does(randomise_adapters, tmp_path, monkeypatch, family,
+                                                                    peft_parity):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     source = write_tiny_hf_model(tmp_path / family, family)
     theirs = peft.get_peft_model(_hf(source), peft.LoraConfig(
         r=4, lora_alpha=8, lora_dropout=0.0, use_rslora=True, target_modules=["q_proj", "v_proj", "down_proj"],
         task_type="CAUSAL_LM"))
-    _randomise_adapters(theirs, seed=2)
+    randomise_adapters(theirs, seed=2)
     theirs.save_pretrained(str(tmp_path / "peft"))
     ours = _import(source, targets=["q", "v", "down"], rslora=True, init_from=str(tmp_path / "peft"))
     peft_parity(ours, theirs, source, tmp_path, _ids(3))
 
 
-def test_fused_qkv_adapts_only_the_named_parts(tmp_path):
+def test_fused_qkv_adapts_only_the_named_parts(randomise_adapters, tmp_path):
     source = write_tiny_hf_model(tmp_path / "llama", "llama")
     model = _import(source, targets="k")
     wqkv = model.blocks[0].attn.wqkv
     assert isinstance(wqkv, LoRALinear) and list(wqkv.lora_A) == ["k"]
-    _randomise_adapters(model)
+    randomise_adapters(model)
     delta = wqkv.delta_weight()
     q, kv = 64, 32  # 4 heads and 2 key/value heads of 16
     assert delta[:q].abs().max() == 0 and delta[q + kv:].abs().max() == 0 and delta[q:q + kv].abs().max() > 0
@@ -157,7 +149,7 @@ def test_init_from_with_other_rank_says_which_setting_to_change(tmp_path):
         _import(source, targets="q", init_from=str(tmp_path / "adapter"))
 
 
-def test_generate_with_an_adapter_gives_peft_greedy_tokens(tmp_path, monkeypatch, capsys):
+def test_generate_with_an_adapter_gives_peft_greedy_tokens(randomise_adapters, tmp_path, monkeypatch, capsys):
     from smalti.llm.cli import main
     from smalti.llm.hf_tokenizer import HFTokenizer
 
@@ -165,7 +157,7 @@ def test_generate_with_an_adapter_gives_peft_greedy_tokens(tmp_path, monkeypatch
     source = write_tiny_hf_model(tmp_path / "llama3", "llama3")
     theirs = peft.get_peft_model(_hf(source), peft.LoraConfig(
         r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "o_proj", "up_proj"], task_type="CAUSAL_LM"))
-    _randomise_adapters(theirs, seed=4)
+    randomise_adapters(theirs, seed=4)
     theirs.save_pretrained(str(tmp_path / "peft"))
     prompt = "The old clockmaker mended a blue lantern by the river"
     ids = HFTokenizer.from_folder(source).encode(prompt, add_special_tokens=True)

@@ -40,27 +40,19 @@ def _import(folder: Path, **lora) -> torch.nn.Module:
     return import_hf(folder, lora={**LORA, **lora}).eval()
 
 
-@torch.no_grad()
-def _randomise_adapters(model: torch.nn.Module, seed: int) -> None:
-    """Non-zero B, and a different value for every expert (a swapped expert or rank axis then shows)."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        if "lora_" in name:
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-
-
 @pytest.mark.parametrize(("targets", "parameters"), [
     (["q", "v", "experts"], [DOWN, GATE_UP]),
     (["experts_down"], [DOWN]),
     (["o", "gate_up_proj"], [GATE_UP]),
 ])
-def test_smalti_expert_adapter_loads_in_peft_with_equal_logits(source, tmp_path, monkeypatch, targets, parameters):
+def test_smalti_expert_adapter_loads_in_peft_with_equal_logits(randomise_adapters, source, tmp_path, monkeypatch,
+                                                               targets, parameters):
     from smalti.llm.lora import save_adapter
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     model = _import(source, targets=targets)
     assert all(isinstance(block.ffn.moe, LoRAExperts) for block in model.blocks)
-    _randomise_adapters(model, seed=1)
+    randomise_adapters(model, seed=1)
     folder = save_adapter(model, tmp_path / "adapter")
     config = json.loads((folder / "adapter_config.json").read_text())
     assert config["target_parameters"] == parameters and config["lora_dropout"] == 0.0
@@ -72,12 +64,13 @@ def test_smalti_expert_adapter_loads_in_peft_with_equal_logits(source, tmp_path,
         assert (ours - _hf(source)(ids).logits).abs().max() > 1e-2  # the expert adapters change the model
 
 
-def test_peft_expert_adapter_starts_smalti_and_merges_as_peft_does(source, tmp_path, monkeypatch, peft_parity):
+def test_peft_expert_adapter_starts_smalti_and_merges_as_peft_does(randomise_adapters, source, tmp_path, monkeypatch,
+                                                                   peft_parity):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     theirs = peft.get_peft_model(_hf(source), peft.LoraConfig(
         r=2, lora_alpha=4, lora_dropout=0.0, use_rslora=True, target_modules=["k_proj"],
         target_parameters=[GATE_UP, DOWN], task_type="CAUSAL_LM"))
-    _randomise_adapters(theirs, seed=2)
+    randomise_adapters(theirs, seed=2)
     theirs.save_pretrained(str(tmp_path / "peft"))
     ours = _import(source, targets=["k", "experts"], rslora=True, init_from=str(tmp_path / "peft"))
     peft_parity(ours, theirs, source, tmp_path, _ids(3))

@@ -64,21 +64,12 @@ def _hf(folder: Path) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True).eval()
 
 
-@torch.no_grad()
-def _randomise_adapters(model: torch.nn.Module, seed: int) -> None:
-    """Non-zero B (fresh adapters start as the base, which would hide a wrong mapping)."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        if "lora_" in name:
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-
-
-def test_smalti_adapter_loads_in_peft_with_equal_logits(source, tmp_path, monkeypatch):
+def test_smalti_adapter_loads_in_peft_with_equal_logits(randomise_adapters, source, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     family, source = source
     targets = CASES[family][0]
     model = import_hf(source, lora={**LORA, "targets": targets}).eval()
-    _randomise_adapters(model, seed=1)
+    randomise_adapters(model, seed=1)
     folder = save_adapter(model, tmp_path / "adapter")
     theirs = peft.PeftModel.from_pretrained(_hf(source), str(folder)).eval()
     ids = _ids()
@@ -92,25 +83,26 @@ def test_smalti_adapter_loads_in_peft_with_equal_logits(source, tmp_path, monkey
         torch.testing.assert_close(again({"input_ids": ids})["logits"], ours, atol=1e-5, rtol=1e-5)
 
 
-def test_peft_adapter_starts_a_smalti_model_and_merges_as_peft_does(source, tmp_path, monkeypatch, peft_parity):
+def test_peft_adapter_starts_a_smalti_model_and_merges_as_peft_does(randomise_adapters, source, tmp_path, monkeypatch,
+                                                                    peft_parity):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     family, source = source
     _, modules, targets = CASES[family]
     theirs = peft.get_peft_model(_hf(source), peft.LoraConfig(
         r=2, lora_alpha=4, lora_dropout=0.0, use_rslora=True, target_modules=modules, task_type="CAUSAL_LM"))
-    _randomise_adapters(theirs, seed=2)
+    randomise_adapters(theirs, seed=2)
     theirs.save_pretrained(str(tmp_path / "peft"))
     ours = import_hf(source, lora={**LORA, "targets": targets, "rslora": True,
                                    "init_from": str(tmp_path / "peft")}).eval()
     peft_parity(ours, theirs, source, tmp_path, _ids(3))
 
 
-def test_fused_adapter_on_parts_not_adapted_is_refused_naming_the_target(tmp_path, monkeypatch):
+def test_fused_adapter_on_parts_not_adapted_is_refused_naming_the_target(randomise_adapters, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     source = write_tiny_hf_model(tmp_path / "dbrx", "dbrx")
     theirs = peft.get_peft_model(_hf(source), peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0,
                                                               target_modules=["Wqkv"], task_type="CAUSAL_LM"))
-    _randomise_adapters(theirs, seed=2)
+    randomise_adapters(theirs, seed=2)
     theirs.save_pretrained(str(tmp_path / "peft"))
     with pytest.raises(LoRAError, match="part 'k'.*add k to model.lora.targets"):
         import_hf(source, lora={**LORA, "targets": ["q", "v"], "init_from": str(tmp_path / "peft")})
