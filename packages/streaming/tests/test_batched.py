@@ -286,24 +286,33 @@ def test_the_first_batch_is_made_here_and_passed_over_by_the_workers(tmp_path, m
     assert sum(len(ids) for ids, _ in made) == sum(len(b["id"]) for b in plain)  # each batch made once
 
 
-def test_the_first_batch_is_handed_out_before_the_workers_start(tmp_path):
+def test_the_first_batch_is_handed_out_before_the_workers_start(tmp_path, monkeypatch):
     """The workers' start-up (forks) comes after the first batch, not before it: the first batch of an epoch
     waits only for its own rows, and the workers start on the main thread at the next ``next()``."""
-    import multiprocessing
+    import multiprocessing.process
+    import threading
 
+    started = []  # (process name, thread) of each start: a worker that has handed out its share may have exited
+    start = multiprocessing.process.BaseProcess.start
+
+    def recording_start(process):
+        started.append((process.name, threading.current_thread()))
+        start(process)
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", recording_start)
     data = write_columnar(tmp_path / "d")
     plain = list(DataLoader(StreamingDataset(local=str(data), batch_size=8, shuffle=True), batch_size=8))
     for raw in data.glob("shard.*.mds"):
         raw.unlink()
     loader = StreamingDataLoader(StreamingDataset(local=str(data), batch_size=8, shuffle=True), batch_size=8,
                                  num_workers=2)
-    assert multiprocessing.active_children() == []
     it = iter(loader)
     got = [next(it)]
-    assert multiprocessing.active_children() == []  # no worker yet
+    assert started == []  # no worker yet
     assert loader.state_dict()["sample_in_epoch"] == 8
     got.append(next(it))
-    assert len(multiprocessing.active_children()) == 2
+    assert len(started) == 2
+    assert all(thread is threading.main_thread() for _, thread in started)
     got.extend(it)
     assert len(got) == len(plain)
     for a, b in zip(got, plain, strict=True):
