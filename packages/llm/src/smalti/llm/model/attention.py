@@ -18,7 +18,7 @@ from torch import nn
 from smalti.core.cpu_gemm import Linear
 from smalti.llm.model.attention_mask import AttentionMask, attend
 from smalti.llm.model.norms import make_norm
-from smalti.llm.model.position import Rotary, alibi_bias, apply_rotary
+from smalti.llm.model.position import Rotary, alibi_bias, apply_rotary_signed
 from smalti.llm.model.sequence_parallel import SequenceParallelGroup, heads_to_sequence, sequence_to_heads
 
 
@@ -125,10 +125,10 @@ class Attention(nn.Module):
             # Under autocast the projections come out in bf16: rotate in fp32 with fp32 tables and round once
             # (as transformers' Llama under autocast does), not with bf16 tables and bf16 products.
             amp = torch.is_autocast_enabled(q.device.type) and q.dtype != torch.float32
-            cos, sin = self.rotary.tables(t, offset, q.device, torch.float32 if amp else q.dtype)
+            cos, sin = self.rotary.tables(t, offset, q.device, torch.float32 if amp else q.dtype, signed=True)
             cos, sin = cos[:, None], sin[:, None]  # broadcast over heads: [T, 1, D]
             dtype = q.dtype
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = apply_rotary_signed(q, cos, sin), apply_rotary_signed(k, cos, sin)
             if amp:
                 q, k = q.to(dtype), k.to(dtype)
         if sp is not None:

@@ -89,7 +89,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             n = h.shape[0]
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
             grad_h = torch.empty_like(h) if want_h else None
-            grad_w = torch.zeros(vocab, w.shape[1], dtype=torch.float32, device=w.device) if want_w else None
+            # the first chunk's product writes it, the later ones add (no zero fill of a [vocab, d] table)
+            grad_w = (torch.empty if n else torch.zeros)(vocab, w.shape[1], dtype=torch.float32, device=w.device) \
+                if want_w else None
             for start in range(0, n, chunk_rows):
                 # the last chunk's logits go before this chunk's are made: never two chunks at once
                 logits = exp = dlogits = None
@@ -105,18 +107,21 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
                 total += ((sums.log() + top.squeeze(1) - target_logit) * keep[start:stop]).sum()
                 if not (want_h or want_w):
                     continue
-                # softmax - one_hot(target): the gradient of the summed loss with respect to this chunk's logits.
-                dlogits = exp.mul_(sums.reciprocal_()[:, None])
-                dlogits[torch.arange(stop - start, device=dlogits.device), tc] -= 1.0
-                dlogits.mul_(keep[start:stop, None])
+                # (softmax - one_hot(target)) * keep: the gradient of the summed loss with respect to this chunk's
+                # logits, in one pass over them (keep is 0 or 1, so 1/sum * keep is exactly 1/sum or 0).
+                row_keep = keep[start:stop]
+                dlogits = exp.mul_((sums.reciprocal_() * row_keep)[:, None])
+                dlogits[torch.arange(stop - start, device=dlogits.device), tc] -= row_keep
                 dlogits = dlogits.to(dtype)
                 if grad_h is not None:
                     _grad_hidden(dlogits, w, grad_h[start:stop])
                 if grad_w is not None:
                     if dtype == torch.float32:
-                        matmul_into(grad_w, dlogits.t(), hc, accumulate=True)
-                    else:
+                        matmul_into(grad_w, dlogits.t(), hc, accumulate=start > 0)
+                    elif start > 0:
                         grad_w += torch.mm(dlogits.t(), hc).float()
+                    else:
+                        grad_w.copy_(torch.mm(dlogits.t(), hc))
             if reduction == "mean":
                 scale = keep.sum().clamp(min=1.0).reciprocal()  # stays on the device
                 total = total * scale

@@ -67,9 +67,12 @@ class Rotary:
     # Eager under torch.compile: traced, the cache lookup would guard on the cache's contents and recompile the
     # block once the first call has filled it.
     @torch.compiler.disable
-    def tables(self, seq_len: int, offset: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos, sin`` of shape ``[seq_len, head_dim]`` for positions ``offset .. offset + seq_len - 1``."""
-        key = (seq_len, offset, device, dtype)
+    def tables(
+        self, seq_len: int, offset: int, device: torch.device, dtype: torch.dtype, signed: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` of shape ``[seq_len, head_dim]`` for positions ``offset .. offset + seq_len - 1``; with
+        ``signed``, ``sin``'s first half negated (what :func:`apply_rotary_signed` takes)."""
+        key = (seq_len, offset, device, dtype, signed)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
@@ -77,7 +80,8 @@ class Rotary:
         positions = torch.arange(offset, offset + seq_len, device=device, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
-        out = (emb.cos().to(dtype), emb.sin().to(dtype))
+        sin = emb.sin()
+        out = (emb.cos().to(dtype), (_signed_sin(sin) if signed else sin).to(dtype))
         if len(self._cache) > 8:
             self._cache.clear()
         if device.type != "meta":
@@ -85,12 +89,57 @@ class Rotary:
         return out
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+def _swap_halves(x: torch.Tensor) -> torch.Tensor:
+    """``[x2, x1]`` for ``x = [x1, x2]`` split in halves along the last dimension (one copy, no zero-filled
+    gradient buffers: ``roll`` by half the width is its own kind of permutation)."""
+    return torch.roll(x, x.shape[-1] // 2, dims=-1)
+
+
+class _ApplyRotary(torch.autograd.Function):
+    """``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = [-x2, x1]``, as ``swap(x) * [-sin1, sin2]``.
+
+    Why a Function: autograd's graph of ``cat([-x2, x1])`` runs a negation, a concatenation and, in backward,
+    two slice gradients that each fill a zero tensor the size of ``x`` and copy into it. Here backward is the
+    forward's own form, ``g * cos + swap(g * [-sin1, sin2])``: three passes over ``x``, nothing saved but the
+    (cached) tables. Same bits as the plain formula in forward and backward: the sign moves into the table
+    (``(-a) * b == a * (-b)``) and each output element adds the same two products.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(cos, signed_sin)
+        ctx.dtype = x.dtype
+        out = x * cos
+        return out.add_(_swap_halves(x) * signed_sin)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        cos, signed_sin = ctx.saved_tensors
+        # swap(g * s) placed where x's swapped copy came from: swap is its own inverse.
+        out = grad * cos
+        return out.add_(_swap_halves(grad * signed_sin)).to(ctx.dtype), None, None
+
+
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    half = sin.shape[-1] // 2
+    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` (half-split convention, the one Hugging Face Llama uses); ``cos``/``sin`` broadcast against
-    it (``[T, D]`` for ``[B, H, T, D]``, ``[T, 1, D]`` for ``[B, T, H, D]``)."""
-    return x * cos + _rotate_half(x) * sin
+    it (``[T, D]`` for ``[B, H, T, D]``, ``[T, 1, D]`` for ``[B, T, H, D]``).
+
+    Computes ``x * cos + [-x2, x1] * sin`` through :class:`_ApplyRotary` (fewer passes in backward, same bits);
+    ``sin`` may be given already signed (``[-sin1, sin2]``, :meth:`Rotary.tables` with ``signed=True``) by
+    passing ``signed_sin`` instead.
+    """
+    return apply_rotary_signed(x, cos, _signed_sin(sin))
+
+
+def apply_rotary_signed(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rotary` with ``sin``'s first half already negated (``Rotary.tables(..., signed=True)``),
+    so that a layer's two rotations (queries, keys) share one signed table."""
+    if x.requires_grad and torch.is_grad_enabled():
+        return _ApplyRotary.apply(x, cos, signed_sin)
+    return (x * cos).add_(_swap_halves(x) * signed_sin)
