@@ -101,3 +101,16 @@ def test_fused_loss_makes_one_pass_for_the_logit_gradient_and_fills_no_weight_gr
     assert len(big) == 3, big  # one per chunk of 16 rows: 16, 16, 8
     fills = [(name, shape) for name, shape in ops.calls if shape == (vocab, d) and name in ("zeros", "zero_", "fill_")]
     assert not fills, fills
+
+
+def test_local_layers_whose_window_covers_the_sequence_take_the_causal_path():
+    """Gemma 3 at seq <= sliding_window (the bench's 512 / 512): every layer, local or global, runs one
+    ``is_causal`` SDPA call per forward, with no mask or bias tensor built."""
+    model = LLM(d_model=32, n_heads=2, n_kv_heads=1, n_layers=2, vocab_size=64, max_seq_len=24, position="rope",
+                sliding_window=24, window_layers=[True, False])
+    ids = torch.randint(0, 64, (2, 24))
+    with _Ops() as ops:
+        model({"input_ids": ids})
+    sdpa = [name for name, _ in ops.calls if "scaled_dot_product" in name]
+    assert len(sdpa) == 2, sdpa
+    assert not [shape for _, shape in ops.calls if shape[-2:] == (24, 24)]  # no [T, T] mask or bias
