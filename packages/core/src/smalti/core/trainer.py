@@ -34,6 +34,7 @@ from smalti.core.optim.in_backward_checks import (
     refuse_microbatches,
     refuse_skipped_step,
 )
+from smalti.core.optim.row_sparse import settle_sparse_grads, step_sparse_params
 from smalti.core.parallelism import DDP, Parallelism, SingleDevice
 from smalti.core.plugin import should_eval as default_should_eval
 from smalti.core.plugins.manager import SmaltiPluginManager, new_plugin_manager
@@ -559,6 +560,8 @@ class Trainer:
                 self._shrink_microbatch(batch)
                 continue
             break
+        # an embedding's row-sparse gradient: its repeated rows summed once (dense under a gradient scaler)
+        settle_sparse_grads(state.model.parameters(), dense=state.grad_scaler is not None)
         # a second pass over the batch for SAM-like algorithms
         events.fire(Event.GRADIENTS_READY, recompute=lambda: self.forward_backward(batch))
         # Averaged in place over ranks: a copy, as ``loss`` may share memory with ``state.loss``.
@@ -577,6 +580,7 @@ class Trainer:
                 if state.grad_scaler is not None:
                     state.grad_scaler.step(opt)
                 else:
+                    step_sparse_params(opt)  # parameters with a row-sparse gradient, before the rest
                     opt.step()
         if state.grad_scaler is not None:
             # Also after a skipped step: the scale must still back off, and unscale_ needs a fresh update.

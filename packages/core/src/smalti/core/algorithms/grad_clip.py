@@ -9,6 +9,7 @@ import torch
 from smalti.core.config.types import PositiveFloat, TimeOrBatches
 from smalti.core.errors import ConfigError
 from smalti.core.intervals import batch_count
+from smalti.core.optim import row_sparse
 from smalti.core.plugins import Algorithm
 
 
@@ -51,10 +52,13 @@ class GradientClipping(Algorithm):
         params = [p for p in state.model.parameters() if p.grad is not None]
         if not params:
             return
+        sparse = bool(row_sparse.sparse_grad_params(params))  # an embedding's row-sparse gradient
         if self.clipping_type == "value":
-            torch.nn.utils.clip_grad_value_(params, self.clipping_threshold)
+            clip_value = row_sparse.clip_grad_value if sparse else torch.nn.utils.clip_grad_value_
+            clip_value(params, self.clipping_threshold)
         else:
-            norm = torch.nn.utils.clip_grad_norm_(params, self.clipping_threshold)
+            clip_norm = row_sparse.clip_grad_norm if sparse else torch.nn.utils.clip_grad_norm_
+            norm = clip_norm(params, self.clipping_threshold)
             if hasattr(norm, "full_tensor"):  # DTensor: reduce over the shards now, while every rank is here
                 norm = norm.full_tensor()
             self._pending.append((state.timestamp.batch + 1, norm.detach().reshape(())))

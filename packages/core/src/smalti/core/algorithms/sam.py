@@ -12,6 +12,7 @@ from smalti.core._compat import foreach_add_, foreach_copy_, foreach_mul
 from smalti.core.config.types import NonNegativeFloat, PositiveFloat, TimeOrBatches
 from smalti.core.errors import ConfigError
 from smalti.core.intervals import batch_count
+from smalti.core.optim.row_sparse import densify_grads
 from smalti.core.plugins import Algorithm
 from smalti.core.tensors import local_shard
 
@@ -69,6 +70,7 @@ class SAM(Algorithm):
         params = [p for p in state.model.parameters() if p.grad is not None]
         if not params:
             return
+        densify_grads(params)  # the perturbation moves every weight by its gradient
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if hasattr(norm, "full_tensor"):  # DTensor: the norm over every shard
             norm = norm.full_tensor()

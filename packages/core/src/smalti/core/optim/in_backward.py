@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from smalti.core.errors import ConfigError
+from smalti.core.optim.row_sparse import step_sparse_params
 
 #: Optimizers whose step needs every gradient at once (a closure re-evaluating the loss, one state for all).
 _WHOLE_MODEL_OPTIMIZERS = (torch.optim.LBFGS,)
@@ -84,7 +85,9 @@ class OptimizerInBackward:
                 if key != "params":
                     own[key] = value
             inner.state = facade.state
-            inner.step()
+            step_sparse_params(inner)  # a row-sparse gradient (an embedding's): stepped by blocks, or densified
+            if p.grad is not None:
+                inner.step()
             p.grad = None
 
         return step

@@ -106,6 +106,12 @@ class LLMConfig(Mapping[str, Any]):
     fused_loss: bool = field(default=True, metadata=NOT_STORED)
     """In training, compute the output projection and the cross-entropy together in chunks of rows
     (:mod:`smalti.llm.model.fused_loss`), so the ``[B, T, vocab]`` logits are never held."""
+    sparse_embedding_grad: bool = field(default=True, metadata=NOT_STORED)
+    """Give the token embedding a row-sparse gradient (only the rows of the batch's tokens,
+    ``F.embedding(sparse=True)``) instead of a dense one the size of the table, where the step can take it: an
+    untied embedding that trains, in a single-process run without ``torch.compile`` (a sharded or replicated
+    embedding keeps its dense gradient). smalti-core's trainer sums, clips and steps it
+    (:mod:`smalti.core.optim.row_sparse`); the update equals the dense one."""
     head_dim: PositiveInt | None = None
     """The size of each attention head; default ``d_model // n_heads`` (Qwen3 and Gemma differ)."""
     lora: dict[str, Any] | None = field(default=None, metadata=NOT_STORED)

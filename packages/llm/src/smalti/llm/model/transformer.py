@@ -18,6 +18,7 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -170,6 +171,7 @@ class LLM(nn.Module):
         self.sliding_window = c.sliding_window
         self.init_std = c.init_std
         self.fused_loss = bool(c.fused_loss)
+        self.sparse_embedding_grad = bool(c.sparse_embedding_grad)
         self.embed_scale = c.embed_scale
         # the full-attention mask is built too only when some layers are not windowed
         self._mixed_windows = c.sliding_window is not None and c.window_layers is not None and not all(c.window_layers)
@@ -351,6 +353,18 @@ class LLM(nn.Module):
             slopes = slopes[start:stop]
         return AttentionMask.build(seq_len, sequence_id, slopes, self.sliding_window if windowed else None)
 
+    def _embedding_grad_is_sparse(self) -> bool:
+        """Whether this forward gives the token embedding a row-sparse gradient (see ``sparse_embedding_grad``):
+        a tied weight gets the head's dense gradient anyway, a DTensor (FSDP2, TP) cannot hold a sparse one,
+        DDP would all-reduce it densely, and ``torch.compile`` traces the dense lookup."""
+        if not isinstance(self.wte, nn.Embedding):
+            return False
+        weight = self.wte.weight
+        return (self.sparse_embedding_grad and self.training and weight.requires_grad and torch.is_grad_enabled()
+                and self.lm_head is not None and type(weight) is nn.Parameter
+                and not torch.compiler.is_compiling()
+                and not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1))
+
     def forward(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
         """Logits ``[B, T, vocab]`` under ``"logits"``, plus ``"aux_loss"`` (summed over layers) for MoE FFNs.
 
@@ -371,6 +385,8 @@ class LLM(nn.Module):
             )
         sp = self._active_sp(seq_len)
         start, stop = sp.chunk(seq_len) if sp is not None else (0, seq_len)
+        if isinstance(self.wte, nn.Embedding):
+            self.wte.sparse = self._embedding_grad_is_sparse()
         x = self.wte(ids[:, start:stop])
         if self.embed_scale is not None:
             x = x * self.embed_scale
