@@ -34,7 +34,7 @@ from smalti.core.optim.in_backward_checks import (
     refuse_microbatches,
     refuse_skipped_step,
 )
-from smalti.core.optim.row_sparse import settle_sparse_grads, step_sparse_params
+from smalti.core.optim.row_sparse import accept_sparse_grads, settle_sparse_grads, step_sparse_params
 from smalti.core.parallelism import DDP, Parallelism, SingleDevice
 from smalti.core.plugin import should_eval as default_should_eval
 from smalti.core.plugins.manager import SmaltiPluginManager, new_plugin_manager
@@ -551,7 +551,8 @@ class Trainer:
             events.fire(Event.BEFORE_TRAIN_BATCH)
             oom = False
             try:
-                loss = self.forward_backward(batch)
+                with accept_sparse_grads(state.grad_scaler is None):
+                    loss = self.forward_backward(batch)
             except torch.OutOfMemoryError:
                 if not state.auto_microbatching:
                     raise

@@ -5,6 +5,8 @@ size of the whole table (at vocabulary 128,256 and width 4,096, 2.1 GB in fp32),
 next to every other gradient and the optimizer state. ``F.embedding(..., sparse=True)`` makes that gradient a
 sparse COO tensor of only the rows used; this module lets the rest of a step take it:
 
+* :func:`accept_sparse_grads` is the trainer's promise that it takes them: a model gives a row-sparse gradient
+  only inside it (:func:`sparse_grads_accepted`), so a plain training loop keeps dense gradients;
 * :func:`settle_sparse_grads` (the trainer, after the last microbatch's backward) sums the repeated rows once
   (``coalesce``), or makes the gradient dense where something needs it so (a gradient scaler);
 * :func:`grad_norm` and :func:`clip_grad_norm` are ``torch.nn.utils``' global L2 norm and clipping over dense
@@ -21,7 +23,9 @@ block is stepped with the zeros of its untouched rows: the update equals the den
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import threading
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch.optim.adam import adam as adam_update  # the functional update Adam and AdamW step with
@@ -32,6 +36,25 @@ from smalti.core.optim.decoupled import DECAY_KEY, DecoupledAdamW
 BLOCK_BYTES = 16 * 2**20
 
 _ADAM_FAMILY = (torch.optim.Adam, torch.optim.AdamW, DecoupledAdamW)
+_accepting = threading.local()
+
+
+@contextlib.contextmanager
+def accept_sparse_grads(enabled: bool = True) -> Iterator[None]:
+    """Within this block, models may give row-sparse gradients (the trainer's forward and backward, which
+    settles, clips and steps them). Outside it, as in a plain ``optimizer.step()`` loop that would refuse a
+    sparse gradient, they give dense ones."""
+    before = getattr(_accepting, "on", False)
+    _accepting.on = enabled
+    try:
+        yield
+    finally:
+        _accepting.on = before
+
+
+def sparse_grads_accepted() -> bool:
+    """Whether the running code takes row-sparse gradients (see :func:`accept_sparse_grads`)."""
+    return getattr(_accepting, "on", False)
 
 
 def has_sparse_grad(param: torch.Tensor) -> bool:

@@ -109,8 +109,8 @@ class LLMConfig(Mapping[str, Any]):
     sparse_embedding_grad: bool = field(default=True, metadata=NOT_STORED)
     """Give the token embedding a row-sparse gradient (only the rows of the batch's tokens,
     ``F.embedding(sparse=True)``) instead of a dense one the size of the table, where the step can take it: an
-    untied embedding that trains, in a single-process run without ``torch.compile`` (a sharded or replicated
-    embedding keeps its dense gradient). smalti-core's trainer sums, clips and steps it
+    untied embedding that trains, in smalti-core's trainer, in a single-process run without ``torch.compile`` (a
+    sharded or replicated embedding, and a plain ``optimizer.step()`` loop, keep the dense gradient). The trainer sums, clips and steps it
     (:mod:`smalti.core.optim.row_sparse`); the update equals the dense one."""
     head_dim: PositiveInt | None = None
     """The size of each attention head; default ``d_model // n_heads`` (Qwen3 and Gemma differ)."""

@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from smalti.core.activation_compression import ActivationCompression
 from smalti.core.cpu_gemm import Linear, linear
+from smalti.core.optim.row_sparse import sparse_grads_accepted
 from smalti.llm.errors import ModelConfigError
 from smalti.llm.model.attention import Attention
 from smalti.llm.model.attention_mask import AttentionMask
@@ -355,12 +356,13 @@ class LLM(nn.Module):
 
     def _embedding_grad_is_sparse(self) -> bool:
         """Whether this forward gives the token embedding a row-sparse gradient (see ``sparse_embedding_grad``):
-        a tied weight gets the head's dense gradient anyway, a DTensor (FSDP2, TP) cannot hold a sparse one,
+        only inside smalti-core's trainer step, which takes such gradients (a plain loop's ``optimizer.step()``
+        would refuse them); a tied weight gets the head's dense gradient anyway, a DTensor (FSDP2, TP) cannot hold a sparse one,
         DDP would all-reduce it densely, and ``torch.compile`` traces the dense lookup."""
         if not isinstance(self.wte, nn.Embedding):
             return False
         weight = self.wte.weight
-        return (self.sparse_embedding_grad and self.training and weight.requires_grad and torch.is_grad_enabled()
+        return (self.sparse_embedding_grad and sparse_grads_accepted() and self.training and weight.requires_grad and torch.is_grad_enabled()
                 and self.lm_head is not None and type(weight) is nn.Parameter
                 and not torch.compiler.is_compiling()
                 and not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1))
