@@ -49,7 +49,7 @@ smalti used (transformers' side always multiplies with torch.mm).
 
     OMP_NUM_THREADS=2 python bench/llm_vs_hf.py [--shapes head_heavy,llama1b_like,long --steps 3 --rounds 1]
     Levers on smalti's side: --ac block|attention|ffn (transformers then checkpoints too), --no-fused-loss,
-    --compile, --optimizer-in-backward, --cpu-gemm torch; on both: --precision fp32|amp_bf16, --adamw fused|foreach|loop; --json PATH writes the results.
+    --dense-embedding-grad, --compile, --optimizer-in-backward, --cpu-gemm torch; on both: --precision fp32|amp_bf16, --adamw fused|foreach|loop; --json PATH writes the results.
 """
 
 from __future__ import annotations
@@ -181,6 +181,7 @@ def run_smalti(
     seq = data.shape[-1]
     model = import_hf(folder, max_seq_len=seq, activation_checkpointing=args.ac)
     model.fused_loss = not args.no_fused_loss
+    model.sparse_embedding_grad = not args.dense_embedding_grad
     autocast: list[str] = []
     _watch_autocast(model, device, autocast)
     built: list[torch.optim.Optimizer] = []
@@ -274,6 +275,7 @@ def _child(side: str, precision: str, folder: Path, steps: int, args: argparse.N
     ]
     cmd += (["--compile"] if args.compile else []) + (["--ac", args.ac] if args.ac else [])
     cmd += ["--no-fused-loss"] if args.no_fused_loss else []
+    cmd += ["--dense-embedding-grad"] if args.dense_embedding_grad else []
     cmd += ["--optimizer-in-backward"] if args.optimizer_in_backward else []
     cmd += ["--libc-malloc"] if args.libc_malloc else []
     cmd += ["--cpu-gemm", args.cpu_gemm]
@@ -438,6 +440,10 @@ def main() -> None:
         "--no-fused-loss", action="store_true", help="smalti with the plain linear + cross-entropy"
     )
     p.add_argument(
+        "--dense-embedding-grad", action="store_true",
+        help="smalti's token embedding with a dense gradient (model.sparse_embedding_grad=false)",
+    )
+    p.add_argument(
         "--optimizer-in-backward",
         action="store_true",
         help="smalti steps each parameter inside backward (Trainer(optimizer_in_backward=True)); transformers' "
@@ -488,7 +494,7 @@ def main() -> None:
         f"{device.type} threads={os.environ.get('OMP_NUM_THREADS', torch.get_num_threads())} torch="
         f"{torch.__version__} steps={args.steps}x{args.rounds} (first {args.warmup} not timed); smalti: "
         f"compile={args.compile} activation_checkpointing={args.ac} fused_loss={not args.no_fused_loss} "
-        f"cpu_gemm={args.cpu_gemm}"
+        f"sparse_embedding_grad={not args.dense_embedding_grad} cpu_gemm={args.cpu_gemm}"
         + (" optimizer_in_backward=True (a setting transformers' Trainer lacks)" if args.optimizer_in_backward else ""),
         flush=True,
     )
