@@ -60,6 +60,7 @@ CHANGED: dict[str, dict] = {
     "init_device": {"init_device": "cpu"},
     "init_std": {"init_std": 0.01},
     "fused_loss": {"fused_loss": False},
+    "sparse_embedding_grad": {"sparse_embedding_grad": False},
     "head_dim": {"head_dim": 4},
     "lora": {"lora": {"r": 2, "alpha": 4.0, "targets": ["q", "v"], "base_dtype": "float32"}},
     "embed_scale": {"embed_scale": 2.0},
