@@ -50,8 +50,10 @@ def live_tensor_mb() -> float:
             if not torch.is_tensor(obj):
                 continue
             for t in (obj, obj.grad) if obj.grad is not None else (obj,):
-                storage = t.untyped_storage()
-                storages[storage.data_ptr()] = storage.nbytes()
+                # a row-sparse gradient (model.sparse_embedding_grad) holds its indices and values
+                for part in (t._indices(), t._values()) if t.layout == torch.sparse_coo else (t,):
+                    storage = part.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values()) / 2**20
 
 
