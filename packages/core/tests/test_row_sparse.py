@@ -104,36 +104,54 @@ class _Layouts(Callback):
         self.layouts, self.losses = [], []
 
     def on_before_optimizer_step(self, state):
-        self.layouts.append(state.raw_model.embed.weight.grad.layout)
+        grad = state.raw_model.embed.weight.grad  # None when the step ran in backward
+        self.layouts.append(None if grad is None else grad.layout)
 
     def on_after_train_batch(self, state):
         self.losses.append(state.batch_loss.item())
 
 
-def _fit(sparse, **kwargs):
+class _SparseEmbeddingLM(TinyLM):
+    """TinyLM whose token embedding asks for a row-sparse gradient where the trainer takes one, as smalti-llm's
+    LLM does."""
+
+    def forward(self, batch):
+        self.embed.sparse = self.sparse_embedding and row_sparse.sparse_grads_accepted()
+        if self.embed.sparse:
+            row_sparse.note_sparse_grad(self.embed.weight)
+        return super().forward(batch)
+
+
+def _fit(sparse, clip=True, **kwargs):
     torch.manual_seed(0)
-    model = TinyLM(d_model=32, n_heads=2, n_layers=2, max_seq_len=32)
-    model.embed.sparse = sparse
+    model = _SparseEmbeddingLM(d_model=32, n_heads=2, n_layers=2, max_seq_len=32)
+    model.sparse_embedding = sparse
     record = _Layouts()
     trainer = Trainer(model, build_dataloader(CharCorpus(seq_len=32), 8, seed=1), "5ba",
                       optimizers=functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1, fused=True),
                       eval_interval=None, loggers=[], progress_bar=False,
-                      algorithms=[GradientClipping(clipping_threshold=0.05)],
-                      callbacks={"record": record, "monitor": OptimizerMonitor()}, **kwargs)
+                      algorithms=[GradientClipping(clipping_threshold=0.05)] if clip else [],
+                      callbacks={"record": record, **({"monitor": OptimizerMonitor()} if clip else {})}, **kwargs)
     trainer.fit()
     return trainer, record
 
 
-@pytest.mark.parametrize("microbatch", [None, 4])
-def test_the_trainer_clips_monitors_and_steps_a_row_sparse_embedding_like_a_dense_one(microbatch):
+# the step in backward refuses accumulation over microbatches, and clipping (it needs every gradient at once)
+@pytest.mark.parametrize(("microbatch", "in_backward"), [(None, False), (4, False), (None, True)],
+                         ids=["step", "microbatches", "in_backward"])
+def test_the_trainer_clips_monitors_and_steps_a_row_sparse_embedding_like_a_dense_one(microbatch, in_backward):
     kwargs = {"device_train_microbatch_size": microbatch} if microbatch else {}
-    dense, dense_rec = _fit(False, **kwargs)
-    sparse, sparse_rec = _fit(True, **kwargs)
-    assert dense_rec.layouts == [torch.strided] * 5
-    assert sparse_rec.layouts == [torch.sparse_coo] * 5  # never made dense on the way
+    if in_backward:
+        kwargs["optimizer_in_backward"] = True
+    dense, dense_rec = _fit(False, clip=not in_backward, **kwargs)
+    sparse, sparse_rec = _fit(True, clip=not in_backward, **kwargs)
+    if not in_backward:
+        assert dense_rec.layouts == [torch.strided] * 5
+        assert sparse_rec.layouts == [torch.sparse_coo] * 5  # never made dense on the way
     assert sparse_rec.losses == pytest.approx(dense_rec.losses, rel=1e-6, abs=0)
     # repeated tokens' rows are summed in another order (ulps), which Adam's normalised step can grow on
-    # near-zero gradients over the steps
+    # near-zero gradients over the steps: the key bias's gradient is rounding noise (softmax ignores it), and
+    # without clipping Adam moves it by up to ~lr
     for (name, a), b in zip(dense.state.raw_model.state_dict().items(),
                             sparse.state.raw_model.state_dict().values()):
-        torch.testing.assert_close(b, a, rtol=0, atol=1e-4, msg=name)
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-4 if not in_backward else 1e-3, msg=name)

@@ -34,7 +34,12 @@ from smalti.core.optim.in_backward_checks import (
     refuse_microbatches,
     refuse_skipped_step,
 )
-from smalti.core.optim.row_sparse import accept_sparse_grads, settle_sparse_grads, step_sparse_params
+from smalti.core.optim.row_sparse import (
+    begin_sparse_grads,
+    end_sparse_grads,
+    settle_sparse_grads,
+    step_sparse_params,
+)
 from smalti.core.parallelism import DDP, Parallelism, SingleDevice
 from smalti.core.plugin import should_eval as default_should_eval
 from smalti.core.plugins.manager import SmaltiPluginManager, new_plugin_manager
@@ -550,19 +555,21 @@ class Trainer:
                 opt.zero_grad(set_to_none=True)
             events.fire(Event.BEFORE_TRAIN_BATCH)
             oom = False
+            sparse = begin_sparse_grads(state.grad_scaler is None)
             try:
-                with accept_sparse_grads(state.grad_scaler is None):
-                    loss = self.forward_backward(batch)
+                loss = self.forward_backward(batch)
             except torch.OutOfMemoryError:
                 if not state.auto_microbatching:
                     raise
                 oom = True
+            finally:
+                end_sparse_grads()
             if state.auto_microbatching and self._some_rank_out_of_memory(oom):
                 self._shrink_microbatch(batch)
                 continue
             break
-        # an embedding's row-sparse gradient: its repeated rows summed once (dense under a gradient scaler)
-        settle_sparse_grads(state.model.parameters(), dense=state.grad_scaler is not None)
+        if sparse:  # an embedding's row-sparse gradient (no scope under a gradient scaler): rows summed once
+            settle_sparse_grads(sparse)
         # a second pass over the batch for SAM-like algorithms
         events.fire(Event.GRADIENTS_READY, recompute=lambda: self.forward_backward(batch))
         # Averaged in place over ranks: a copy, as ``loss`` may share memory with ``state.loss``.
@@ -581,7 +588,8 @@ class Trainer:
                 if state.grad_scaler is not None:
                     state.grad_scaler.step(opt)
                 else:
-                    step_sparse_params(opt)  # parameters with a row-sparse gradient, before the rest
+                    if sparse:  # parameters with a row-sparse gradient, before the rest
+                        step_sparse_params(opt, sparse)
                     opt.step()
         if state.grad_scaler is not None:
             # Also after a skipped step: the scale must still back off, and unscale_ needs a fresh update.

@@ -85,7 +85,8 @@ class OptimizerInBackward:
                 if key != "params":
                     own[key] = value
             inner.state = facade.state
-            step_sparse_params(inner)  # a row-sparse gradient (an embedding's): stepped by blocks, or densified
+            if p.grad.layout == torch.sparse_coo:  # an embedding's: stepped by blocks, or made dense
+                step_sparse_params(inner)
             if p.grad is not None:
                 inner.step()
             p.grad = None

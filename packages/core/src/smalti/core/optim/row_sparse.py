@@ -5,8 +5,10 @@ size of the whole table (at vocabulary 128,256 and width 4,096, 2.1 GB in fp32),
 next to every other gradient and the optimizer state. ``F.embedding(..., sparse=True)`` makes that gradient a
 sparse COO tensor of only the rows used; this module lets the rest of a step take it:
 
-* :func:`accept_sparse_grads` is the trainer's promise that it takes them: a model gives a row-sparse gradient
-  only inside it (:func:`sparse_grads_accepted`), so a plain training loop keeps dense gradients;
+* :func:`begin_sparse_grads` / :func:`end_sparse_grads` (or :func:`accept_sparse_grads`) are the trainer's
+  promise that it takes them: a model gives a row-sparse gradient only inside that scope
+  (:func:`sparse_grads_accepted`) and notes the parameter (:func:`note_sparse_grad`), so a plain training loop
+  keeps dense gradients and the trainer looks only at the noted parameters;
 * :func:`settle_sparse_grads` (the trainer, after the last microbatch's backward) sums the repeated rows once
   (``coalesce``), or makes the gradient dense where something needs it so (a gradient scaler);
 * :func:`grad_norm` and :func:`clip_grad_norm` are ``torch.nn.utils``' global L2 norm and clipping over dense
@@ -36,25 +38,45 @@ from smalti.core.optim.decoupled import DECAY_KEY, DecoupledAdamW
 BLOCK_BYTES = 16 * 2**20
 
 _ADAM_FAMILY = (torch.optim.Adam, torch.optim.AdamW, DecoupledAdamW)
-_accepting = threading.local()
+_scope = threading.local()  # .noted: the parameters given row-sparse gradients in this scope, or None
+
+
+def begin_sparse_grads(enabled: bool = True) -> list[torch.Tensor] | None:
+    """Open a scope in which models may give row-sparse gradients (the trainer's forward and backward, which
+    settles, clips and steps them): returns the list the models note those parameters in (:func:`note_sparse_grad`),
+    or None when ``enabled`` is false. Close it with :func:`end_sparse_grads`. Two calls a step, so a step
+    without sparse gradients pays nothing else (``packages/core/tests/test_overhead_calls.py``)."""
+    _scope.noted = [] if enabled else None
+    return _scope.noted
+
+
+def end_sparse_grads() -> None:
+    """Close the scope :func:`begin_sparse_grads` opened: models give dense gradients again."""
+    _scope.noted = None
 
 
 @contextlib.contextmanager
-def accept_sparse_grads(enabled: bool = True) -> Iterator[None]:
-    """Within this block, models may give row-sparse gradients (the trainer's forward and backward, which
-    settles, clips and steps them). Outside it, as in a plain ``optimizer.step()`` loop that would refuse a
-    sparse gradient, they give dense ones."""
-    before = getattr(_accepting, "on", False)
-    _accepting.on = enabled
+def accept_sparse_grads(enabled: bool = True) -> Iterator[list[torch.Tensor] | None]:
+    """:func:`begin_sparse_grads` ... :func:`end_sparse_grads` as a ``with`` block. Outside such a scope, as in
+    a plain ``optimizer.step()`` loop that would refuse a sparse gradient, models give dense gradients."""
+    before = getattr(_scope, "noted", None)
     try:
-        yield
+        yield begin_sparse_grads(enabled)
     finally:
-        _accepting.on = before
+        _scope.noted = before
 
 
 def sparse_grads_accepted() -> bool:
-    """Whether the running code takes row-sparse gradients (see :func:`accept_sparse_grads`)."""
-    return getattr(_accepting, "on", False)
+    """Whether the running code takes row-sparse gradients (see :func:`begin_sparse_grads`)."""
+    return getattr(_scope, "noted", None) is not None
+
+
+def note_sparse_grad(param: torch.Tensor) -> None:
+    """Tell the trainer that ``param`` gets a row-sparse gradient in this scope (a model calls this in forward,
+    where it asks for one); the trainer settles and steps only the noted parameters."""
+    noted = getattr(_scope, "noted", None)
+    if noted is not None and not any(p is param for p in noted):
+        noted.append(param)
 
 
 def has_sparse_grad(param: torch.Tensor) -> bool:
@@ -64,7 +86,7 @@ def has_sparse_grad(param: torch.Tensor) -> bool:
 
 def sparse_grad_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     """The parameters of ``params`` whose gradient is row-sparse."""
-    return [p for p in params if has_sparse_grad(p)]
+    return [p for p in params if p.grad is not None and p.grad.layout == torch.sparse_coo]
 
 
 def densify_grads(params: Iterable[torch.Tensor]) -> None:
@@ -164,15 +186,17 @@ def _adam_step_by_blocks(optimizer: torch.optim.Optimizer, p: torch.Tensor, grou
     step.copy_(stepped)
 
 
-def step_sparse_params(optimizer: torch.optim.Optimizer) -> None:
-    """Step every parameter of ``optimizer`` that has a row-sparse gradient and clear that gradient.
+def step_sparse_params(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor] | None = None) -> None:
+    """Step every parameter of ``optimizer`` (of those in ``params``, if given) that has a row-sparse gradient
+    and clear that gradient.
 
     ``torch.optim.Adam``, ``AdamW`` and :class:`~smalti.core.optim.DecoupledAdamW` (exactly those classes) are stepped block of rows by block of rows with
     their own functional update; any other optimizer gets the gradient made dense and steps it itself.
     """
+    wanted = None if params is None else {id(p) for p in params}
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if not has_sparse_grad(p):
+            if (wanted is not None and id(p) not in wanted) or not has_sparse_grad(p):
                 continue
             if type(optimizer) not in _ADAM_FAMILY or p.dim() < 1:
                 p.grad = p.grad.to_dense()

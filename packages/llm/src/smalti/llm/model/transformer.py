@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from smalti.core.activation_compression import ActivationCompression
 from smalti.core.cpu_gemm import Linear, linear
-from smalti.core.optim.row_sparse import sparse_grads_accepted
+from smalti.core.optim.row_sparse import note_sparse_grad, sparse_grads_accepted
 from smalti.llm.errors import ModelConfigError
 from smalti.llm.model.attention import Attention
 from smalti.llm.model.attention_mask import AttentionMask
@@ -389,6 +389,8 @@ class LLM(nn.Module):
         start, stop = sp.chunk(seq_len) if sp is not None else (0, seq_len)
         if isinstance(self.wte, nn.Embedding):
             self.wte.sparse = self._embedding_grad_is_sparse()
+            if self.wte.sparse:
+                note_sparse_grad(self.wte.weight)
         x = self.wte(ids[:, start:stop])
         if self.embed_scale is not None:
             x = x * self.embed_scale
