@@ -5,7 +5,7 @@ size of the whole table (at vocabulary 128,256 and width 4,096, 2.1 GB in fp32),
 next to every other gradient and the optimizer state. ``F.embedding(..., sparse=True)`` makes that gradient a
 sparse COO tensor of only the rows used; this module lets the rest of a step take it:
 
-* :func:`begin_sparse_grads` / :func:`end_sparse_grads` (or :func:`accept_sparse_grads`) are the trainer's
+* :func:`begin_sparse_grads` / :func:`end_sparse_grads` are the trainer's
   promise that it takes them: a model gives a row-sparse gradient only inside that scope
   (:func:`sparse_grads_accepted`) and notes the parameter (:func:`note_sparse_grad`), so a plain training loop
   keeps dense gradients and the trainer looks only at the noted parameters;
@@ -25,9 +25,8 @@ block is stepped with the zeros of its untouched rows: the update equals the den
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 from torch.optim.adam import adam as adam_update  # the functional update Adam and AdamW step with
@@ -53,17 +52,6 @@ def begin_sparse_grads(enabled: bool = True) -> list[torch.Tensor] | None:
 def end_sparse_grads() -> None:
     """Close the scope :func:`begin_sparse_grads` opened: models give dense gradients again."""
     _scope.noted = None
-
-
-@contextlib.contextmanager
-def accept_sparse_grads(enabled: bool = True) -> Iterator[list[torch.Tensor] | None]:
-    """:func:`begin_sparse_grads` ... :func:`end_sparse_grads` as a ``with`` block. Outside such a scope, as in
-    a plain ``optimizer.step()`` loop that would refuse a sparse gradient, models give dense gradients."""
-    before = getattr(_scope, "noted", None)
-    try:
-        yield begin_sparse_grads(enabled)
-    finally:
-        _scope.noted = before
 
 
 def sparse_grads_accepted() -> bool:
