@@ -10,7 +10,7 @@ sparse COO tensor of only the rows used; this module lets the rest of a step tak
   (:func:`sparse_grads_accepted`) and notes the parameter (:func:`note_sparse_grad`), so a plain training loop
   keeps dense gradients and the trainer looks only at the noted parameters;
 * :func:`settle_sparse_grads` (the trainer, after the last microbatch's backward) sums the repeated rows once
-  (``coalesce``), or makes the gradient dense where something needs it so (a gradient scaler);
+  (``coalesce``); under a gradient scaler the trainer opens no scope, so the gradients stay dense;
 * :func:`grad_norm` and :func:`clip_grad_norm` are ``torch.nn.utils``' global L2 norm and clipping over dense
   and row-sparse gradients together (the sparse ones count their stored rows: the others are zero);
 * :func:`step_sparse_params` steps the parameters with a row-sparse gradient before ``optimizer.step()`` steps
@@ -83,34 +83,36 @@ def densify_grads(params: Iterable[torch.Tensor]) -> None:
         p.grad = p.grad.to_dense()
 
 
-def settle_sparse_grads(params: Iterable[torch.Tensor], *, dense: bool = False) -> None:
-    """Sum the repeated rows of each row-sparse gradient once (``coalesce``), or make it dense if ``dense``."""
+def settle_sparse_grads(params: Iterable[torch.Tensor]) -> None:
+    """Sum the repeated rows of each row-sparse gradient once (``coalesce``)."""
     for p in sparse_grad_params(params):
-        p.grad = p.grad.to_dense() if dense else p.grad.coalesce()
+        p.grad = p.grad.coalesce()
 
 
-def _rows(grad: torch.Tensor) -> torch.Tensor:
-    """The stored values of a coalesced sparse gradient: one row per touched index."""
-    return grad.coalesce().values() if not grad.is_coalesced() else grad.values()
+def _split(params: Iterable[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The parameters of ``params`` with a gradient: those whose gradient is dense, and the row-sparse ones."""
+    dense, sparse = [], []
+    for p in params:
+        if p.grad is not None:
+            (sparse if p.grad.layout == torch.sparse_coo else dense).append(p)
+    return dense, sparse
 
 
 def grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
-    """The global L2 norm of the gradients of ``params``, dense and row-sparse together."""
-    params = [p for p in params if p.grad is not None]
-    dense = [p.grad for p in params if not has_sparse_grad(p)]
-    sparse = [_rows(p.grad) for p in params if has_sparse_grad(p)]
-    return torch.nn.utils.get_total_norm(dense + sparse)
+    """The global L2 norm of the gradients of ``params``, dense and row-sparse together (a sparse gradient counts
+    its stored rows once repeated ones are summed)."""
+    dense, sparse = _split(params)
+    return torch.nn.utils.get_total_norm([p.grad for p in dense] + [p.grad.coalesce().values() for p in sparse])
 
 
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over dense and row-sparse gradients; returns the norm before clipping."""
-    params = [p for p in params if p.grad is not None]
-    total = grad_norm(params)
-    dense = [p for p in params if not has_sparse_grad(p)]
+    dense, sparse = _split(params)
+    total = grad_norm(dense + sparse)
     if dense:
         torch.nn.utils.clip_grads_with_norm_(dense, max_norm, total)
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # clip_grads_with_norm_'s coefficient
-    for p in sparse_grad_params(params):
+    for p in sparse:
         g = p.grad.coalesce()
         p.grad = torch.sparse_coo_tensor(g.indices(), g.values() * scale.to(g.dtype), g.shape,
                                          is_coalesced=True, check_invariants=False)
@@ -119,11 +121,10 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Ten
 
 def clip_grad_value(params: Iterable[torch.Tensor], clip_value: float) -> None:
     """``torch.nn.utils.clip_grad_value_`` over dense and row-sparse gradients."""
-    params = [p for p in params if p.grad is not None]
-    dense = [p for p in params if not has_sparse_grad(p)]
+    dense, sparse = _split(params)
     if dense:
         torch.nn.utils.clip_grad_value_(dense, clip_value)
-    for p in sparse_grad_params(params):
+    for p in sparse:
         g = p.grad.coalesce()
         p.grad = torch.sparse_coo_tensor(g.indices(), g.values().clamp(-clip_value, clip_value), g.shape,
                                          is_coalesced=True, check_invariants=False)
